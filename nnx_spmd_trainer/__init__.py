@@ -1,0 +1,19 @@
+"""nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
+
+from nnx_spmd_trainer.callback import Callback, CallbackList, History
+from nnx_spmd_trainer.sharding import ShardingError
+from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+from nnx_spmd_trainer.trainer import Trainer
+
+__all__ = [
+    "FSDP",
+    "Callback",
+    "CallbackList",
+    "DataParallel",
+    "History",
+    "Hybrid",
+    "ShardingError",
+    "Strategy",
+    "TensorParallel",
+    "Trainer",
+]

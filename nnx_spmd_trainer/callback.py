@@ -1,0 +1,112 @@
+"""Callback base, the list that dispatches hooks, and History.
+
+The core calls these hooks; concrete callbacks live in ``nnx_spmd_trainer.callbacks``.
+``logs`` always holds host floats. On steps where no callback asked for host
+values it is empty: nothing is copied from the devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.trainer import Trainer
+
+Logs = dict[str, float]
+
+
+class Callback:
+    """Keras-style callback: every hook is a no-op until overridden.
+
+    Callbacks run in ascending ``order`` (stable), so a producer of logs such
+    as ``MetricsLogger`` (order -100) runs before the writers that read them.
+
+    >>> class PrintLoss(Callback):
+    ...     def on_train_batch_end(self, step, logs):
+    ...         if "train/loss" in logs:
+    ...             print(step, logs["train/loss"])
+    """
+
+    order: int = 0
+    trainer: Trainer
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, logs: Logs) -> None: ...
+    def on_train_end(self, logs: Logs) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: Logs) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None: ...
+    def on_train_batch_begin(self, step: int, logs: Logs) -> None: ...
+    def on_train_batch_end(self, step: int, logs: Logs) -> None: ...
+    def on_test_begin(self, logs: Logs) -> None: ...
+    def on_test_end(self, logs: Logs) -> None: ...
+    def on_test_batch_begin(self, step: int, logs: Logs) -> None: ...
+    def on_test_batch_end(self, step: int, logs: Logs) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to checkpoint so a resumed run continues where it stopped."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class History(Callback):
+    """Records every value that lands in ``logs``, with the step it belongs to.
+
+    ``history.history["train/loss"]`` is the list of values and
+    ``history.steps["train/loss"]`` the global steps they were logged at.
+    """
+
+    order = 1000  # last: sees what every other callback added
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.steps: dict[str, list[int]] = {}
+
+    def _record(self, logs: Logs) -> None:
+        step = self.trainer.step
+        for key, value in logs.items():
+            steps = self.steps.setdefault(key, [])
+            if steps and steps[-1] == step:  # the same value seen by a later hook
+                self.history[key][-1] = value
+                continue
+            steps.append(step)
+            self.history.setdefault(key, []).append(value)
+
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        self._record(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        self._record(logs)
+
+    def on_test_end(self, logs: Logs) -> None:
+        self._record(logs)
+
+    def on_train_end(self, logs: Logs) -> None:
+        self._record(logs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.steps = {k: list(v) for k, v in state["steps"].items()}
+
+
+class CallbackList:
+    """Dispatches each hook to every callback in order."""
+
+    def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
+        self.callbacks = sorted(callbacks, key=lambda c: c.order)
+        for callback in self.callbacks:
+            callback.set_trainer(trainer)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.callbacks)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)

@@ -1,0 +1,107 @@
+"""Pure step builders: loss, gradients, accumulation, on-device metrics.
+
+The steps are functions of split state (``nnx.split``) so they are jitted with
+plain ``jax.jit``: ``nnx.merge`` runs once at trace time, not per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from clu import metrics as clu_metrics
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
+Batch = Any
+
+
+def _merge_metrics(
+    metrics: clu_metrics.Collection, loss: jax.Array, aux: dict[str, jax.Array]
+) -> clu_metrics.Collection:
+    if not isinstance(aux, dict):
+        raise TypeError(f"loss_fn must return (loss, aux) with aux a dict of arrays; aux is {aux!r}.")
+    return metrics.merge(type(metrics).single_from_model_output(loss=loss, **aux))
+
+
+def microbatches(batch: Batch, k: int, sharding: Any) -> Batch:
+    """Splits the leading dimension into k microbatches, each spread over all devices.
+
+    Row ``r * k + j`` goes to microbatch ``j``: every device keeps the rows it
+    already holds, so the split moves no data.
+    """
+
+    def split(x: jax.Array, s: NamedSharding) -> jax.Array:
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(s.mesh, P(None, *s.spec)))
+
+    return jax.tree.map(split, batch, sharding)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef[Any],
+    loss_fn: LossFn,
+    *,
+    grad_accum_steps: int = 1,
+    batch_sharding: Any = None,
+) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array]]:
+    """``(state, metrics, batch) -> (state, metrics, loss)`` for ``(model, optimizer)`` state.
+
+    With ``grad_accum_steps=k`` the batch is cut into k microbatches scanned in
+    one compiled step; gradients are averaged, so the update equals one step
+    on the whole batch when the loss is a mean over examples.
+    """
+
+    def train_step(
+        state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
+    ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array]:
+        model, optimizer = nnx.merge(graphdef, state)
+        model_def, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
+            module = nnx.merge(model_def, params, rest)
+            loss, aux = loss_fn(module, batch)
+            return loss, (aux, nnx.split(module, nnx.Param, ...)[2])
+
+        grad_fn = jax.value_and_grad(compute, has_aux=True)
+        if grad_accum_steps == 1:
+            (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
+            metrics = _merge_metrics(metrics, loss, aux)
+        else:
+
+            def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, None]:
+                grad_sum, rest, metrics, loss_sum = carry
+                (loss, (aux, rest)), grads = grad_fn(params, rest, microbatch)
+                grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+                return (grad_sum, rest, _merge_metrics(metrics, loss, aux), loss_sum + loss), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (zeros, rest, metrics, jnp.zeros((), jnp.float32))
+            mbs = microbatches(batch, grad_accum_steps, batch_sharding)
+            (grads, rest, metrics, loss), _ = jax.lax.scan(accumulate, init, mbs)
+            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+            loss = loss / grad_accum_steps
+        nnx.update(model, rest)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), metrics, loss
+
+    return train_step
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef[Any], eval_fn: LossFn
+) -> Callable[..., clu_metrics.Collection]:
+    """``(state, metrics, batch) -> metrics``; the state is read, not changed."""
+
+    def eval_step(
+        state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
+    ) -> clu_metrics.Collection:
+        model, _ = nnx.merge(graphdef, state)
+        loss, aux = eval_fn(model, batch)
+        return _merge_metrics(metrics, loss, aux)
+
+    return eval_step
