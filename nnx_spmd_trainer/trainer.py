@@ -90,6 +90,8 @@ class Trainer:
         self.train_metrics = self.empty_metrics()
         self.eval_metrics = self.empty_metrics()
         self._train_metric_steps = 0
+        #: The last step's loss, still on device (read it only when you need it).
+        self.last_loss: jax.Array | None = None
 
     # -- the objects users see -------------------------------------------------
     @property
@@ -256,6 +258,7 @@ class Trainer:
                     train_step = self._compile("train", graphdef, batch)
                     state, self.train_metrics, loss = train_step(state, self.train_metrics, batch)
                     self._state, self._views_current = state, False
+                    self.last_loss = loss
                     self._in_flight.add(loss)
                     self.step += 1
                     self._train_metric_steps += 1

@@ -89,18 +89,14 @@ class Strategy:
                 f"axes {dict(zip(names, sizes, strict=True))}."
             )
         known = math.prod(s for s in sizes if s != -1)
-        if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+        if -1 in sizes and known > 0 and len(devices) % known == 0:
+            sizes = [len(devices) // known if s == -1 else s for s in sizes]
+        if any(s < 1 for s in sizes) or math.prod(sizes) != len(devices):
+            asked = dict(zip(names, sizes, strict=True))
             raise sh.ShardingError(
-                f"{self!r} asks for a mesh {dict(zip(names, sizes, strict=True))} that does "
-                f"not fit the {len(devices)} available devices. Choose sizes whose product "
-                f"is {len(devices)}, or size=-1 for one axis."
-            )
-        sizes = [len(devices) // known if s == -1 else s for s in sizes]
-        if math.prod(sizes) != len(devices):
-            raise sh.ShardingError(
-                f"{self!r} builds a mesh {dict(zip(names, sizes, strict=True))} of "
-                f"{math.prod(sizes)} devices, but {len(devices)} are available. Choose sizes "
-                f"whose product is {len(devices)}, or size=-1 for one axis."
+                f"{self!r} asks for a mesh {asked} that does not fit the {len(devices)} "
+                f"available devices. Choose sizes whose product is {len(devices)}, or "
+                "size=-1 for one axis."
             )
         return jax.make_mesh(
             tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names), devices=devices

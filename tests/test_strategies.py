@@ -1,0 +1,160 @@
+"""Each strategy: promised specs on every leaf, and the same numbers as one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from toy_models import Net, RecordLosses, classification_loss, flat_params, make_batches, train_reference
+
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorParallel, Trainer
+
+# What each strategy promises for Net's leaves (fsdp min_size=64 elements):
+# l1 annotated (None, "model") / ("model",); l2 logical ("mlp", "embed"); the rest unannotated.
+CASES = {
+    "dp8": (DataParallel(), {}),
+    "fsdp8": (FSDP(min_size=64), {
+        "l1/kernel": P(None, "fsdp"), "l2/kernel": P(None, "fsdp"), "l3/kernel": P("fsdp"),
+    }),
+    "tp8": (TensorParallel(), {
+        "l1/kernel": P(None, "model"), "l1/bias": P("model"), "l2/kernel": P("model"),
+    }),
+    "dp4xtp2": (Hybrid(DataParallel(4), TensorParallel(2)), {
+        "l1/kernel": P(None, "model"), "l1/bias": P("model"), "l2/kernel": P("model"),
+    }),
+    "fsdp4xtp2": (Hybrid(FSDP(4, min_size=64), TensorParallel(2)), {
+        "l1/kernel": P("fsdp", "model"), "l1/bias": P("model"),
+        "l2/kernel": P("model", "fsdp"), "l3/kernel": P("fsdp"),
+    }),
+    "dp2xfsdp2xtp2": (Hybrid(DataParallel(2), FSDP(2, min_size=64), TensorParallel(2)), {
+        "l1/kernel": P("fsdp", "model"), "l1/bias": P("model"),
+        "l2/kernel": P("model", "fsdp"), "l3/kernel": P("fsdp"),
+    }),
+}
+MESHES = {
+    "dp8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tp8": {"model": 8},
+    "dp4xtp2": {"data": 4, "model": 2}, "fsdp4xtp2": {"fsdp": 4, "model": 2},
+    "dp2xfsdp2xtp2": {"data": 2, "fsdp": 2, "model": 2},
+}
+STEPS = 4
+
+
+def build(strategy, **kwargs):
+    return Trainer(lambda rngs: Net(rngs), optax.adam(1e-2), strategy=strategy,
+                   loss_fn=classification_loss, **kwargs)
+
+
+def expected_spec(key: str, promised: dict) -> P:
+    for suffix, spec in promised.items():
+        if key.endswith(suffix):
+            return spec
+    return P()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_leaf_has_the_promised_sharding(name):
+    strategy, promised = CASES[name]
+    trainer = build(strategy)
+    assert dict(trainer.mesh.shape) == MESHES[name]
+    params = nnx.to_flat_state(nnx.state(trainer.model, nnx.Param))
+    opt = nnx.to_flat_state(nnx.state(trainer.optimizer, nnx.optimizer.OptState))
+    assert len(params) == 8
+    for path, variable in [*params, *opt]:
+        key = "/".join(map(str, path))
+        array = variable.get_value()
+        spec = expected_spec(key, promised) if array.ndim else P()
+        assert isinstance(array.sharding, NamedSharding), key
+        assert array.sharding.spec == spec, (key, array.sharding.spec, spec)
+        per_device = tuple(d // np.prod([MESHES[name][a] for a in _axes(s)], dtype=int)
+                           for d, s in zip(array.shape, list(spec) + [None] * array.ndim))
+        assert array.sharding.shard_shape(array.shape) == per_device, key
+        assert array.addressable_shards[0].data.shape == per_device, key
+
+
+def _axes(entry):
+    return () if entry is None else (entry,) if isinstance(entry, str) else entry
+
+
+@pytest.mark.parametrize("name", ["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
+def test_fsdp_leaves_nothing_large_replicated(name):
+    strategy, _ = CASES[name]
+    trainer = build(strategy)
+    for path, variable in nnx.to_flat_state(trainer.state):
+        array = variable.get_value()
+        if array.size >= 64:
+            assert "fsdp" in str(array.sharding.spec), (path, array.shape, array.sharding.spec)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_training_matches_one_device_optax(name):
+    strategy, _ = CASES[name]
+    batches = make_batches(STEPS)
+    recorder = RecordLosses()
+    trainer = build(strategy, callbacks=[recorder])
+    trainer.fit(batches, max_steps=STEPS)
+    ref_params, ref_losses = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
+    np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
+    got = flat_params(nnx.state(trainer.model, nnx.Param))
+    want = flat_params(ref_params)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert trainer.step == STEPS
+
+
+class ZeroByHand(DataParallel):
+    """A user strategy overriding one hook: shard every matrix's rows over "data"."""
+
+    def state_shardings(self, abstract_state, mesh):
+        def one(variable):
+            shape = variable.get_value().shape
+            spec = P("data") if len(shape) == 2 and shape[0] % mesh.shape["data"] == 0 else P()
+            return NamedSharding(mesh, spec)
+
+        return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def test_custom_strategy_overrides_one_hook():
+    batches = make_batches(STEPS)
+    trainer = build(ZeroByHand())
+    trainer.fit(batches, max_steps=STEPS)
+    assert trainer.model.l2.kernel.get_value().sharding.spec == P("data")
+    assert trainer.optimizer.opt_state[0].mu["l3"]["kernel"].get_value().sharding.spec == P("data")
+    assert trainer.model.l2.bias.get_value().sharding.spec == P()
+    ref_params, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
+    np.testing.assert_allclose(trainer.model.l3.kernel.get_value(),
+                               ref_params["l3"]["kernel"].get_value(), rtol=1e-4, atol=1e-5)
+
+
+def test_prebuilt_module_is_placed_with_the_strategy():
+    with nnx.use_eager_sharding(False):  # annotated layers built outside any mesh
+        model = Net(nnx.Rngs(0))
+    trainer = Trainer(model, optax.adam(1e-2), loss_fn=classification_loss,
+                      strategy=Hybrid(FSDP(4, min_size=64), TensorParallel(2)))
+    assert trainer.model.l1.kernel.get_value().sharding.spec == P("fsdp", "model")
+    batches = make_batches(2)
+    trainer.fit(batches, max_steps=2)
+    ref_params, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
+    np.testing.assert_allclose(trainer.model.l1.kernel.get_value(),
+                               ref_params["l1"]["kernel"].get_value(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (FSDP(3), r"FSDP\(3\).*'fsdp': 3.*8 available devices"),
+        (Hybrid(FSDP(4), TensorParallel(4)), r"mesh \{'fsdp': 4, 'model': 4\} that does not fit the 8"),
+        (Hybrid(FSDP(), TensorParallel()), "only one axis may have size=-1"),
+        (Hybrid(DataParallel(2), DataParallel(4)), "uses a mesh axis name twice"),
+    ],
+)
+def test_bad_mesh_is_refused_before_compiling(strategy, message):
+    with pytest.raises(ShardingError, match=message):
+        build(strategy)
+
+
+def test_conflicting_rules_in_hybrid():
+    with pytest.raises(ShardingError, match="'embed' is mapped to 'fsdp' and to 'model'"):
+        build(Hybrid(FSDP(4), TensorParallel(2, rules=(("embed", "model"),))))

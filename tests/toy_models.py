@@ -1,0 +1,95 @@
+"""Small models and data shared by the core tests, plus an independent one-device reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from nnx_spmd_trainer import Callback
+
+LECUN = nnx.initializers.lecun_normal()
+
+
+class Net(nnx.Module):
+    """Annotated with physical names (l1), logical names (l2) and not at all (l3, norm)."""
+
+    def __init__(self, rngs: nnx.Rngs, din: int = 16, hidden: int = 32, dout: int = 8) -> None:
+        self.l1 = nnx.Linear(
+            din, hidden,
+            kernel_init=nnx.with_partitioning(LECUN, (None, "model")),
+            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)),
+            rngs=rngs,
+        )
+        self.l2 = nnx.Linear(
+            hidden, hidden, kernel_init=nnx.with_metadata(LECUN, out_sharding=("mlp", "embed")),
+            rngs=rngs,
+        )
+        self.norm = nnx.LayerNorm(hidden, rngs=rngs)
+        self.l3 = nnx.Linear(hidden, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.relu(self.l1(x))
+        x = nnx.relu(self.norm(self.l2(x)))
+        return self.l3(x)
+
+
+def classification_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {}
+
+
+def make_batches(n: int, batch_size: int = 16, din: int = 16, classes: int = 8, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(batch_size, din)).astype(np.float32),
+            "y": rng.integers(0, classes, size=(batch_size,)).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def train_reference(factory, tx, batches, loss_fn=classification_loss):
+    """Plain optax on one device: the independent computation results are checked against."""
+    device = jax.devices()[0]
+    with jax.default_device(device), nnx.use_eager_sharding(False):
+        model = factory(nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = jax.device_put(params, device)
+        opt_state = tx.init(params)
+
+        def loss(p, batch):
+            return loss_fn(nnx.merge(graphdef, p, rest), batch)[0]
+
+        losses = []
+        for batch in batches:
+            value, grads = jax.value_and_grad(loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            losses.append(float(value))
+    return params, losses
+
+
+class RecordLosses(Callback):
+    """Reads every step's loss (a host sync per step: fine for a test)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        self.losses.append(float(self.trainer.last_loss))
+
+
+def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, path)): np.asarray(jax.device_get(v.get_value()))
+        for path, v in nnx.to_flat_state(state)
+    }
+
+
+def as_numpy(x: jax.Array) -> np.ndarray:
+    return np.asarray(jax.device_get(jnp.asarray(x)))
