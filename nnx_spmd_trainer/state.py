@@ -16,14 +16,14 @@ ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
 class ShardedInit:
-    """Builds ``(model, optimizer)`` under one ``jax.jit`` with the strategy's out_shardings.
+    """Builds ``{"model": ..., "optimizer": ...}`` under one ``jax.jit`` with the strategy's out_shardings.
 
     ``nnx.eval_shape`` gives the abstract state, the strategy answers one
     sharding per leaf, and the jitted builder returns every leaf (optimizer
     moments included) already laid out: the seeds' "sharded initialization".
 
     Attributes:
-      graphdef: static structure of ``(model, optimizer)``.
+      graphdef: static structure of ``{"model": model, "optimizer": optimizer}``.
       abstract_state: shapes, dtypes and sharding metadata, no arrays.
       shardings: a NamedSharding per state leaf.
       init_fn: the jitted builder (``init_fn.lower(*args).compile()`` for memory analysis).
@@ -31,7 +31,7 @@ class ShardedInit:
 
     def __init__(
         self,
-        build: Callable[..., tuple[nnx.Module, nnx.Optimizer]],
+        build: Callable[..., dict[str, nnx.Object]],
         strategy: Strategy,
         mesh: Mesh,
         *args: Any,
@@ -61,13 +61,13 @@ def model_builder(
 ) -> ShardedInit:
     """A ShardedInit for a model factory, or for an already-built module."""
 
-    def with_optimizer(module: nnx.Module) -> tuple[nnx.Module, nnx.Optimizer]:
+    def with_optimizer(module: nnx.Module) -> dict[str, nnx.Object]:
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"The model factory returned {type(module).__name__}, not an nnx.Module. "
                 "Pass model=lambda rngs: MyModel(..., rngs=rngs)."
             )
-        return module, nnx.Optimizer(module, tx, wrt=nnx.Param)
+        return {"model": module, "optimizer": nnx.Optimizer(module, tx, wrt=nnx.Param)}
 
     if isinstance(model, nnx.Module):
         graphdef, model_state = nnx.split(model)

@@ -49,7 +49,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     batch_sharding: Any = None,
 ) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array]]:
-    """``(state, metrics, batch) -> (state, metrics, loss)`` for ``(model, optimizer)`` state.
+    """``(state, metrics, batch) -> (state, metrics, loss)`` over ``{"model", "optimizer"}`` state.
 
     With ``grad_accum_steps=k`` the batch is cut into k microbatches scanned in
     one compiled step; gradients are averaged, so the update equals one step
@@ -59,7 +59,8 @@ def make_train_step(
     def train_step(
         state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
     ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array]:
-        model, optimizer = nnx.merge(graphdef, state)
+        objects = nnx.merge(graphdef, state)
+        model, optimizer = objects["model"], objects["optimizer"]
         model_def, params, rest = nnx.split(model, nnx.Param, ...)
 
         def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
@@ -87,7 +88,7 @@ def make_train_step(
             loss = loss / grad_accum_steps
         nnx.update(model, rest)
         optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), metrics, loss
+        return nnx.state(objects), metrics, loss
 
     return train_step
 
@@ -100,8 +101,7 @@ def make_eval_step(
     def eval_step(
         state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
     ) -> clu_metrics.Collection:
-        model, _ = nnx.merge(graphdef, state)
-        loss, aux = eval_fn(model, batch)
+        loss, aux = eval_fn(nnx.merge(graphdef, state)["model"], batch)
         return _merge_metrics(metrics, loss, aux)
 
     return eval_step

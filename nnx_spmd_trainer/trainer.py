@@ -83,7 +83,8 @@ class Trainer:
 
         self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed)
         self._state: nnx.State = self.init()
-        self._model, self._optimizer = nnx.merge(self.init.graphdef, self._state)
+        objects = nnx.merge(self.init.graphdef, self._state)
+        self._model, self._optimizer = objects["model"], objects["optimizer"]
         self._views_current = True
         self.step = 0
         self.stop_training = False
@@ -108,9 +109,9 @@ class Trainer:
 
     @property
     def state(self) -> nnx.State:
-        """All of ``(model, optimizer)`` as one ``nnx.State``: the checkpointable part."""
+        """``{"model": ..., "optimizer": ...}`` as one ``nnx.State``: what a checkpoint saves."""
         if self._views_current:  # the user may have edited model/optimizer in place
-            self._state = nnx.state((self._model, self._optimizer))
+            self._state = nnx.state(self._objects())
         return self._state
 
     @state.setter
@@ -123,9 +124,12 @@ class Trainer:
         """The NamedSharding of every state leaf, as the strategy answered."""
         return self.init.shardings
 
+    def _objects(self) -> dict[str, nnx.Object]:
+        return {"model": self._model, "optimizer": self._optimizer}
+
     def _sync_views(self) -> None:
         if not self._views_current:
-            nnx.update((self._model, self._optimizer), self._state)
+            nnx.update(self._objects(), self._state)
             self._views_current = True
 
     # -- what subclasses override ---------------------------------------------
@@ -180,7 +184,7 @@ class Trainer:
             self._model.train()
         else:
             self._model.eval()
-        return nnx.graphdef((self._model, self._optimizer))
+        return nnx.graphdef(self._objects())
 
     def _compile(self, kind: str, graphdef: nnx.GraphDef[Any], batch: Any) -> Callable[..., Any]:
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)

@@ -56,7 +56,11 @@ def make_batches(n: int, batch_size: int = 16, din: int = 16, classes: int = 8, 
 def train_reference(factory, tx, batches, loss_fn=classification_loss):
     """Plain optax on one device: the independent computation results are checked against."""
     device = jax.devices()[0]
-    with jax.default_device(device), nnx.use_eager_sharding(False):
+    # A one-device mesh carrying every axis name, so activation constraints still resolve.
+    names = ("data", "fsdp", "model", "batch")
+    one_device = jax.make_mesh((1,) * 4, names, axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                               devices=[device])
+    with jax.set_mesh(one_device), jax.default_device(device), nnx.use_eager_sharding(False):
         model = factory(nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = jax.device_put(params, device)
@@ -65,9 +69,10 @@ def train_reference(factory, tx, batches, loss_fn=classification_loss):
         def loss(p, batch):
             return loss_fn(nnx.merge(graphdef, p, rest), batch)[0]
 
+        grad_fn = jax.jit(jax.value_and_grad(loss))
         losses = []
         for batch in batches:
-            value, grads = jax.value_and_grad(loss)(params, batch)
+            value, grads = grad_fn(params, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             losses.append(float(value))

@@ -1,0 +1,27 @@
+"""Example data as Grain pipelines: pydoc text for the GPT, synthetic tasks for MLP and CNN."""
+
+from nnx_spmd_trainer.datasets.base import Splits, index_batches
+from nnx_spmd_trainer.datasets.synthetic import classification_splits, image_splits
+from nnx_spmd_trainer.datasets.text import (
+    CharTokenizer,
+    char_lm_splits,
+    eval_batches,
+    load_text,
+    split_tokens,
+    train_batches,
+    unigram_baseline,
+)
+
+__all__ = [
+    "CharTokenizer",
+    "Splits",
+    "char_lm_splits",
+    "classification_splits",
+    "eval_batches",
+    "image_splits",
+    "index_batches",
+    "load_text",
+    "split_tokens",
+    "train_batches",
+    "unigram_baseline",
+]

@@ -1,0 +1,193 @@
+"""Character-level language modelling on text every CPython ships: ``pydoc_data.topics``.
+
+>>> tokenizer, splits = char_lm_splits(seq_len=32, batch_size=8, seed=0)
+>>> batch = next(iter(splits.train))
+>>> batch["inputs"].shape, batch["inputs"].dtype
+((8, 32), dtype('int32'))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from nnx_spmd_trainer.datasets.base import Batch, Splits, index_batches
+
+__all__ = [
+    "CharTokenizer",
+    "char_lm_splits",
+    "eval_batches",
+    "load_text",
+    "split_tokens",
+    "train_batches",
+    "unigram_baseline",
+]
+
+
+def load_text() -> str:
+    """The pydoc topic texts (about 0.5 MB of English and Python), in sorted key order."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[key] for key in sorted(topics))
+
+
+class CharTokenizer:
+    """One id per distinct character, in sorted order; the vocabulary is padded.
+
+    The vocabulary size is rounded up to a multiple of ``pad_to_multiple_of``
+    so embedding and output layers split evenly over a ``model`` axis of 2, 4
+    or 8; the padding ids decode to nothing and never occur in encoded text.
+
+    >>> tok = CharTokenizer("hello")
+    >>> tok.num_chars, tok.vocab_size
+    (4, 8)
+    >>> tok.decode(tok.encode("hole"))
+    'hole'
+    """
+
+    def __init__(self, text: str, *, pad_to_multiple_of: int = 8) -> None:
+        if not text:
+            raise ValueError("CharTokenizer needs a non-empty text to build its vocabulary.")
+        self.chars: tuple[str, ...] = tuple(sorted(set(text)))
+        self.num_chars = len(self.chars)
+        self.vocab_size = -(-self.num_chars // pad_to_multiple_of) * pad_to_multiple_of
+        self._ids = {char: i for i, char in enumerate(self.chars)}
+        # a code-point -> id table encodes 0.5 MB in one vectorised lookup
+        self._table = np.full(max(map(ord, self.chars)) + 1, -1, dtype=np.int32)
+        self._table[[ord(c) for c in self.chars]] = np.arange(self.num_chars, dtype=np.int32)
+
+    def encode(self, text: str) -> np.ndarray:
+        """``str -> int32 ids``; a character outside the vocabulary raises ``ValueError``."""
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        known = codes < len(self._table)
+        ids = np.where(known, self._table[np.where(known, codes, 0)], -1)
+        if (ids < 0).any():
+            unknown = sorted({chr(c) for c in codes[ids < 0]})
+            raise ValueError(f"Characters {unknown} are not in the tokenizer's vocabulary.")
+        return ids.astype(np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """``ids -> str``; padding ids (``>= num_chars``) decode to nothing."""
+        return "".join(self.chars[i] for i in np.asarray(ids).ravel().tolist() if i < self.num_chars)
+
+
+def split_tokens(tokens: np.ndarray, eval_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, held_out)``: the last ``eval_fraction`` of the text is held out."""
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
+    cut = int(len(tokens) * (1 - eval_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    window = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+def train_batches(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shard: tuple[int, int] = (0, 1),
+) -> grain.MapDataset[Batch]:
+    """Endless batches of windows at random offsets: ``{"inputs", "targets"}`` int32 ``(B, T)``.
+
+    Every offset is visited once per epoch in a seeded random order, so the
+    stream is the same for the same seed. ``targets`` is ``inputs`` shifted by one.
+    """
+    num_windows = len(tokens) - seq_len
+    if num_windows < batch_size:
+        raise ValueError(
+            f"{len(tokens)} tokens give {num_windows} windows of seq_len={seq_len}, fewer than "
+            f"one batch of {batch_size}."
+        )
+    gather = lambda starts: _windows(tokens, starts, seq_len)
+    return index_batches(num_windows, batch_size, gather, seed=seed, repeat=True, shard=shard)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+) -> grain.MapDataset[Batch]:
+    """Fixed, non-overlapping windows from the start of ``tokens``; finite and re-iterable.
+
+    The remainder that does not fill a batch is dropped; ``max_batches`` caps the count.
+    """
+    num_windows = (len(tokens) - 1) // seq_len
+    if max_batches is not None:
+        num_windows = min(num_windows, max_batches * batch_size * shard[1])
+    if num_windows < batch_size * shard[1]:
+        raise ValueError(
+            f"{len(tokens)} held-out tokens give {num_windows} windows of seq_len={seq_len}, "
+            f"fewer than one batch of {batch_size}. Hold out more text or use smaller batches."
+        )
+    gather = lambda index: _windows(tokens, index * seq_len, seq_len)
+    return index_batches(num_windows, batch_size, gather, shard=shard)
+
+
+def unigram_baseline(
+    train_tokens: np.ndarray,
+    eval_tokens: np.ndarray,
+    *,
+    vocab_size: int | None = None,
+    alpha: float = 1.0,
+) -> float:
+    """Cross entropy (nats per token) of ``eval_tokens`` under ``train_tokens``' frequencies.
+
+    What a model that ignores context can reach: a language model has learnt
+    something only once its held-out loss is below this. Counts get ``alpha``
+    added (Laplace smoothing) so a token unseen in training costs a finite amount.
+
+    >>> round(unigram_baseline(np.array([0, 0, 1]), np.array([0, 1]), alpha=0.0), 4)
+    0.752
+    """
+    train_tokens = np.asarray(train_tokens).ravel()
+    eval_tokens = np.asarray(eval_tokens).ravel()
+    if vocab_size is None:
+        vocab_size = int(max(train_tokens.max(), eval_tokens.max())) + 1
+    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + alpha
+    log_probs = np.log(counts) - np.log(counts.sum())
+    return float(-log_probs[eval_tokens].mean())
+
+
+def char_lm_splits(
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    eval_fraction: float = 0.1,
+    max_eval_batches: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+    text: str | None = None,
+) -> tuple[CharTokenizer, Splits]:
+    """The tokenizer and train/eval batches of ``text`` (default: ``load_text()``).
+
+    Args:
+      seq_len: tokens per example.
+      batch_size: rows per batch for this process.
+      seed: the training stream's shuffle seed.
+      eval_fraction: the share of the text, at its end, held out.
+      max_eval_batches: cap on held-out batches (default: all of the held-out text).
+      shard: ``(process index, process count)``.
+      text: the corpus; default the pydoc topics.
+    """
+    text = load_text() if text is None else text
+    tokenizer = CharTokenizer(text)
+    train_tokens, eval_tokens = split_tokens(tokenizer.encode(text), eval_fraction)
+    train = train_batches(train_tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, shard=shard)
+    held_out = eval_batches(
+        eval_tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_eval_batches, shard=shard
+    )
+    # the baseline scores exactly the targets the model is evaluated on
+    num_windows = len(held_out) * batch_size * shard[1]
+    evaluated = eval_tokens[1 : num_windows * seq_len + 1]
+    baseline = unigram_baseline(train_tokens, evaluated, vocab_size=tokenizer.vocab_size)
+    return tokenizer, Splits(train, held_out, baseline, "unigram baseline")

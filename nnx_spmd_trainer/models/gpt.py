@@ -1,0 +1,179 @@
+"""A small GPT: the seed's GPT-2 TransformerBlock, annotated for tensor parallelism.
+
+Annotations are physical mesh-axis names, as the seed writes them
+(``nnx.with_metadata(init, sharding=(...))``); an axis the current mesh lacks
+replicates that dimension, so one model runs under every strategy. Unlike the
+seed, which splits dimension 0 of every kernel, the block is laid out the
+Megatron way: the query/key/value and first feed-forward projections are split
+along their output (heads, ff) dimension and the output projections along
+their input dimension, so each device computes whole heads and a slice of the
+feed-forward layer. The sharded dimensions (``num_heads``, ``ff_dim``, the
+padded vocabulary, and ``embed_dim`` for the layer norms, kept sharded as the
+seed has them) must be divisible by the ``model`` axis size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = ["GPT", "TransformerBlock", "causal_attention_mask", "loss_fn"]
+
+MODEL = "model"
+
+
+def _annotated(init: nnx.Initializer, *spec: str | None) -> nnx.Initializer:
+    # The seed's spelling; flax 0.12 maps it to ``out_sharding`` with a DeprecationWarning.
+    return nnx.with_metadata(init, sharding=spec)
+
+
+def _layer_norm(num_features: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        epsilon=1e-6,
+        num_features=num_features,
+        scale_init=_annotated(nnx.initializers.ones_init(), MODEL),
+        bias_init=_annotated(nnx.initializers.zeros_init(), MODEL),
+        rngs=rngs,
+    )
+
+
+def causal_attention_mask(seq_len: int) -> jax.Array:
+    """``(seq_len, seq_len)`` boolean mask: position i attends to positions <= i."""
+    return jnp.tril(jnp.ones((seq_len, seq_len), dtype=jnp.bool_))
+
+
+class TransformerBlock(nnx.Module):
+    """The seed's GPT-2 block: pre-norm causal self-attention and a gelu MLP.
+
+    Dropout follows ``model.train()`` / ``model.eval()`` (the Trainer sets them).
+
+    >>> block = TransformerBlock(64, 8, 256, 0.1, rngs=nnx.Rngs(0))
+    >>> block.eval()
+    >>> block(jnp.ones((2, 16, 64))).shape
+    (2, 16, 64)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        ff_dim: int,
+        dropout_rate: float,
+        rngs: nnx.Rngs,
+    ) -> None:
+        xavier = nnx.initializers.xavier_uniform()
+        zeros = nnx.initializers.zeros_init()
+        self.layer_norm1 = _layer_norm(embed_dim, rngs)
+        self.mha = nnx.MultiHeadAttention(
+            num_heads=num_heads,
+            in_features=embed_dim,
+            # query/key/value kernels are (embed, heads, head_dim): split the heads.
+            kernel_init=_annotated(xavier, None, MODEL),
+            bias_init=_annotated(zeros, MODEL),
+            # the output kernel is (heads, head_dim, embed): split the heads again.
+            out_kernel_init=_annotated(xavier, MODEL),
+            out_bias_init=zeros,
+            keep_rngs=False,  # no attention dropout: the block's own Dropouts carry the RNG
+            rngs=rngs,
+        )
+        self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
+        self.layer_norm2 = _layer_norm(embed_dim, rngs)
+        self.linear1 = nnx.Linear(
+            in_features=embed_dim,
+            out_features=ff_dim,
+            kernel_init=_annotated(xavier, None, MODEL),
+            bias_init=_annotated(zeros, MODEL),
+            rngs=rngs,
+        )
+        self.linear2 = nnx.Linear(
+            in_features=ff_dim,
+            out_features=embed_dim,
+            kernel_init=_annotated(xavier, MODEL, None),
+            bias_init=zeros,
+            rngs=rngs,
+        )
+        self.dropout2 = nnx.Dropout(dropout_rate, rngs=rngs)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        _, seq_len, _ = inputs.shape
+        attention_output = self.mha(
+            inputs_q=self.layer_norm1(inputs),
+            mask=causal_attention_mask(seq_len),
+            decode=False,
+        )
+        x = inputs + self.dropout1(attention_output)
+        mlp_output = self.linear1(self.layer_norm2(x))
+        mlp_output = nnx.gelu(mlp_output)
+        mlp_output = self.linear2(mlp_output)
+        mlp_output = self.dropout2(mlp_output)
+        return x + mlp_output
+
+
+class GPT(nnx.Module):
+    """Token + position embeddings, ``num_layers`` TransformerBlocks, a final norm, a head.
+
+    Returns logits ``(batch, seq, vocab_size)``. The token embedding and the
+    head are split along the vocabulary, so ``vocab_size`` must be divisible by
+    the ``model`` axis (``CharTokenizer`` pads its vocabulary to a multiple of 8).
+
+    >>> model = GPT(vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
+    ...             num_layers=1, dropout_rate=0.0, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+    (2, 8, 16)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        embed_dim: int,
+        num_heads: int,
+        ff_dim: int,
+        num_layers: int,
+        dropout_rate: float,
+        rngs: nnx.Rngs,
+    ) -> None:
+        embed_init = nnx.initializers.normal(stddev=0.02)
+        self.seq_len = seq_len
+        self.token_embed = nnx.Embed(
+            vocab_size, embed_dim, embedding_init=_annotated(embed_init, MODEL, None), rngs=rngs
+        )
+        # Small ((seq_len, embed_dim)) and read whole by every device: left to the
+        # strategy (replicated, or split by FSDP when large enough).
+        self.pos_embed = nnx.Embed(seq_len, embed_dim, embedding_init=embed_init, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+        self.blocks = nnx.List(
+            [TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs) for _ in range(num_layers)]
+        )
+        self.layer_norm = _layer_norm(embed_dim, rngs)
+        self.head = nnx.Linear(
+            embed_dim,
+            vocab_size,
+            kernel_init=_annotated(nnx.initializers.xavier_uniform(), None, MODEL),
+            bias_init=_annotated(nnx.initializers.zeros_init(), MODEL),
+            rngs=rngs,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        seq_len = tokens.shape[-1]
+        if seq_len > self.seq_len:
+            raise ValueError(f"GPT was built for seq_len={self.seq_len}; got tokens of length {seq_len}.")
+        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(seq_len))
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.layer_norm(x))
+
+
+def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``.
+
+    ``aux`` holds the token accuracy, a scalar, for a metrics collection to average.
+    """
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    targets = batch["targets"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    accuracy = (jnp.argmax(logits, axis=-1) == targets).mean()
+    return loss, {"accuracy": accuracy}
