@@ -29,8 +29,21 @@ PHYSICAL_AXES = ("data", "fsdp", "model", "batch")
 
 #: Logical names every strategy knows; unmapped ones replicate.
 LOGICAL_AXES = (
-    "batch", "embed", "mlp", "hidden", "heads", "kv", "head_dim", "vocab",
-    "seq", "length", "norm", "layers", "channels", "features", "experts",
+    "batch",
+    "embed",
+    "mlp",
+    "hidden",
+    "heads",
+    "kv",
+    "head_dim",
+    "vocab",
+    "seq",
+    "length",
+    "norm",
+    "layers",
+    "channels",
+    "features",
+    "experts",
 )
 
 
@@ -69,7 +82,11 @@ def _axis_names(target: AxisTarget) -> tuple[str, ...]:
 
 
 def _describe(path: str, shape: Sequence[int], annotation: object, mesh: Mapping[str, int]) -> str:
-    return f"parameter {path or '<leaf>'} with shape {tuple(shape)}, annotation {annotation}, mesh {dict(mesh)}"
+    where = path or "<leaf>"
+    return (
+        f"parameter {where} with shape {tuple(shape)}, annotation {annotation}, "
+        f"mesh {dict(mesh)}"
+    )
 
 
 def resolve_spec(

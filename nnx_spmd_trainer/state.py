@@ -16,7 +16,7 @@ ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
 class ShardedInit:
-    """Builds ``{"model": ..., "optimizer": ...}`` under one ``jax.jit`` with the strategy's out_shardings.
+    """Builds ``{"model": ..., "optimizer": ...}`` in one ``jax.jit`` with the strategy's layout.
 
     ``nnx.eval_shape`` gives the abstract state, the strategy answers one
     sharding per leaf, and the jitted builder returns every leaf (optimizer
@@ -31,7 +31,7 @@ class ShardedInit:
 
     def __init__(
         self,
-        build: Callable[..., dict[str, nnx.Object]],
+        build: Callable[..., dict[str, Any]],
         strategy: Strategy,
         mesh: Mesh,
         *args: Any,
@@ -61,7 +61,7 @@ def model_builder(
 ) -> ShardedInit:
     """A ShardedInit for a model factory, or for an already-built module."""
 
-    def with_optimizer(module: nnx.Module) -> dict[str, nnx.Object]:
+    def with_optimizer(module: nnx.Module) -> dict[str, Any]:
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"The model factory returned {type(module).__name__}, not an nnx.Module. "

@@ -24,7 +24,9 @@ def _merge_metrics(
     metrics: clu_metrics.Collection, loss: jax.Array, aux: dict[str, jax.Array]
 ) -> clu_metrics.Collection:
     if not isinstance(aux, dict):
-        raise TypeError(f"loss_fn must return (loss, aux) with aux a dict of arrays; aux is {aux!r}.")
+        raise TypeError(
+            f"loss_fn must return (loss, aux) with aux a dict of arrays; aux is {aux!r}."
+        )
     return metrics.merge(type(metrics).single_from_model_output(loss=loss, **aux))
 
 
@@ -61,12 +63,12 @@ def make_train_step(
     ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array]:
         objects = nnx.merge(graphdef, state)
         model, optimizer = objects["model"], objects["optimizer"]
-        model_def, params, rest = nnx.split(model, nnx.Param, ...)
+        model_def, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
         def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
             module = nnx.merge(model_def, params, rest)
             loss, aux = loss_fn(module, batch)
-            return loss, (aux, nnx.split(module, nnx.Param, ...)[2])
+            return loss, (aux, nnx.state(module, nnx.Not(nnx.Param)))
 
         grad_fn = jax.value_and_grad(compute, has_aux=True)
         if grad_accum_steps == 1:

@@ -84,7 +84,8 @@ class Trainer:
         self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed)
         self._state: nnx.State = self.init()
         objects = nnx.merge(self.init.graphdef, self._state)
-        self._model, self._optimizer = objects["model"], objects["optimizer"]
+        self._model: nnx.Module = objects["model"]
+        self._optimizer: nnx.Optimizer[nnx.Module] = objects["optimizer"]
         self._views_current = True
         self.step = 0
         self.stop_training = False
@@ -102,7 +103,7 @@ class Trainer:
         return self._model
 
     @property
-    def optimizer(self) -> nnx.Optimizer:
+    def optimizer(self) -> nnx.Optimizer[nnx.Module]:
         """The live ``nnx.Optimizer``; its state is sharded like the parameters."""
         self._sync_views()
         return self._optimizer
@@ -124,7 +125,7 @@ class Trainer:
         """The NamedSharding of every state leaf, as the strategy answered."""
         return self.init.shardings
 
-    def _objects(self) -> dict[str, nnx.Object]:
+    def _objects(self) -> dict[str, Any]:
         return {"model": self._model, "optimizer": self._optimizer}
 
     def _sync_views(self) -> None:
@@ -186,7 +187,7 @@ class Trainer:
             self._model.eval()
         return nnx.graphdef(self._objects())
 
-    def _compile(self, kind: str, graphdef: nnx.GraphDef[Any], batch: Any) -> Callable[..., Any]:
+    def _compile(self, kind: str, graphdef: nnx.GraphDef[Any], batch: Any) -> Any:
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
         key = (kind, graphdef, jax.tree.structure(batch))
         if key in self._compiled:
@@ -199,7 +200,7 @@ class Trainer:
                 grad_accum_steps=self.grad_accum_steps,
                 batch_sharding=batch_sharding,
             )
-            out = (self.init.shardings, replicated, replicated)
+            out: Any = (self.init.shardings, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)
         else:
             fn = step.make_eval_step(graphdef, self.eval_fn)

@@ -12,8 +12,9 @@ WIDE = dict(din=256, hidden=512, dout=256)  # ~0.5M parameters: state dwarfs the
 
 
 def build(strategy):
-    return Trainer(lambda r: Net(r, **WIDE), optax.adam(1e-3), strategy=strategy,
-                   loss_fn=classification_loss)
+    return Trainer(
+        lambda r: Net(r, **WIDE), optax.adam(1e-3), strategy=strategy, loss_fn=classification_loss
+    )
 
 
 def state_argument_bytes(trainer, batch):
@@ -42,8 +43,9 @@ def test_fsdp_step_arguments_are_an_eighth_of_data_parallel(trainers):
 
 def test_sharded_init_outputs_are_an_eighth_per_device(trainers):
     dp, fsdp = trainers
-    out = [t.init.init_fn.lower().compile().memory_analysis().output_size_in_bytes
-           for t in (dp, fsdp)]
+    out = [
+        t.init.init_fn.lower().compile().memory_analysis().output_size_in_bytes for t in (dp, fsdp)
+    ]
     assert out[1] == pytest.approx(out[0] / 8, rel=0.10)
     # and what init produced really is laid out that way on every device
     per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(fsdp.state))

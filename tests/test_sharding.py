@@ -22,16 +22,22 @@ def test_physical_names_kept_or_replicated_when_absent():
 
 def test_leaf_rules_win_over_strategy_rules():
     leaf = (("embed", None), ("hidden", "model"))
-    spec = resolve_spec(("embed", "hidden"), shape=(8, 8), mesh=MESH,
-                        rules=(("embed", "fsdp"),), leaf_rules=leaf)
+    spec = resolve_spec(
+        ("embed", "hidden"), shape=(8, 8), mesh=MESH, rules=(("embed", "fsdp"),), leaf_rules=leaf
+    )
     assert spec == P(None, "model")
-    assert resolve_spec(("embed", "hidden"), shape=(8, 8), mesh=MESH,
-                        rules=(("embed", "fsdp"), ("hidden", "model"))) == P("fsdp", "model")
+    assert resolve_spec(
+        ("embed", "hidden"), shape=(8, 8), mesh=MESH, rules=(("embed", "fsdp"), ("hidden", "model"))
+    ) == P("fsdp", "model")
 
 
 def test_rule_to_several_axes_and_axis_used_once():
-    spec = resolve_spec(("batch", None), shape=(16, 3), mesh={"data": 2, "fsdp": 4},
-                        rules=(("batch", ("data", "fsdp")),))
+    spec = resolve_spec(
+        ("batch", None),
+        shape=(16, 3),
+        mesh={"data": 2, "fsdp": 4},
+        rules=(("batch", ("data", "fsdp")),),
+    )
     assert spec == P(("data", "fsdp"))
     # the second dimension may not reuse an axis the first already took
     assert resolve_spec(("model", "model"), shape=(4, 4), mesh=MESH) == P("model")
@@ -39,8 +45,9 @@ def test_rule_to_several_axes_and_axis_used_once():
 
 def test_unknown_logical_axis_is_named():
     with pytest.raises(ShardingError, match=r"l1/kernel.*unknown axis name 'embd'.*rules="):
-        resolve_spec(("embd", None), shape=(8, 8), mesh=MESH, rules=(("embed", "fsdp"),),
-                     path="l1/kernel")
+        resolve_spec(
+            ("embd", None), shape=(8, 8), mesh=MESH, rules=(("embed", "fsdp"),), path="l1/kernel"
+        )
 
 
 def test_indivisible_dimension_names_path_shape_and_mesh():

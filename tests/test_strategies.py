@@ -7,7 +7,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from toy_models import Net, RecordLosses, classification_loss, flat_params, make_batches, train_reference
+from toy_models import (
+    Net,
+    RecordLosses,
+    classification_loss,
+    flat_params,
+    make_batches,
+    train_reference,
+)
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorParallel, Trainer
 
@@ -15,35 +22,68 @@ from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorPa
 # l1 annotated (None, "model") / ("model",); l2 logical ("mlp", "embed"); the rest unannotated.
 CASES = {
     "dp8": (DataParallel(), {}),
-    "fsdp8": (FSDP(min_size=64), {
-        "l1/kernel": P(None, "fsdp"), "l2/kernel": P(None, "fsdp"), "l3/kernel": P("fsdp"),
-    }),
-    "tp8": (TensorParallel(), {
-        "l1/kernel": P(None, "model"), "l1/bias": P("model"), "l2/kernel": P("model"),
-    }),
-    "dp4xtp2": (Hybrid(DataParallel(4), TensorParallel(2)), {
-        "l1/kernel": P(None, "model"), "l1/bias": P("model"), "l2/kernel": P("model"),
-    }),
-    "fsdp4xtp2": (Hybrid(FSDP(4, min_size=64), TensorParallel(2)), {
-        "l1/kernel": P("fsdp", "model"), "l1/bias": P("model"),
-        "l2/kernel": P("model", "fsdp"), "l3/kernel": P("fsdp"),
-    }),
-    "dp2xfsdp2xtp2": (Hybrid(DataParallel(2), FSDP(2, min_size=64), TensorParallel(2)), {
-        "l1/kernel": P("fsdp", "model"), "l1/bias": P("model"),
-        "l2/kernel": P("model", "fsdp"), "l3/kernel": P("fsdp"),
-    }),
+    "fsdp8": (
+        FSDP(min_size=64),
+        {
+            "l1/kernel": P(None, "fsdp"),
+            "l2/kernel": P(None, "fsdp"),
+            "l3/kernel": P("fsdp"),
+        },
+    ),
+    "tp8": (
+        TensorParallel(),
+        {
+            "l1/kernel": P(None, "model"),
+            "l1/bias": P("model"),
+            "l2/kernel": P("model"),
+        },
+    ),
+    "dp4xtp2": (
+        Hybrid(DataParallel(4), TensorParallel(2)),
+        {
+            "l1/kernel": P(None, "model"),
+            "l1/bias": P("model"),
+            "l2/kernel": P("model"),
+        },
+    ),
+    "fsdp4xtp2": (
+        Hybrid(FSDP(4, min_size=64), TensorParallel(2)),
+        {
+            "l1/kernel": P("fsdp", "model"),
+            "l1/bias": P("model"),
+            "l2/kernel": P("model", "fsdp"),
+            "l3/kernel": P("fsdp"),
+        },
+    ),
+    "dp2xfsdp2xtp2": (
+        Hybrid(DataParallel(2), FSDP(2, min_size=64), TensorParallel(2)),
+        {
+            "l1/kernel": P("fsdp", "model"),
+            "l1/bias": P("model"),
+            "l2/kernel": P("model", "fsdp"),
+            "l3/kernel": P("fsdp"),
+        },
+    ),
 }
 MESHES = {
-    "dp8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tp8": {"model": 8},
-    "dp4xtp2": {"data": 4, "model": 2}, "fsdp4xtp2": {"fsdp": 4, "model": 2},
+    "dp8": {"data": 8},
+    "fsdp8": {"fsdp": 8},
+    "tp8": {"model": 8},
+    "dp4xtp2": {"data": 4, "model": 2},
+    "fsdp4xtp2": {"fsdp": 4, "model": 2},
     "dp2xfsdp2xtp2": {"data": 2, "fsdp": 2, "model": 2},
 }
 STEPS = 4
 
 
 def build(strategy, **kwargs):
-    return Trainer(lambda rngs: Net(rngs), optax.adam(1e-2), strategy=strategy,
-                   loss_fn=classification_loss, **kwargs)
+    return Trainer(
+        lambda rngs: Net(rngs),
+        optax.adam(1e-2),
+        strategy=strategy,
+        loss_fn=classification_loss,
+        **kwargs,
+    )
 
 
 def expected_spec(key: str, promised: dict) -> P:
@@ -67,8 +107,12 @@ def test_every_leaf_has_the_promised_sharding(name):
         spec = expected_spec(key, promised) if array.ndim else P()
         assert isinstance(array.sharding, NamedSharding), key
         assert array.sharding.spec == spec, (key, array.sharding.spec, spec)
-        per_device = tuple(d // np.prod([MESHES[name][a] for a in _axes(s)], dtype=int)
-                           for d, s in zip(array.shape, list(spec) + [None] * array.ndim))
+        per_device = tuple(
+            d // np.prod([MESHES[name][a] for a in _axes(s)], dtype=int)
+            for d, s in zip(
+                array.shape, (list(spec) + [None] * array.ndim)[: array.ndim], strict=True
+            )
+        )
         assert array.sharding.shard_shape(array.shape) == per_device, key
         assert array.addressable_shards[0].data.shape == per_device, key
 
@@ -124,28 +168,43 @@ def test_custom_strategy_overrides_one_hook():
     assert trainer.optimizer.opt_state[0].mu["l3"]["kernel"].get_value().sharding.spec == P("data")
     assert trainer.model.l2.bias.get_value().sharding.spec == P()
     ref_params, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
-    np.testing.assert_allclose(trainer.model.l3.kernel.get_value(),
-                               ref_params["l3"]["kernel"].get_value(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        trainer.model.l3.kernel.get_value(),
+        ref_params["l3"]["kernel"].get_value(),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_prebuilt_module_is_placed_with_the_strategy():
     with nnx.use_eager_sharding(False):  # annotated layers built outside any mesh
         model = Net(nnx.Rngs(0))
-    trainer = Trainer(model, optax.adam(1e-2), loss_fn=classification_loss,
-                      strategy=Hybrid(FSDP(4, min_size=64), TensorParallel(2)))
+    trainer = Trainer(
+        model,
+        optax.adam(1e-2),
+        loss_fn=classification_loss,
+        strategy=Hybrid(FSDP(4, min_size=64), TensorParallel(2)),
+    )
     assert trainer.model.l1.kernel.get_value().sharding.spec == P("fsdp", "model")
     batches = make_batches(2)
     trainer.fit(batches, max_steps=2)
     ref_params, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
-    np.testing.assert_allclose(trainer.model.l1.kernel.get_value(),
-                               ref_params["l1"]["kernel"].get_value(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        trainer.model.l1.kernel.get_value(),
+        ref_params["l1"]["kernel"].get_value(),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize(
     ("strategy", "message"),
     [
         (FSDP(3), r"FSDP\(3\).*'fsdp': 3.*8 available devices"),
-        (Hybrid(FSDP(4), TensorParallel(4)), r"mesh \{'fsdp': 4, 'model': 4\} that does not fit the 8"),
+        (
+            Hybrid(FSDP(4), TensorParallel(4)),
+            r"mesh \{'fsdp': 4, 'model': 4\} that does not fit the 8",
+        ),
         (Hybrid(FSDP(), TensorParallel()), "only one axis may have size=-1"),
         (Hybrid(DataParallel(2), DataParallel(4)), "uses a mesh axis name twice"),
     ],

@@ -5,7 +5,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from toy_models import Net, RecordLosses, classification_loss, flat_params, make_batches, train_reference
+from toy_models import (
+    Net,
+    RecordLosses,
+    classification_loss,
+    flat_params,
+    make_batches,
+    train_reference,
+)
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorParallel, Trainer
 
@@ -53,8 +60,14 @@ def test_gradient_accumulation_equals_one_large_batch(strategy):
     k = 4
     big = make_batches(3, batch_size=8 * k)
     recorder = RecordLosses()
-    trainer = Trainer(lambda r: Net(r), optax.adam(1e-2), strategy=strategy,
-                      loss_fn=classification_loss, grad_accum_steps=k, callbacks=[recorder])
+    trainer = Trainer(
+        lambda r: Net(r),
+        optax.adam(1e-2),
+        strategy=strategy,
+        loss_fn=classification_loss,
+        grad_accum_steps=k,
+        callbacks=[recorder],
+    )
     trainer.fit(big, max_steps=3)
     ref, ref_losses = train_reference(lambda r: Net(r), optax.adam(1e-2), big)
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -65,18 +78,23 @@ def test_gradient_accumulation_equals_one_large_batch(strategy):
 
 def test_evaluate_matches_numpy_loss_of_current_parameters():
     batches = make_batches(2, seed=1)
-    trainer = Trainer(lambda r: Net(r), optax.adam(1e-2), strategy=FSDP_TP,
-                      loss_fn=classification_loss)
+    trainer = Trainer(
+        lambda r: Net(r), optax.adam(1e-2), strategy=FSDP_TP, loss_fn=classification_loss
+    )
     trainer.fit(make_batches(2), max_steps=2)
     results = trainer.evaluate(batches)
     # Independent: the same parameters gathered to the host and run on one device.
     graphdef, state = nnx.split(trainer.model)
     host_model = nnx.merge(graphdef, jax.device_get(state))
     host_model.eval()
-    want = np.mean([
-        float(optax.softmax_cross_entropy_with_integer_labels(host_model(b["x"]), b["y"]).mean())
-        for b in batches
-    ])
+    want = np.mean(
+        [
+            float(
+                optax.softmax_cross_entropy_with_integer_labels(host_model(b["x"]), b["y"]).mean()
+            )
+            for b in batches
+        ]
+    )
     assert results.keys() == {"loss"}
     np.testing.assert_allclose(results["loss"], want, rtol=1e-5)
 
@@ -84,31 +102,45 @@ def test_evaluate_matches_numpy_loss_of_current_parameters():
 @pytest.mark.slow
 def test_several_hundred_steps_on_eight_devices_do_not_hang():
     batches = make_batches(10)
-    trainer = Trainer(lambda r: Net(r), optax.sgd(1e-2), strategy=FSDP_TP,
-                      loss_fn=classification_loss, max_steps_in_flight=2)
+    trainer = Trainer(
+        lambda r: Net(r),
+        optax.sgd(1e-2),
+        strategy=FSDP_TP,
+        loss_fn=classification_loss,
+        max_steps_in_flight=2,
+    )
     history = trainer.fit(batches, epochs=40)
     assert trainer.step == 400
     assert np.isfinite(history.history["train/loss"]).all()
 
 
 def test_batch_not_divisible_by_data_parallel_size():
-    trainer = Trainer(lambda r: Net(r), optax.sgd(0.1), loss_fn=classification_loss,
-                      strategy=Hybrid(DataParallel(4), TensorParallel(2)))
+    trainer = Trainer(
+        lambda r: Net(r),
+        optax.sgd(0.1),
+        loss_fn=classification_loss,
+        strategy=Hybrid(DataParallel(4), TensorParallel(2)),
+    )
     with pytest.raises(ShardingError, match=r"global batch of 6 rows.*\('data',\).*divisible by 4"):
         trainer.fit(make_batches(1, batch_size=6), max_steps=1)
 
 
 def test_batch_not_divisible_by_microbatches():
-    trainer = Trainer(lambda r: Net(r), optax.sgd(0.1), loss_fn=classification_loss,
-                      grad_accum_steps=3)
+    trainer = Trainer(
+        lambda r: Net(r), optax.sgd(0.1), loss_fn=classification_loss, grad_accum_steps=3
+    )
     with pytest.raises(ShardingError, match=r"8 parts x 3 microbatches.*divisible by 24"):
         trainer.fit(make_batches(1, batch_size=16), max_steps=1)
 
 
 def test_annotated_dimension_the_axis_does_not_divide():
     with pytest.raises(ShardingError) as err:
-        Trainer(lambda r: Net(r, hidden=12), optax.sgd(0.1), loss_fn=classification_loss,
-                strategy=TensorParallel(8))
+        Trainer(
+            lambda r: Net(r, hidden=12),
+            optax.sgd(0.1),
+            loss_fn=classification_loss,
+            strategy=TensorParallel(8),
+        )
     assert "model/l1/bias" in str(err.value) and "(12,)" in str(err.value)
     assert "'model': 8" in str(err.value)
 

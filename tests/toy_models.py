@@ -18,13 +18,16 @@ class Net(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, din: int = 16, hidden: int = 32, dout: int = 8) -> None:
         self.l1 = nnx.Linear(
-            din, hidden,
+            din,
+            hidden,
             kernel_init=nnx.with_partitioning(LECUN, (None, "model")),
             bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)),
             rngs=rngs,
         )
         self.l2 = nnx.Linear(
-            hidden, hidden, kernel_init=nnx.with_metadata(LECUN, out_sharding=("mlp", "embed")),
+            hidden,
+            hidden,
+            kernel_init=nnx.with_metadata(LECUN, out_sharding=("mlp", "embed")),
             rngs=rngs,
         )
         self.norm = nnx.LayerNorm(hidden, rngs=rngs)
@@ -58,8 +61,9 @@ def train_reference(factory, tx, batches, loss_fn=classification_loss):
     device = jax.devices()[0]
     # A one-device mesh carrying every axis name, so activation constraints still resolve.
     names = ("data", "fsdp", "model", "batch")
-    one_device = jax.make_mesh((1,) * 4, names, axis_types=(jax.sharding.AxisType.Auto,) * 4,
-                               devices=[device])
+    one_device = jax.make_mesh(
+        (1,) * 4, names, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=[device]
+    )
     with jax.set_mesh(one_device), jax.default_device(device), nnx.use_eager_sharding(False):
         model = factory(nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)

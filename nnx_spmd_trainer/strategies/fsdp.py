@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 import math
+from typing import ClassVar
 
 from jax.sharding import PartitionSpec as P
 

@@ -22,7 +22,9 @@ class Hybrid(Strategy):
 
     def __init__(self, *members: Strategy, rules: sh.Rules = ()) -> None:
         if not members:
-            raise ValueError("Hybrid needs at least one strategy, e.g. Hybrid(FSDP(4), TensorParallel(2)).")
+            raise ValueError(
+                "Hybrid needs at least one strategy, e.g. Hybrid(FSDP(4), TensorParallel(2))."
+            )
         object.__setattr__(self, "members", tuple(members))
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "size", -1)
