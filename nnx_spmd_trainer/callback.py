@@ -7,7 +7,7 @@ values it is empty: nothing is copied from the devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -97,16 +97,27 @@ class History(Callback):
 
 
 class CallbackList:
-    """Dispatches each hook to every callback in order."""
+    """Dispatches each hook, in order, to the callbacks that override it.
+
+    Skipping the no-op hooks keeps per-step dispatch free for callbacks that
+    only act at epoch or train boundaries.
+    """
 
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
         self.callbacks = sorted(callbacks, key=lambda c: c.order)
         for callback in self.callbacks:
             callback.set_trainer(trainer)
+        self._bound: dict[str, list[Callable[..., None]]] = {}
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)
 
     def call(self, hook: str, *args: Any) -> None:
-        for callback in self.callbacks:
-            getattr(callback, hook)(*args)
+        if hook not in self._bound:
+            base = getattr(Callback, hook)
+            self._bound[hook] = [
+                getattr(c, hook) for c in self.callbacks if getattr(type(c), hook) is not base
+                or hook in vars(c)  # a hook set on the instance (LambdaCallback style)
+            ]
+        for method in self._bound[hook]:
+            method(*args)

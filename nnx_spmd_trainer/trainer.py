@@ -249,6 +249,7 @@ class Trainer:
         self.stop_training = False
         graphdef = self._graphdef(training=True)
         state = self.state
+        train_step, structure = None, None  # compiled on the first batch, reused after
         self.callbacks.call("on_train_begin", {})
         last_eval_step = -1
         for epoch in itertools.count() if epochs is None else range(epochs):
@@ -260,7 +261,9 @@ class Trainer:
             with jax.set_mesh(self.mesh):
                 for batch in data.prefetch(train_data, place):
                     self.callbacks.call("on_train_batch_begin", self.step, {})
-                    train_step = self._compile("train", graphdef, batch)
+                    if train_step is None or jax.tree.structure(batch) != structure:
+                        train_step = self._compile("train", graphdef, batch)
+                        structure = jax.tree.structure(batch)
                     state, self.train_metrics, loss = train_step(state, self.train_metrics, batch)
                     self._state, self._views_current = state, False
                     self.last_loss = loss
@@ -273,7 +276,7 @@ class Trainer:
                         assert eval_data is not None
                         self._evaluate(eval_data)
                         last_eval_step = self.step
-                        graphdef = self._graphdef(training=True)
+                        self._graphdef(training=True)
                     if self._done(max_steps):
                         break
             if steps_this_epoch == 0:
