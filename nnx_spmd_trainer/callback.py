@@ -21,6 +21,8 @@ class Callback:
 
     Callbacks run in ascending ``order`` (stable), so a producer of logs such
     as ``MetricsLogger`` (order -100) runs before the writers that read them.
+    ``on_train_batch_begin`` gets the number of steps already done and
+    ``on_train_batch_end`` the new count, so step ``n`` is "after n updates".
 
     >>> class PrintLoss(Callback):
     ...     def on_train_batch_end(self, step, logs):

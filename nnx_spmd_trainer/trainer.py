@@ -92,8 +92,16 @@ class Trainer:
         self.train_metrics = self.empty_metrics()
         self.eval_metrics = self.empty_metrics()
         self._train_metric_steps = 0
-        #: The last step's loss, still on device (read it only when you need it).
+        #: The last step's loss and global batch, still on device (read them only when needed).
         self.last_loss: jax.Array | None = None
+        self.last_batch: Any = None
+        #: Set by ``TerminateOnNaN`` to the first step whose loss was not finite; a
+        #: checkpoint callback must not save state from that step on.
+        self.nonfinite_step: int | None = None
+        self.max_steps: int | None = None
+        self._train_step: Any = None
+        self._train_structure: Any = None
+        self._last_eval_step = -1
 
     # -- the objects users see -------------------------------------------------
     @property
@@ -247,39 +255,15 @@ class Trainer:
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
         self.stop_training = False
-        graphdef = self._graphdef(training=True)
-        state = self.state
-        train_step, structure = None, None  # compiled on the first batch, reused after
-        self.callbacks.call("on_train_begin", {})
-        last_eval_step = -1
+        self.max_steps = max_steps
+        self._train_step = None  # compiled on the first batch of each fit
+        self._last_eval_step = -1
+        self.callbacks.call("on_train_begin", {})  # may restore state: read it only after
         for epoch in itertools.count() if epochs is None else range(epochs):
             if self._done(max_steps):
                 break
             self.callbacks.call("on_epoch_begin", epoch, {})
-            steps_this_epoch = 0
-            place = lambda b: self.place(b, divisor=self.grad_accum_steps)
-            with jax.set_mesh(self.mesh):
-                for batch in data.prefetch(train_data, place):
-                    self.callbacks.call("on_train_batch_begin", self.step, {})
-                    if train_step is None or jax.tree.structure(batch) != structure:
-                        train_step = self._compile("train", graphdef, batch)
-                        structure = jax.tree.structure(batch)
-                    state, self.train_metrics, loss = train_step(state, self.train_metrics, batch)
-                    self._state, self._views_current = state, False
-                    self.last_loss = loss
-                    self._in_flight.add(loss)
-                    self.step += 1
-                    self._train_metric_steps += 1
-                    steps_this_epoch += 1
-                    self.callbacks.call("on_train_batch_end", self.step, {})
-                    if eval_every_n_steps and self.step % eval_every_n_steps == 0:
-                        assert eval_data is not None
-                        self._evaluate(eval_data)
-                        last_eval_step = self.step
-                        self._graphdef(training=True)
-                    if self._done(max_steps):
-                        break
-            if steps_this_epoch == 0:
+            if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
                 if epoch == 0:
                     raise ValueError("train_data yielded no batches.")
                 warnings.warn(
@@ -290,11 +274,49 @@ class Trainer:
                 break
             self.callbacks.call("on_epoch_end", epoch, self._epoch_logs())
         self._in_flight.drain()
-        if eval_data is not None and last_eval_step != self.step:
+        if eval_data is not None and self._last_eval_step != self.step:
             self._evaluate(eval_data)
         self.callbacks.call("on_train_end", self.flush_train_metrics())
         self._sync_views()
         return self.history
+
+    def _train_epoch(
+        self,
+        train_data: Iterable[Any],
+        eval_data: Iterable[Any] | None,
+        max_steps: int | None,
+        eval_every_n_steps: int | None,
+    ) -> int:
+        """One pass over ``train_data`` (or until done); returns the steps taken."""
+        steps = 0
+        place = lambda b: self.place(b, divisor=self.grad_accum_steps)
+        with jax.set_mesh(self.mesh):
+            for batch in data.prefetch(train_data, place):
+                # Hooks get the steps done so far at begin, and the new count at end.
+                self.callbacks.call("on_train_batch_begin", self.step, {})
+                self._train_one(batch)
+                steps += 1
+                self.callbacks.call("on_train_batch_end", self.step, {})
+                if eval_every_n_steps and self.step % eval_every_n_steps == 0:
+                    assert eval_data is not None
+                    self._evaluate(eval_data)
+                    self._last_eval_step = self.step
+                if self._done(max_steps):
+                    break
+        return steps
+
+    def _train_one(self, batch: Any) -> None:
+        structure = jax.tree.structure(batch)
+        if self._train_step is None or structure != self._train_structure:
+            self._train_step = self._compile("train", self._graphdef(training=True), batch)
+            self._train_structure = structure
+        # self.state, not a local: a callback may have set trainer.state or edited the model.
+        state, self.train_metrics, loss = self._train_step(self.state, self.train_metrics, batch)
+        self._state, self._views_current = state, False
+        self.last_loss, self.last_batch = loss, batch
+        self._in_flight.add(loss)
+        self.step += 1
+        self._train_metric_steps += 1
 
     def _done(self, max_steps: int | None) -> bool:
         return self.stop_training or (max_steps is not None and self.step >= max_steps)
@@ -306,7 +328,6 @@ class Trainer:
     def evaluate(self, eval_data: Iterable[Any]) -> dict[str, float]:
         """Runs ``eval_fn`` over all of ``eval_data``; returns ``{"loss": ..., ...}``."""
         logs = self._evaluate(eval_data)
-        self._graphdef(training=True)
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
@@ -325,6 +346,7 @@ class Trainer:
         if batches == 0:
             raise ValueError("eval_data yielded no batches.")
         self._in_flight.drain()
+        self._graphdef(training=True)  # back to the trainer's default mode
         logs = self.compute_metrics("eval")
         self.callbacks.call("on_test_end", logs)
         return logs

@@ -1,0 +1,256 @@
+"""TensorBoard: scalars, run config, sharding table, histograms and hparams (tensorboardX)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from tensorboardX import SummaryWriter
+from typing_extensions import override
+
+from nnx_spmd_trainer import Callback
+
+from .throughput import Throughput, batch_size_and_tokens
+
+Logs = dict[str, float]
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """``('layers', 0, 'kernel')``-style key path -> ``"layers/0/kernel"``."""
+    parts = []
+    for key in path:
+        part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+        if part != "value":  # the nnx.Variable wrapper, not part of the parameter's name
+            parts.append(str(part))
+    return "/".join(parts)
+
+
+def flatten_config(config: Any) -> dict[str, Any]:
+    """A run config (ml_collections ConfigDict, dataclass, dict, None) as ``{"a.b": value}``."""
+    if config is None:
+        return {}
+    if hasattr(config, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
+        config = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        return {"config": config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) or hasattr(value, "to_dict"):
+            flat.update({f"{key}.{k}": v for k, v in flatten_config(value).items()})
+        else:
+            flat[str(key)] = value
+    return flat
+
+
+def sharding_table(params: Any) -> list[dict[str, Any]]:
+    """One row per parameter: path, shape, dtype, partition spec and bytes per device."""
+    rows = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shard_shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        rows.append(
+            {
+                "path": path_name(path),
+                "shape": tuple(leaf.shape),
+                "dtype": str(leaf.dtype),
+                "spec": str(getattr(sharding, "spec", "")),
+                "bytes_per_device": math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize,
+            }
+        )
+    return rows
+
+
+def _markdown(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |")
+    return "\n".join(lines)
+
+
+def _hparam_value(value: Any) -> bool | int | float | str:
+    return value if isinstance(value, bool | int | float | str) else str(value)
+
+
+class TensorBoard(Callback):
+    """Writes what a run needs to be read later in TensorBoard, on process 0 only.
+
+    * scalars: every value that reaches ``logs`` (``train/...``, ``eval/...``,
+      ``lr``), at the global step it belongs to;
+    * ``perf/step_time_s``, ``perf/steps_per_s``, ``perf/examples_per_s`` and,
+      for token batches, ``perf/tokens_per_s`` at each log point of training
+      metrics: host wall time between log points, evaluation time excluded,
+      never a per-step sync (the first point includes compiling the step).
+      The batch size comes from ``examples_per_step`` / ``tokens_per_step``
+      or, if the trainer exposes it, ``trainer.last_batch`` (shapes only);
+      without either, only the step rates are written;
+    * at the start: the run config (``trainer.config``) and the parameter
+      sharding table (path, shape, spec, bytes per device) as text;
+    * every ``histogram_every_n_steps`` steps: histograms of the parameters;
+    * at the end: hparams (flattened config and the last value of each
+      metric) in the ``hparams`` sub-run; then the writer is closed.
+
+    Example::
+
+        Trainer(..., config=config,
+                callbacks=[MetricsLogger(50), LearningRateMonitor(), TensorBoard("runs/a")])
+        # tensorboard --logdir runs
+    """
+
+    def __init__(
+        self,
+        logdir: str | os.PathLike[str],
+        *,
+        histogram_every_n_steps: int | None = None,
+        examples_per_step: int | None = None,
+        tokens_per_step: int | None = None,
+        write_config: bool = True,
+        write_sharding: bool = True,
+        write_hparams: bool = True,
+        flush_secs: int = 30,
+    ) -> None:
+        self.logdir = os.fspath(logdir)
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.examples_per_step = examples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.write_config = write_config
+        self.write_sharding = write_sharding
+        self.write_hparams = write_hparams
+        self.flush_secs = flush_secs
+        self._writer: SummaryWriter | None = None
+        self._timer = Throughput()
+        self._last: dict[str, float] = {}
+
+    @property
+    def writer(self) -> SummaryWriter | None:
+        """The tensorboardX writer on process 0 (opened on first use), ``None`` elsewhere."""
+        if jax.process_index() != 0:
+            return None
+        if self._writer is None:
+            self._writer = SummaryWriter(self.logdir, flush_secs=self.flush_secs)
+        return self._writer
+
+    # -- what gets written -------------------------------------------------------
+    def write_scalars(self, logs: Logs, step: int) -> None:
+        if (writer := self.writer) is None:
+            return
+        for key, value in logs.items():
+            writer.add_scalar(key, value, step)
+            self._last[key] = value
+
+    def _write_throughput(self, logs: Logs, step: int) -> None:
+        if not any(key.startswith("train/") for key in logs):
+            return
+        seconds = self._timer.seconds_per_step(step)
+        if seconds is None or seconds <= 0 or (writer := self.writer) is None:
+            return
+        writer.add_scalar("perf/step_time_s", seconds, step)
+        writer.add_scalar("perf/steps_per_s", 1.0 / seconds, step)
+        examples, tokens = self.examples_per_step, self.tokens_per_step
+        batch = getattr(self.trainer, "last_batch", None)
+        if examples is None and batch is not None:
+            examples, tokens = batch_size_and_tokens(batch)
+        if examples is not None:
+            writer.add_scalar("perf/examples_per_s", examples / seconds, step)
+        if tokens is not None:
+            writer.add_scalar("perf/tokens_per_s", tokens / seconds, step)
+
+    def _write_config(self, writer: SummaryWriter, step: int) -> None:
+        flat = flatten_config(self.trainer.config)
+        rows = [[key, repr(value)] for key, value in sorted(flat.items())]
+        text = _markdown(["key", "value"], rows) if rows else "(no config)"
+        writer.add_text("config", text, step)
+
+    def _write_sharding(self, writer: SummaryWriter, step: int) -> None:
+        rows = sharding_table(nnx.state(self.trainer.model, nnx.Param))
+        total = sum(row["bytes_per_device"] for row in rows)
+        mesh = dict(self.trainer.mesh.shape)
+        header = f"strategy: `{self.trainer.strategy!r}`, mesh: `{mesh}`\n\n"
+        table = _markdown(
+            ["parameter", "shape", "dtype", "spec", "bytes/device"],
+            [[r["path"], r["shape"], r["dtype"], r["spec"], r["bytes_per_device"]] for r in rows]
+            + [["**total**", "", "", "", total]],
+        )
+        writer.add_text("sharding", header + table, step)
+
+    def write_histograms(self, step: int) -> None:
+        if (writer := self.writer) is None:
+            return
+        params = nnx.state(self.trainer.model, nnx.Param)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if not leaf.is_fully_addressable:
+                # Gathering needs every process to join; process 0 alone cannot.
+                warnings.warn(
+                    f"TensorBoard: no histogram for {path_name(path)} (multi-process).",
+                    stacklevel=2,
+                )
+                continue
+            writer.add_histogram(f"params/{path_name(path)}", np.asarray(leaf, np.float32), step)
+
+    def _write_hparams(self, writer: SummaryWriter) -> None:
+        hparams = {k: _hparam_value(v) for k, v in flatten_config(self.trainer.config).items()}
+        metrics = {k: v for k, v in self._last.items() if math.isfinite(v)}
+        if hparams and metrics:
+            writer.add_hparams(hparams, metrics, name="hparams", global_step=self.trainer.step)
+
+    # -- hooks -------------------------------------------------------------------------
+    @override
+    def on_train_begin(self, logs: Logs) -> None:
+        self._timer.start(self.trainer.step)
+        if (writer := self.writer) is None:
+            return
+        if self.write_config:
+            self._write_config(writer, self.trainer.step)
+        if self.write_sharding:
+            self._write_sharding(writer, self.trainer.step)
+        writer.flush()
+
+    @override
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        if logs:
+            self.write_scalars(logs, step)
+            self._write_throughput(logs, step)
+        if self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0:
+            self.write_histograms(step)
+
+    @override
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        self.write_scalars(logs, self.trainer.step)
+        self._write_throughput(logs, self.trainer.step)
+
+    @override
+    def on_test_begin(self, logs: Logs) -> None:
+        self._timer.pause()
+
+    @override
+    def on_test_end(self, logs: Logs) -> None:
+        self._timer.resume()
+        self.write_scalars(logs, self.trainer.step)
+        if self._writer is not None:
+            self._writer.flush()  # evaluations are rare and worth seeing at once
+
+    @override
+    def on_train_end(self, logs: Logs) -> None:
+        self.write_scalars(logs, self.trainer.step)
+        self._write_throughput(logs, self.trainer.step)
+        if (writer := self.writer) is None:
+            return
+        if self.write_hparams:
+            self._write_hparams(writer)
+        self.close()
+
+    def close(self) -> None:
+        """Flushes and closes the writer; a later write opens a new event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
