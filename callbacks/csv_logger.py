@@ -9,9 +9,7 @@ from pathlib import Path
 import jax
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 class CSVLogger(Callback):

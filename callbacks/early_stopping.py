@@ -7,9 +7,7 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 class EarlyStopping(Callback):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 class LambdaCallback(Callback):

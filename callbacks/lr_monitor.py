@@ -10,9 +10,7 @@ import numpy as np
 from flax import nnx
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 def find_hyperparam(opt_state: Any, name: str = "learning_rate") -> Any | None:

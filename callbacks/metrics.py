@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
+from nnx_spmd_trainer import Callback, Logs
 
 
 class MetricsLogger(Callback):
@@ -36,6 +36,6 @@ class MetricsLogger(Callback):
         self.log_every_n_steps = log_every_n_steps
 
     @override
-    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if step % self.log_every_n_steps == 0:
             logs.update(self.trainer.flush_train_metrics())

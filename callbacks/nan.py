@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -10,9 +9,7 @@ import jax
 import numpy as np
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 class TerminateOnNaN(Callback):
@@ -30,15 +27,12 @@ class TerminateOnNaN(Callback):
     a diverged state): on detection it sets ``trainer.stop_training = True``
     and ``trainer.nonfinite_step = <global step>``; ``trainer.nonfinite_step``
     is ``None`` until then. A checkpoint callback must skip saving while
-    ``getattr(trainer, "nonfinite_step", None) is not None``. This callback
+    ``trainer.nonfinite_step is not None``. This callback
     runs early (``order = -80``: after ``MetricsLogger``, before writers and
     checkpoints at order 0), so within any hook where it checks, a later
     callback already sees the flag. With ``check_every_n_steps=n > 1`` only
     steps that are multiples of ``n`` (and epoch/fit ends) are checked: save
     checkpoints at multiples of ``n`` for the guarantee to hold.
-
-    Without ``trainer.last_loss`` (older core) it falls back to
-    ``logs["train/loss"]``, the average loss at log points.
 
     Attributes:
       stopped_step: the global step whose loss was first non-finite, or ``None``
@@ -65,7 +59,7 @@ class TerminateOnNaN(Callback):
         self._pending.clear()
         self.stopped_step = step
         self.trainer.stop_training = True
-        self.trainer.nonfinite_step = step  # type: ignore[attr-defined]  # the contract above
+        self.trainer.nonfinite_step = step
         warnings.warn(
             f"TerminateOnNaN: the loss is {value} at step {step}; training stopped at step "
             f"{self.trainer.step}. Checkpoints after this point must not be saved.",
@@ -85,39 +79,34 @@ class TerminateOnNaN(Callback):
             return True
         return False
 
-    def _check(self, logs: Logs) -> None:
-        if self.stopped_step is not None or self._check_pending():
-            return
-        # No kept losses (older core): the average loss of the log window is all we have.
-        loss = logs.get("train/loss")
-        if loss is not None and not math.isfinite(loss):
-            self._stop(self.trainer.step, loss)
+    def _check(self) -> None:
+        if self.stopped_step is None:
+            self._check_pending()
 
     @override
     def on_train_begin(self, logs: Logs) -> None:
         # A new fit (typically after restoring a good checkpoint) starts clean.
         self._pending.clear()
         self.stopped_step = None
-        self.trainer.nonfinite_step = None  # type: ignore[attr-defined]
+        self.trainer.nonfinite_step = None
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self.stopped_step is not None:
             return
-        loss = getattr(self.trainer, "last_loss", None)
-        if loss is not None:
-            self._pending.append((step, loss))
+        assert self.trainer.last_loss is not None
+        self._pending.append((step, self.trainer.last_loss))
         # At a log point the devices were just synced for the metrics: checking is free.
         if step % self.check_every_n_steps == 0 or "train/loss" in logs:
-            self._check(logs)
+            self._check()
 
     @override
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self._check(logs)
+        self._check()
 
     @override
     def on_train_end(self, logs: Logs) -> None:
-        self._check(logs)
+        self._check()
         self._pending.clear()
 
     @override

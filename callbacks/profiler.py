@@ -8,9 +8,7 @@ from typing import Any
 import jax
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 class Profiler(Callback):

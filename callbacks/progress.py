@@ -9,9 +9,7 @@ import jax
 from tqdm.auto import tqdm
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
-
-Logs = dict[str, float]
+from nnx_spmd_trainer import Callback, Logs
 
 
 def format_logs(logs: Logs) -> str:
@@ -69,7 +67,7 @@ class ProgressBar(Callback):
         if use_tqdm:
             total = self.total
             if total is None:
-                total = getattr(self.trainer, "max_steps", None)
+                total = self.trainer.max_steps
             self._bar = tqdm(total=total, initial=self.trainer.step, file=self._out, desc="train")
 
     @override

@@ -15,11 +15,9 @@ from flax import nnx
 from tensorboardX import SummaryWriter
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback
+from nnx_spmd_trainer import Callback, Logs
 
 from .throughput import Throughput, batch_size_and_tokens
-
-Logs = dict[str, float]
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -157,7 +155,7 @@ class TensorBoard(Callback):
         writer.add_scalar("perf/step_time_s", seconds, step)
         writer.add_scalar("perf/steps_per_s", 1.0 / seconds, step)
         examples, tokens = self.examples_per_step, self.tokens_per_step
-        batch = getattr(self.trainer, "last_batch", None)
+        batch = self.trainer.last_batch
         if examples is None and batch is not None:
             examples, tokens = batch_size_and_tokens(batch)
         if examples is not None:

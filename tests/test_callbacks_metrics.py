@@ -3,8 +3,9 @@
 import numpy as np
 import optax
 import pytest
-from nnx_spmd_trainer.callbacks import LambdaCallback, MetricsLogger
 from test_callbacks_helpers import make_batches, make_trainer, np_metrics, params_np
+
+from nnx_spmd_trainer.callbacks import LambdaCallback, MetricsLogger
 
 
 def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices():

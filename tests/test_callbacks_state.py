@@ -6,6 +6,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_callbacks_helpers import make_batches, make_trainer, np_sgd, params_np
+
+from nnx_spmd_trainer import Callback
 from nnx_spmd_trainer.callbacks import (
     EarlyStopping,
     LambdaCallback,
@@ -13,9 +16,6 @@ from nnx_spmd_trainer.callbacks import (
     Profiler,
     TerminateOnNaN,
 )
-from test_callbacks_helpers import make_batches, make_trainer, np_sgd, params_np
-
-from nnx_spmd_trainer import Callback
 
 
 def test_early_stopping_state_round_trips_and_a_resumed_run_keeps_its_patience():

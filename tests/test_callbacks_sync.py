@@ -26,6 +26,9 @@ import io
 import jax.numpy as jnp
 import optax
 import pytest
+from test_callbacks_helpers import make_batches, make_trainer
+
+from nnx_spmd_trainer import Callback, Trainer
 from nnx_spmd_trainer.callbacks import (
     CSVLogger,
     EarlyStopping,
@@ -37,9 +40,6 @@ from nnx_spmd_trainer.callbacks import (
     TensorBoard,
     TerminateOnNaN,
 )
-from test_callbacks_helpers import make_batches, make_trainer
-
-from nnx_spmd_trainer import Callback, Trainer
 
 
 class HostReads:

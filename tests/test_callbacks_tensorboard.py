@@ -8,13 +8,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from nnx_spmd_trainer.callbacks import LearningRateMonitor, MetricsLogger, TensorBoard
-from nnx_spmd_trainer.callbacks.tensorboard import flatten_config, sharding_table
-from nnx_spmd_trainer.callbacks.throughput import Throughput, batch_size_and_tokens
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_callbacks_helpers import make_batches, make_trainer, np_sgd, params_np
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Trainer
+from nnx_spmd_trainer.callbacks import LearningRateMonitor, MetricsLogger, TensorBoard
+from nnx_spmd_trainer.callbacks.tensorboard import flatten_config, sharding_table
+from nnx_spmd_trainer.callbacks.throughput import Throughput, batch_size_and_tokens
 
 
 def _read(logdir) -> EventAccumulator:

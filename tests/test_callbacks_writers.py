@@ -6,6 +6,8 @@ import io
 import numpy as np
 import optax
 import pytest
+from test_callbacks_helpers import make_batches, make_trainer
+
 from nnx_spmd_trainer.callbacks import (
     CSVLogger,
     LearningRateMonitor,
@@ -14,7 +16,6 @@ from nnx_spmd_trainer.callbacks import (
     ProgressBar,
 )
 from nnx_spmd_trainer.callbacks.lr_monitor import find_hyperparam
-from test_callbacks_helpers import make_batches, make_trainer
 
 
 def _fit(trainer, steps=6, eval_every=3):
