@@ -34,10 +34,12 @@ STRATEGIES = {
 class MLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, width: int = 256) -> None:
         init = nnx.initializers.lecun_normal()
-        self.l1 = nnx.Linear(64, width, kernel_init=nnx.with_partitioning(init, (None, "model")),
-                             rngs=rngs)
-        self.l2 = nnx.Linear(width, 10, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                             rngs=rngs)
+        self.l1 = nnx.Linear(
+            64, width, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs
+        )
+        self.l2 = nnx.Linear(
+            width, 10, kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.l2(nnx.relu(self.l1(x)))
@@ -50,8 +52,13 @@ def loss_fn(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
 
 def batches(n: int, size: int = 64) -> list[dict]:
     rng = np.random.default_rng(0)
-    return [{"x": rng.normal(size=(size, 64)).astype(np.float32),
-             "y": rng.integers(0, 10, size).astype(np.int32)} for _ in range(n)]
+    return [
+        {
+            "x": rng.normal(size=(size, 64)).astype(np.float32),
+            "y": rng.integers(0, 10, size).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
 
 
 def time_trainer(trainer: Trainer, data: list[dict]) -> float:
@@ -74,8 +81,12 @@ def time_hand_written(trainer: Trainer, data: list[dict]) -> float:
         optimizer.update(model, grads)
         return nnx.state(objects), loss
 
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding),
-                     out_shardings=(shardings, None), donate_argnums=0)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
     state = jax.device_put(jax.tree.map(lambda x: x.copy(), state), shardings)
     place = lambda b: jax.device_put(b, batch_sharding)
     with jax.set_mesh(trainer.mesh):
@@ -99,14 +110,17 @@ def main() -> None:
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="hybrid")
     args = parser.parse_args()
     data = batches(args.steps)
-    trainer = Trainer(lambda r: MLP(r), optax.adam(1e-3), strategy=STRATEGIES[args.strategy](),
-                      loss_fn=loss_fn)
+    trainer = Trainer(
+        lambda r: MLP(r), optax.adam(1e-3), strategy=STRATEGIES[args.strategy](), loss_fn=loss_fn
+    )
     ours, hand = [], []
     for _ in range(args.rounds):
         ours.append(time_trainer(trainer, data))
         hand.append(time_hand_written(trainer, data))
-    print(f"devices={jax.device_count()} strategy={trainer.strategy!r} steps={args.steps} "
-          f"rounds={args.rounds}")
+    print(
+        f"devices={jax.device_count()} strategy={trainer.strategy!r} steps={args.steps} "
+        f"rounds={args.rounds}"
+    )
     print(f"trainer      median {statistics.median(ours) * 1e3:.3f} ms/step")
     print(f"hand-written median {statistics.median(hand) * 1e3:.3f} ms/step")
     print(f"ratio trainer/hand-written = {statistics.median(ours) / statistics.median(hand):.3f}")

@@ -118,7 +118,9 @@ class CallbackList:
         if hook not in self._bound:
             base = getattr(Callback, hook)
             self._bound[hook] = [
-                getattr(c, hook) for c in self.callbacks if getattr(type(c), hook) is not base
+                getattr(c, hook)
+                for c in self.callbacks
+                if getattr(type(c), hook) is not base
                 or hook in vars(c)  # a hook set on the instance (LambdaCallback style)
             ]
         for method in self._bound[hook]:

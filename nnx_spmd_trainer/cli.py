@@ -6,8 +6,8 @@
 
 ``--config`` takes a config file path, or the name of a config shipped in
 ``nnx_spmd_trainer.configs``; ``--config.key=value`` overrides any key, and a
-key the config does not have is an error. Logs, TensorBoard events and
-checkpoints go under ``--workdir`` (default ``runs/<config name>``).
+key the config does not have is an error. Logs and TensorBoard events go
+under ``--workdir`` (default ``runs/<config name>``).
 
 Without an accelerator, ``config.num_devices`` CPU devices are simulated
 (``--xla_force_host_platform_device_count``) unless ``XLA_FLAGS`` already sets a count.
@@ -17,37 +17,32 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.resources
 import importlib.util
-import json
 import os
 import pkgutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
 import ml_collections
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
+from tqdm.auto import tqdm
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _configs_dir() -> Path:
-    from nnx_spmd_trainer import configs  # wherever the install put the package
-
-    return Path(configs.__file__).resolve().parent
-
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    default=str(_configs_dir() / "default.py"),
-    help_string="Config file, or the name of an embedded config (default, dp, fsdp, tp, "
-    "hybrid, mlp, cnn). Override keys with --config.key=value.",
-    lock_config=True,
+# callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
+from nnx_spmd_trainer import (  # type: ignore[attr-defined]
+    Callback,
+    History,
+    Trainer,
+    callbacks,
+    tasks,
 )
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+#: The shipped configs, wherever the install put them (package-dir mapping of configs/).
+CONFIGS_DIR = Path(str(importlib.resources.files("nnx_spmd_trainer.configs")))
 
 
 # -- devices ---------------------------------------------------------------------------
@@ -79,147 +74,12 @@ def simulate_host_devices(num_devices: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags_now} {HOST_DEVICES_FLAG}={num_devices}".strip()
 
 
-# -- what a config builds ----------------------------------------------------------------
-def parse_strategy(spec: str) -> Any:
-    """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
-
-    Members are ``name[=size]`` (``name:size`` also works), in mesh order;
-    names ``data``/``dp``, ``fsdp``, ``model``/``tp``; a missing size is -1
-    ("all devices left"). One member gives that strategy, several a Hybrid.
-
-    >>> parse_strategy("data")
-    DataParallel()
-    >>> parse_strategy("data=2, fsdp=2, tp=2")
-    Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
-    """
-    from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
-
-    kinds = {"data": DataParallel, "dp": DataParallel, "fsdp": FSDP, "model": TensorParallel}
-    kinds["tp"] = TensorParallel
-    members = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, size = part.replace(":", "=").partition("=")
-        kind = kinds.get(name.strip().lower())
-        if kind is None:
-            raise ValueError(
-                f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
-                "data (or dp), fsdp, model (or tp), e.g. 'fsdp=4,model=2'."
-            )
-        try:
-            members.append(kind(int(size) if size.strip() else -1))
-        except ValueError:
-            raise ValueError(f"Size {size!r} of {name.strip()!r} in strategy {spec!r} is not an integer.") from None
-    if not members:
-        raise ValueError(f"Strategy {spec!r} names no member; use e.g. 'data' or 'fsdp=4,model=2'.")
-    return members[0] if len(members) == 1 else Hybrid(*members)
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> Any:
-    """AdamW with global-norm clipping; warmup then cosine decay, injected so it is visible.
-
-    ``optax.inject_hyperparams`` keeps the current learning rate in the
-    optimizer state (``hyperparams["learning_rate"]``) for LearningRateMonitor.
-    """
-    import optax
-
-    warmup = min(config.warmup_steps, config.max_steps // 2)
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=config.learning_rate,
-        warmup_steps=warmup,
-        decay_steps=max(config.max_steps, warmup + 1),
-        end_value=config.learning_rate * config.end_lr_fraction,
-    )
-
-    def adamw(learning_rate: Any) -> optax.GradientTransformation:
-        return optax.chain(
-            optax.clip_by_global_norm(config.grad_clip_norm),
-            optax.adamw(learning_rate, weight_decay=config.weight_decay),
-        )
-
-    return optax.inject_hyperparams(adamw)(learning_rate=schedule)
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """A model factory, its loss, and the data it learns."""
-
-    model: Callable[[Any], Any]
-    loss_fn: Callable[..., Any]
-    splits: Any  # nnx_spmd_trainer.datasets.Splits
-
-
-def build_task(config: ml_collections.ConfigDict, *, shard: tuple[int, int] = (0, 1)) -> Task:
-    """The model, loss and data that ``config.model`` names ("gpt", "mlp" or "cnn")."""
-    from nnx_spmd_trainer import datasets, models
-
-    per_process = config.batch_size // shard[1]
-    max_eval = config.max_eval_batches or None
-    name = config.model
-    if name not in ("gpt", "mlp", "cnn"):
-        raise ValueError(f"config.model={name!r} is not one of 'gpt', 'mlp', 'cnn'.")
-    if name not in config:
-        raise ValueError(
-            f"config.model={name!r} needs a config.{name} block with its sizes; "
-            f"start from configs/{'default' if name == 'gpt' else name}.py."
-        )
-    sizes = config[name]
-    if name == "gpt":
-        tokenizer, splits = datasets.char_lm_splits(
-            seq_len=sizes.seq_len,
-            batch_size=per_process,
-            seed=config.seed,
-            eval_fraction=config.eval_fraction,
-            max_eval_batches=max_eval,
-            shard=shard,
-        )
-        kwargs = {k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")}
-        return Task(
-            lambda rngs: models.GPT(
-                vocab_size=tokenizer.vocab_size, dropout_rate=sizes.dropout_rate, rngs=rngs, **kwargs
-            ),
-            models.gpt.loss_fn,
-            splits,
-        )
-    if name == "mlp":
-        splits = datasets.classification_splits(
-            num_features=sizes.num_features,
-            num_classes=sizes.num_classes,
-            batch_size=per_process,
-            seed=config.seed,
-            shard=shard,
-        )
-        return Task(
-            lambda rngs: models.MLP(
-                sizes.num_features,
-                sizes.hidden_dim,
-                sizes.num_classes,
-                dropout_rate=sizes.dropout_rate,
-                rngs=rngs,
-            ),
-            models.mlp.loss_fn,
-            splits,
-        )
-    splits = datasets.image_splits(
-        image_size=sizes.image_size,
-        num_classes=sizes.num_classes,
-        batch_size=per_process,
-        seed=config.seed,
-        shard=shard,
-    )
-    return Task(
-        lambda rngs: models.CNN(1, sizes.channels, sizes.num_classes, rngs=rngs),
-        models.mlp.loss_fn,
-        splits,
-    )
-
-
 # -- the run ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     """What ``run`` returns: the history, the final held-out loss and the baseline it must beat."""
 
-    history: Any  # nnx_spmd_trainer.History
+    history: History
     eval_loss: float
     baseline: float
     baseline_name: str
@@ -229,71 +89,56 @@ class RunResult:
         return self.eval_loss < self.baseline
 
 
-def _callbacks(config: ml_collections.ConfigDict, workdir: Path, report: Any) -> list[Any]:
-    from nnx_spmd_trainer import callbacks
+class BaselineReport(Callback):
+    """Prints each held-out loss next to the baseline it must beat (process 0)."""
 
-    # --- TEMPORARY: remove once callbacks/ ships OrbaxCheckpoint ----------------------
-    try:
-        from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
-    except ImportError:
-        OrbaxCheckpoint = None  # noqa: N806
-    # --- end TEMPORARY -------------------------------------------------------------------
-    chosen = [
+    def __init__(self, baseline: float, baseline_name: str) -> None:
+        self.baseline = baseline
+        self.baseline_name = baseline_name
+
+    def on_test_end(self, logs: dict[str, float]) -> None:
+        if "eval/loss" in logs and jax.process_index() == 0:
+            _say(
+                f"step {self.trainer.step}: eval loss {logs['eval/loss']:.4f} "
+                f"({self.baseline_name} {self.baseline:.4f})"
+            )
+
+
+def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Callback]:
+    """Metrics every ``log_every_n_steps``, lr, TensorBoard, progress, CSV."""
+    return [
         callbacks.MetricsLogger(config.log_every_n_steps),
         callbacks.LearningRateMonitor(),
         callbacks.TensorBoard(workdir / "tb"),
         callbacks.ProgressBar(),
         callbacks.CSVLogger(workdir / "metrics.csv"),
-        report,
     ]
-    if OrbaxCheckpoint is not None:
-        every = config.checkpoint_every_n_steps or config.max_steps
-        chosen.append(OrbaxCheckpoint(workdir / "ckpt", save_every_n_steps=every))
-    return chosen
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> RunResult:
-    """Trains the model ``config`` describes and evaluates it; ``main`` without the flags.
+    """Trains the model ``config`` describes and evaluates it: ``main`` without the flags.
 
     JAX must already see enough devices for ``config.strategy`` (see
-    ``simulate_host_devices``).
+    ``simulate_host_devices``). Writes ``config.json``, ``metrics.csv``, ``tb/``
+    under ``workdir``.
     """
-    import jax
-
-    from nnx_spmd_trainer import Callback, Trainer
-    from nnx_spmd_trainer.callbacks.progress import format_logs
-
     workdir = Path(workdir)
-    strategy = parse_strategy(config.strategy)
-    task = build_task(config, shard=(jax.process_index(), jax.process_count()))
+    strategy = tasks.parse_strategy(config.strategy)
+    task = tasks.build_task(config, shard=(jax.process_index(), jax.process_count()))
     splits = task.splits
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-
-    class EvalReport(Callback):
-        """Prints each held-out loss next to the baseline it must beat."""
-
-        def on_test_end(self, logs: dict[str, float]) -> None:
-            if "eval/loss" in logs and jax.process_index() == 0:
-                _say(
-                    f"step {self.trainer.step}: eval loss {logs['eval/loss']:.4f} "
-                    f"({splits.baseline_name} {splits.baseline:.4f})"
-                )
-
-    from clu import metrics as clu_metrics
-
-    metrics = clu_metrics.Collection.create(
-        loss=clu_metrics.Average.from_output("loss"),
-        accuracy=clu_metrics.Average.from_output("accuracy"),
-    )
     trainer = Trainer(
         task.model,
-        make_optimizer(config),
+        tasks.make_optimizer(config),
         strategy=strategy,
         loss_fn=task.loss_fn,
-        metrics=metrics,
-        callbacks=_callbacks(config, workdir, EvalReport()),
+        metrics=tasks.Metrics,
+        callbacks=[
+            *make_callbacks(config, workdir),
+            BaselineReport(splits.baseline, splits.baseline_name),
+        ],
         seed=config.seed,
         grad_accum_steps=config.grad_accum_steps,
         max_steps_in_flight=config.max_steps_in_flight,
@@ -302,63 +147,106 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     _say(
         f"{config.model} on {trainer.num_devices} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}), {config.max_steps} steps of "
-        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; workdir {workdir}"
+        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
+        f"workdir {workdir}"
     )
     history = trainer.fit(
-        iter(splits.train),  # one iterator: a second fit continues the stream
+        iter(splits.train),  # one iterator: a second fit would continue the stream
         eval_data=splits.eval,
         max_steps=config.max_steps,
         eval_every_n_steps=config.eval_every_n_steps or None,
     )
-    eval_loss = history.history["eval/loss"][-1]
-    result = RunResult(history, eval_loss, splits.baseline, splits.baseline_name)
+    result = RunResult(
+        history, history.history["eval/loss"][-1], splits.baseline, splits.baseline_name
+    )
     verdict = "beats" if result.beats_baseline else "does NOT beat"
-    finals = {k: v[-1] for k, v in history.history.items() if k.startswith("eval/")}
+    accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
     _say(
-        f"final after {trainer.step} steps: {format_logs(finals)}; {verdict} the "
-        f"{splits.baseline_name} {splits.baseline:.4f} by {splits.baseline - eval_loss:+.4f} nats"
+        f"final after {trainer.step} steps: eval loss {result.eval_loss:.4f} (accuracy "
+        f"{accuracy:.3f}); {verdict} the {splits.baseline_name} {splits.baseline:.4f} "
+        f"by {splits.baseline - result.eval_loss:+.4f} nats"
     )
     return result
 
 
 def _say(line: str) -> None:
-    from tqdm.auto import tqdm
-
     tqdm.write(line, file=sys.stdout)  # does not tear a progress bar on a terminal
 
 
 # -- command line -------------------------------------------------------------------------
-def _resolve_config_arg(argv: Sequence[str]) -> list[str]:
-    """``--config=tp`` or a ``configs/tp.py`` missing from the cwd -> the embedded file."""
-    resolved = []
-    for arg in argv:
+def _embedded(value: str) -> str:
+    """A config path, or the embedded file when it names a shipped config missing from the cwd."""
+    path, colon, rest = value.partition(":")  # config_flags passes "file.py:arg" on to get_config
+    name = Path(path).name.removesuffix(".py")
+    embedded = CONFIGS_DIR / f"{name}.py"
+    if not Path(path).exists() and embedded.exists() and not name.startswith("_"):
+        return f"{embedded}{colon}{rest}"
+    return value
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """Resolves ``--config`` (a path, or ``tp`` / ``configs/tp.py`` from any cwd) and makes
+    it explicit: ``--config=<embedded default.py>`` is inserted when absent, so every
+    override is checked against the config at parse time."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
         if arg.startswith("--config="):
-            value = arg.removeprefix("--config=")
-            path, colon, rest = value.partition(":")
-            if not Path(path).exists():
-                name = Path(path).name.removesuffix(".py")
-                embedded = _configs_dir() / f"{name}.py"
-                if embedded.exists() and not name.startswith("_"):
-                    arg = f"--config={embedded}{colon}{rest}"
-        resolved.append(arg)
-    return resolved
+            argv[i] = "--config=" + _embedded(arg.removeprefix("--config="))
+            return argv
+        if arg == "--config" and i + 1 < len(argv):
+            argv[i + 1] = _embedded(argv[i + 1])
+            return argv
+    return [*argv[:1], f"--config={CONFIGS_DIR / 'default.py'}", *argv[1:]]
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, plus a clear message for an override naming a key the config lacks."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError) as error:  # ml_collections raises these, not flags.Error
+        detail: object = error
+        while isinstance(detail, BaseException) and detail.args:
+            detail = detail.args[0]
+        key, _, hint = str(detail).partition("\n")
+        overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+        files = [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
+        sys.stderr.write(
+            f"FATAL Flags parsing error: the config has no key {key} "
+            f"(overrides given: {', '.join(overrides)}).{' ' + hint if hint else ''}\n"
+            f"A --config.KEY=VALUE override must name a key defined in {', '.join(files)}.\n"
+        )
+        sys.exit(1)
 
 
 def _main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    config = _CONFIG.value
+    if not flags.FLAGS["verbosity"].present:  # absl's INFO default floods the run's output
+        logging.set_verbosity(logging.WARNING)
+    config = flags.FLAGS.config
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
-    workdir = _WORKDIR.value or os.path.join("runs", Path(config_path).stem)
+    workdir = flags.FLAGS.workdir or os.path.join("runs", Path(config_path).stem)
     simulate_host_devices(config.num_devices)
     run(config, workdir)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The console entry point: parses flags (absl) and runs; exits non-zero on failure."""
-    argv = _resolve_config_arg(sys.argv if argv is None else argv)
-    app.run(_main, argv=argv)
+    """The console entry point: parses flags (absl) and runs; exits non-zero on failure.
+
+    Call it once per process (absl parses flags once).
+    """
+    argv = normalize_argv(sys.argv if argv is None else argv)
+    config_flags.DEFINE_config_file(
+        "config",
+        default=None,  # normalize_argv always names one
+        help_string="Config file, or the name of an embedded config (default, dp, fsdp, tp, "
+        "hybrid, mlp, cnn). Override keys with --config.key=value.",
+        lock_config=True,
+        sys_argv=argv,
+    )
+    flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+    app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,7 @@ def _axis_names(target: AxisTarget) -> tuple[str, ...]:
 def _describe(path: str, shape: Sequence[int], annotation: object, mesh: Mapping[str, int]) -> str:
     where = path or "<leaf>"
     return (
-        f"parameter {where} with shape {tuple(shape)}, annotation {annotation}, "
-        f"mesh {dict(mesh)}"
+        f"parameter {where} with shape {tuple(shape)}, annotation {annotation}, mesh {dict(mesh)}"
     )
 
 

@@ -66,7 +66,9 @@ def make_train_step(
         model_def, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
         def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
-            module = nnx.merge(model_def, params, rest)
+            module = nnx.merge(
+                model_def, params, rest, copy=True
+            )  # fresh vars: dropout mutates RNG counts
             loss, aux = loss_fn(module, batch)
             return loss, (aux, nnx.state(module, nnx.Not(nnx.Param)))
 

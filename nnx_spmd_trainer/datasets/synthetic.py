@@ -90,10 +90,16 @@ def classification_splits(
     num_eval: int = 1024,
     shard: tuple[int, int] = (0, 1),
 ) -> Splits:
-    """Train/eval batches ``{"inputs": float32 (B, F), "labels": int32 (B,)}`` of the teacher task."""
+    """Batches ``{"inputs": float32 (B, F), "labels": int32 (B,)}`` of the teacher task."""
     x, labels = make_classification(num_examples, num_features, num_classes, seed=seed)
     return _splits(
-        x, labels, num_classes=num_classes, num_eval=num_eval, batch_size=batch_size, seed=seed, shard=shard
+        x,
+        labels,
+        num_classes=num_classes,
+        num_eval=num_eval,
+        batch_size=batch_size,
+        seed=seed,
+        shard=shard,
     )
 
 
@@ -107,8 +113,14 @@ def image_splits(
     num_eval: int = 512,
     shard: tuple[int, int] = (0, 1),
 ) -> Splits:
-    """Train/eval batches ``{"inputs": float32 (B, H, W, 1), "labels": int32 (B,)}`` of bar images."""
+    """Batches ``{"inputs": float32 (B, H, W, 1), "labels": int32 (B,)}`` of bar images."""
     x, labels = make_images(num_examples, image_size, num_classes, seed=seed)
     return _splits(
-        x, labels, num_classes=num_classes, num_eval=num_eval, batch_size=batch_size, seed=seed, shard=shard
+        x,
+        labels,
+        num_classes=num_classes,
+        num_eval=num_eval,
+        batch_size=batch_size,
+        seed=seed,
+        shard=shard,
     )

@@ -70,7 +70,9 @@ class CharTokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """``ids -> str``; padding ids (``>= num_chars``) decode to nothing."""
-        return "".join(self.chars[i] for i in np.asarray(ids).ravel().tolist() if i < self.num_chars)
+        return "".join(
+            self.chars[i] for i in np.asarray(ids).ravel().tolist() if i < self.num_chars
+        )
 
 
 def split_tokens(tokens: np.ndarray, eval_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -182,9 +184,15 @@ def char_lm_splits(
     text = load_text() if text is None else text
     tokenizer = CharTokenizer(text)
     train_tokens, eval_tokens = split_tokens(tokenizer.encode(text), eval_fraction)
-    train = train_batches(train_tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, shard=shard)
+    train = train_batches(
+        train_tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, shard=shard
+    )
     held_out = eval_batches(
-        eval_tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_eval_batches, shard=shard
+        eval_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_batches=max_eval_batches,
+        shard=shard,
     )
     # the baseline scores exactly the targets the model is evaluated on
     num_windows = len(held_out) * batch_size * shard[1]

@@ -49,7 +49,8 @@ class TransformerBlock(nnx.Module):
 
     Dropout follows ``model.train()`` / ``model.eval()`` (the Trainer sets them).
 
-    >>> block = TransformerBlock(64, 8, 256, 0.1, rngs=nnx.Rngs(0))
+    >>> with nnx.use_eager_sharding(False):  # outside a mesh; the Trainer builds it inside one
+    ...     block = TransformerBlock(64, 8, 256, 0.1, rngs=nnx.Rngs(0))
     >>> block.eval()
     >>> block(jnp.ones((2, 16, 64))).shape
     (2, 16, 64)
@@ -118,8 +119,9 @@ class GPT(nnx.Module):
     head are split along the vocabulary, so ``vocab_size`` must be divisible by
     the ``model`` axis (``CharTokenizer`` pads its vocabulary to a multiple of 8).
 
-    >>> model = GPT(vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
-    ...             num_layers=1, dropout_rate=0.0, rngs=nnx.Rngs(0))
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = GPT(vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
+    ...                 num_layers=1, dropout_rate=0.0, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 16)
     """
@@ -145,7 +147,10 @@ class GPT(nnx.Module):
         self.pos_embed = nnx.Embed(seq_len, embed_dim, embedding_init=embed_init, rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
         self.blocks = nnx.List(
-            [TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs) for _ in range(num_layers)]
+            [
+                TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs)
+                for _ in range(num_layers)
+            ]
         )
         self.layer_norm = _layer_norm(embed_dim, rngs)
         self.head = nnx.Linear(
@@ -159,7 +164,9 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         seq_len = tokens.shape[-1]
         if seq_len > self.seq_len:
-            raise ValueError(f"GPT was built for seq_len={self.seq_len}; got tokens of length {seq_len}.")
+            raise ValueError(
+                f"GPT was built for seq_len={self.seq_len}; got tokens of length {seq_len}."
+            )
         x = self.token_embed(tokens) + self.pos_embed(jnp.arange(seq_len))
         x = self.dropout(x)
         for block in self.blocks:
@@ -167,7 +174,9 @@ class GPT(nnx.Module):
         return self.head(self.layer_norm(x))
 
 
-def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_fn(
+    model: nnx.Module, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``.
 
     ``aux`` holds the token accuracy, a scalar, for a metrics collection to average.

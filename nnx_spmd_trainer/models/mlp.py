@@ -28,7 +28,8 @@ class MLP(nnx.Module):
     Each device computes a slice of the hidden layer; the second matmul sums
     the slices (one all-reduce per layer pair, the Megatron layout).
 
-    >>> model = MLP(in_features=4, hidden_dim=16, num_classes=3, rngs=nnx.Rngs(0))
+    >>> with nnx.use_eager_sharding(False):  # outside a mesh; the Trainer builds it inside one
+    ...     model = MLP(in_features=4, hidden_dim=16, num_classes=3, rngs=nnx.Rngs(0))
     >>> model(jnp.ones((2, 4))).shape
     (2, 3)
     """
@@ -65,12 +66,15 @@ class CNN(nnx.Module):
 
     Input images are ``(batch, height, width, channels)``.
 
-    >>> model = CNN(in_channels=1, channels=8, num_classes=4, rngs=nnx.Rngs(0))
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = CNN(in_channels=1, channels=8, num_classes=4, rngs=nnx.Rngs(0))
     >>> model(jnp.ones((2, 12, 12, 1))).shape
     (2, 4)
     """
 
-    def __init__(self, in_channels: int, channels: int, num_classes: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, in_channels: int, channels: int, num_classes: int, *, rngs: nnx.Rngs
+    ) -> None:
         lecun = nnx.initializers.lecun_normal()
         zeros = nnx.initializers.zeros_init()
         self.conv1 = nnx.Conv(
@@ -100,7 +104,9 @@ class CNN(nnx.Module):
         return self.head(x.mean(axis=(1, 2)))
 
 
-def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_fn(
+    model: nnx.Module, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean softmax cross entropy of ``batch["labels"]``; ``aux`` holds the accuracy."""
     logits = model(batch["inputs"]).astype(jnp.float32)
     labels = batch["labels"]

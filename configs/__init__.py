@@ -1,0 +1,11 @@
+"""Ready-made run configs for ``nnx-spmd-train`` (ml_collections ``get_config()`` files).
+
+Each module is also a file the command line loads by path::
+
+    nnx-spmd-train --config=configs/tp.py --config.max_steps=20
+
+``default`` is the run with no arguments: the small GPT on the pydoc topics,
+FSDP x tensor parallel on 8 devices. ``dp``, ``fsdp``, ``tp`` and ``hybrid``
+are the same job under other strategies; ``mlp`` and ``cnn`` train classifiers
+on synthetic data. ``_base`` holds the training settings they share.
+"""

@@ -1,0 +1,36 @@
+"""Training settings every config shares; not a run config itself.
+
+Strategy spec (``config.strategy``): comma-separated ``axis=size`` members in
+mesh order. ``data`` (or ``dp``) -> DataParallel, ``fsdp`` -> FSDP, ``model``
+(or ``tp``) -> TensorParallel; a missing size or ``-1`` means "all devices
+left". One member gives that strategy, several give a Hybrid::
+
+    "data"                     DataParallel over every device
+    "fsdp=4,model=2"           Hybrid(FSDP(4), TensorParallel(2))
+    "data=2,fsdp=2,model=2"    Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
+"""
+
+import ml_collections
+
+
+def training_config() -> ml_collections.ConfigDict:
+    """The keys the CLI reads for any model; model configs add theirs."""
+    config = ml_collections.ConfigDict()
+    config.model = ""  # "gpt", "mlp" or "cnn": selects the model, its data and loss
+    config.strategy = "data"
+    config.num_devices = 8  # simulated on the CPU when no accelerator is present
+    config.seed = 0
+    config.max_steps = 300
+    config.batch_size = 32  # global: split over the data-parallel axes
+    config.grad_accum_steps = 1
+    config.max_steps_in_flight = 2
+    # AdamW, linear warmup then cosine decay to end_lr_fraction * learning_rate
+    config.learning_rate = 3e-3
+    config.warmup_steps = 30
+    config.end_lr_fraction = 0.1
+    config.weight_decay = 0.01
+    config.grad_clip_norm = 1.0
+    config.log_every_n_steps = 50
+    config.eval_every_n_steps = 100
+    config.max_eval_batches = 8  # cap on held-out batches per evaluation (0: all)
+    return config

@@ -1,0 +1,18 @@
+"""A tiny CNN on synthetic bar-orientation images, FSDP(4) x TensorParallel(2)."""
+
+import ml_collections
+
+from nnx_spmd_trainer.configs import _base
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = _base.training_config()
+    config.model = "cnn"
+    config.strategy = "fsdp=4,model=2"
+    config.max_steps = 200
+    config.batch_size = 64
+    config.cnn = ml_collections.ConfigDict()
+    config.cnn.image_size = 16
+    config.cnn.channels = 16  # output channels split over the model axis
+    config.cnn.num_classes = 4
+    return config

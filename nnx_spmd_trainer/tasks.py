@@ -1,0 +1,160 @@
+"""What a config builds: the strategy, the optimizer, the model, its loss and data."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import optax
+from clu import metrics as clu_metrics
+
+from nnx_spmd_trainer import datasets, models
+from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+
+#: Metrics computed inside the compiled step; every example loss returns ``accuracy`` in aux.
+Metrics = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss"),
+    accuracy=clu_metrics.Average.from_output("accuracy"),
+)
+
+
+def parse_strategy(spec: str) -> Strategy:
+    """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
+
+    Members are ``name[=size]`` (``name:size`` also works), in mesh order;
+    names ``data``/``dp``, ``fsdp``, ``model``/``tp``; a missing size is -1
+    ("all devices left"). One member gives that strategy, several a Hybrid.
+
+    >>> parse_strategy("data")
+    DataParallel()
+    >>> parse_strategy("data=2, fsdp=2, tp=2")
+    Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
+    """
+    kinds: dict[str, type[Strategy]] = {
+        "data": DataParallel,
+        "dp": DataParallel,
+        "fsdp": FSDP,
+        "model": TensorParallel,
+        "tp": TensorParallel,
+    }
+    members = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, size = part.replace(":", "=").partition("=")
+        kind = kinds.get(name.strip().lower())
+        if kind is None:
+            raise ValueError(
+                f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
+                "data (or dp), fsdp, model (or tp), e.g. 'fsdp=4,model=2'."
+            )
+        try:
+            members.append(kind(int(size) if size.strip() else -1))
+        except ValueError:
+            raise ValueError(
+                f"Size {size!r} of {name.strip()!r} in strategy {spec!r} is not an integer."
+            ) from None
+    if not members:
+        raise ValueError(f"Strategy {spec!r} names no member; use e.g. 'data' or 'fsdp=4,model=2'.")
+    return members[0] if len(members) == 1 else Hybrid(*members)
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; warmup then cosine decay, injected so it is visible.
+
+    ``optax.inject_hyperparams`` keeps the current learning rate in the
+    optimizer state (``hyperparams["learning_rate"]``) for LearningRateMonitor.
+    """
+    warmup = min(config.warmup_steps, config.max_steps // 2)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(config.max_steps, warmup + 1),
+        end_value=config.learning_rate * config.end_lr_fraction,
+    )
+
+    def adamw(learning_rate: Any) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(config.grad_clip_norm),
+            optax.adamw(learning_rate, weight_decay=config.weight_decay),
+        )
+
+    return optax.inject_hyperparams(adamw)(learning_rate=schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A model factory, its loss, and the data it learns."""
+
+    model: Callable[[Any], Any]
+    loss_fn: Callable[..., Any]
+    splits: datasets.Splits
+
+
+def build_task(config: ml_collections.ConfigDict, *, shard: tuple[int, int] = (0, 1)) -> Task:
+    """The model, loss and data that ``config.model`` names ("gpt", "mlp" or "cnn")."""
+    per_process = config.batch_size // shard[1]
+    max_eval = config.max_eval_batches or None
+    name = config.model
+    if name not in ("gpt", "mlp", "cnn"):
+        raise ValueError(f"config.model={name!r} is not one of 'gpt', 'mlp', 'cnn'.")
+    if name not in config:
+        raise ValueError(
+            f"config.model={name!r} needs a config.{name} block with its sizes; "
+            f"start from configs/{'default' if name == 'gpt' else name}.py."
+        )
+    sizes = config[name]
+    if name == "gpt":
+        tokenizer, splits = datasets.char_lm_splits(
+            seq_len=sizes.seq_len,
+            batch_size=per_process,
+            seed=config.seed,
+            eval_fraction=config.eval_fraction,
+            max_eval_batches=max_eval,
+            shard=shard,
+        )
+        kwargs = {
+            k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")
+        }
+        return Task(
+            lambda rngs: models.GPT(
+                vocab_size=tokenizer.vocab_size,
+                dropout_rate=sizes.dropout_rate,
+                rngs=rngs,
+                **kwargs,
+            ),
+            models.gpt.loss_fn,
+            splits,
+        )
+    if name == "mlp":
+        splits = datasets.classification_splits(
+            num_features=sizes.num_features,
+            num_classes=sizes.num_classes,
+            batch_size=per_process,
+            seed=config.seed,
+            shard=shard,
+        )
+        return Task(
+            lambda rngs: models.MLP(
+                sizes.num_features,
+                sizes.hidden_dim,
+                sizes.num_classes,
+                dropout_rate=sizes.dropout_rate,
+                rngs=rngs,
+            ),
+            models.mlp.loss_fn,
+            splits,
+        )
+    splits = datasets.image_splits(
+        image_size=sizes.image_size,
+        num_classes=sizes.num_classes,
+        batch_size=per_process,
+        seed=config.seed,
+        shard=shard,
+    )
+    return Task(
+        lambda rngs: models.CNN(1, sizes.channels, sizes.num_classes, rngs=rngs),
+        models.mlp.loss_fn,
+        splits,
+    )

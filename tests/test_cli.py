@@ -1,0 +1,193 @@
+"""The command line: strategy specs, argv, device setup, optimizer, every config end to end."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, cli, tasks
+
+CONFIG_NAMES = sorted(p.stem for p in cli.CONFIGS_DIR.glob("*.py") if not p.name.startswith("_"))
+REQUIRED_KEYS = (
+    "max_steps", "batch_size", "seed", "strategy", "log_every_n_steps",
+    "eval_every_n_steps", "learning_rate", "grad_accum_steps",
+)  # fmt: skip
+
+
+def load(name):
+    return importlib.import_module(f"nnx_spmd_trainer.configs.{name}").get_config()
+
+
+def shrink(config):
+    """The smallest sizes every strategy in configs/ still divides."""
+    config.max_steps = 2
+    config.batch_size = 16
+    config.log_every_n_steps = 1
+    config.eval_every_n_steps = 0  # evaluate once, at the end
+    config.max_eval_batches = 1
+    if "gpt" in config:
+        config.gpt.update(seq_len=16, embed_dim=32, num_heads=8, ff_dim=64, num_layers=1)
+    if "mlp" in config:
+        config.mlp.update(hidden_dim=32)
+    if "cnn" in config:
+        config.cnn.update(image_size=8, channels=8)
+    return config
+
+
+# -- strategy specs -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("data", DataParallel()),
+        ("dp=8", DataParallel(8)),
+        ("fsdp", FSDP()),
+        ("tp:8", TensorParallel(8)),
+        ("fsdp=4,model=2", Hybrid(FSDP(4), TensorParallel(2))),
+        (" data=2, fsdp=2, tp=2 ", Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))),
+    ],
+)
+def test_parse_strategy(spec, expected):
+    assert tasks.parse_strategy(spec) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("pipeline=2", "Unknown strategy member 'pipeline'"),
+        ("fsdp=two", "not an integer"),
+        ("", "names no member"),
+    ],
+)
+def test_parse_strategy_errors_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        tasks.parse_strategy(spec)
+
+
+# -- argv and devices ---------------------------------------------------------------------
+def test_normalize_argv_makes_the_config_explicit(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: names resolve to the embedded files
+    default = str(cli.CONFIGS_DIR / "default.py")
+    assert cli.normalize_argv(["prog", "--config.max_steps=3"]) == [
+        "prog", f"--config={default}", "--config.max_steps=3",
+    ]  # fmt: skip
+    tp = str(cli.CONFIGS_DIR / "tp.py")
+    assert cli.normalize_argv(["prog", "--config=tp"])[1] == f"--config={tp}"
+    assert cli.normalize_argv(["prog", "--config", "configs/tp.py"])[2] == tp
+    assert cli.normalize_argv(["prog", "--config=tp.py:arg"])[1] == f"--config={tp}:arg"
+    assert cli.normalize_argv(["prog", f"--config={tp}"])[1] == f"--config={tp}"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tp.py").write_text("")  # a file that exists wins
+    assert cli.normalize_argv(["prog", "--config=configs/tp.py"])[1] == "--config=configs/tp.py"
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (None, "--xla_force_host_platform_device_count=8"),
+        ("--xla_dump_to=/tmp/x", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"),
+        ("--xla_force_host_platform_device_count=2", "--xla_force_host_platform_device_count=2"),
+    ],
+)
+def test_simulate_host_devices_respects_the_users_flags(monkeypatch, before, after):
+    monkeypatch.setattr(cli, "_has_accelerator", lambda: False)
+    if before is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", before)
+    cli.simulate_host_devices(8)
+    assert os.environ["XLA_FLAGS"] == after
+
+
+def test_simulate_host_devices_leaves_accelerators_alone(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    cli.simulate_host_devices(8)
+    assert "XLA_FLAGS" not in os.environ
+
+
+# -- optimizer and configs ------------------------------------------------------------
+def test_optimizer_exposes_the_scheduled_learning_rate():
+    config = load("default")
+    config.update(learning_rate=1e-2, warmup_steps=10, max_steps=100, end_lr_fraction=0.1)
+    tx = tasks.make_optimizer(config)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    rates = [float(state.hyperparams["learning_rate"])]
+    for _ in range(100):
+        _, state = tx.update({"w": jnp.ones(3)}, state, params)
+        rates.append(float(state.hyperparams["learning_rate"]))  # the rate of the last update
+    assert rates[1] == 0.0  # warmup starts at zero
+    assert max(rates) == pytest.approx(1e-2) == rates[11]
+    assert rates[-1] == pytest.approx(1e-3, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_config_has_the_common_keys(name):
+    config = load(name)
+    for key in REQUIRED_KEYS:
+        assert key in config, f"configs/{name}.py lacks {key}"
+    assert config.model in config  # the model's size block
+    tasks.parse_strategy(config.strategy)
+
+
+def test_configs_share_one_base():
+    assert {"default", "dp", "fsdp", "tp", "hybrid", "mlp", "cnn"} <= set(CONFIG_NAMES)
+    dp, default = load("dp"), load("default")
+    assert dp.strategy == "data=8" and dp.gpt == default.gpt
+
+
+# -- the command line itself ----------------------------------------------------------
+def _cli(*args, cwd, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_spmd_trainer", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_unknown_config_key_is_an_error(tmp_path):
+    proc = _cli("--config.nope=1", f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "the config has no key 'nope'" in proc.stderr
+    assert "default.py" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing ran
+    typo = _cli("--config=tp", "--config.max_step=3", cwd=tmp_path)
+    assert typo.returncode != 0 and 'Did you mean "max_steps"' in typo.stderr
+
+
+@pytest.mark.slow
+def test_default_job_end_to_end_in_a_subprocess(tmp_path):
+    proc = _cli(
+        "--workdir=out",
+        "--config.max_steps=3",
+        "--config.batch_size=16",
+        "--config.log_every_n_steps=1",
+        "--config.max_eval_batches=1",
+        "--config.gpt.seq_len=16",
+        "--config.gpt.embed_dim=32",
+        "--config.gpt.ff_dim=64",
+        "--config.gpt.num_layers=1",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 8 cpu devices" in proc.stdout  # simulated by the CLI itself
+    assert "final after 3 steps: eval loss" in proc.stdout
+    out = tmp_path / "out"
+    assert (out / "config.json").exists()
+    assert "train/loss" in (out / "metrics.csv").read_text()
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_config_runs_two_steps(name, tmp_path):
+    result = cli.run(shrink(load(name)), tmp_path)
+    assert result.history.steps["train/loss"][-1] == 2
+    assert np.isfinite(result.eval_loss) and result.baseline > 0
+    assert Path(tmp_path / "metrics.csv").exists()
