@@ -28,8 +28,8 @@ class ProgressBar(Callback):
 
     Args:
       total: the number of steps, for the bar's length and ETA (fit's
-        ``max_steps``); default ``trainer.max_steps`` if the trainer exposes
-        it, else a plain counter.
+        ``max_steps``); default ``trainer.max_steps``, or a plain counter
+        when fit runs by epochs.
       file: where to write; default ``sys.stdout`` at the time fit begins.
       use_tqdm: force the bar on or off; default: on when ``file`` is a TTY.
 

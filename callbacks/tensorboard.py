@@ -16,18 +16,9 @@ from tensorboardX import SummaryWriter
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
+from nnx_spmd_trainer.sharding import path_str
 
 from .throughput import Throughput, batch_size_and_tokens
-
-
-def path_name(path: tuple[Any, ...]) -> str:
-    """``('layers', 0, 'kernel')``-style key path -> ``"layers/0/kernel"``."""
-    parts = []
-    for key in path:
-        part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
-        if part != "value":  # the nnx.Variable wrapper, not part of the parameter's name
-            parts.append(str(part))
-    return "/".join(parts)
 
 
 def flatten_config(config: Any) -> dict[str, Any]:
@@ -59,7 +50,7 @@ def sharding_table(params: Any) -> list[dict[str, Any]]:
         shard_shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         rows.append(
             {
-                "path": path_name(path),
+                "path": path_str(path),
                 "shape": tuple(leaf.shape),
                 "dtype": str(leaf.dtype),
                 "spec": str(getattr(sharding, "spec", "")),
@@ -90,7 +81,7 @@ class TensorBoard(Callback):
       metrics: host wall time between log points, evaluation time excluded,
       never a per-step sync (the first point includes compiling the step).
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
-      or, if the trainer exposes it, ``trainer.last_batch`` (shapes only);
+      or ``trainer.last_batch`` (shapes only);
       without either, only the step rates are written;
     * at the start: the run config (``trainer.config``) and the parameter
       sharding table (path, shape, spec, bytes per device) as text;
@@ -189,11 +180,11 @@ class TensorBoard(Callback):
             if not leaf.is_fully_addressable:
                 # Gathering needs every process to join; process 0 alone cannot.
                 warnings.warn(
-                    f"TensorBoard: no histogram for {path_name(path)} (multi-process).",
+                    f"TensorBoard: no histogram for {path_str(path)} (multi-process).",
                     stacklevel=2,
                 )
                 continue
-            writer.add_histogram(f"params/{path_name(path)}", np.asarray(leaf, np.float32), step)
+            writer.add_histogram(f"params/{path_str(path)}", np.asarray(leaf, np.float32), step)
 
     def _write_hparams(self, writer: SummaryWriter) -> None:
         hparams = {k: _hparam_value(v) for k, v in flatten_config(self.trainer.config).items()}

@@ -1,10 +1,9 @@
-"""Batch placement, one-batch prefetch, and the bound on steps in flight."""
+"""Batch placement and the bound on steps in flight."""
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -23,33 +22,27 @@ def place_batch(batch: Any, shardings: Any, *, divisor: int = 1) -> Any:
       divisor: extra factor the per-shard batch must divide (gradient accumulation).
     """
 
-    def place(x: Any, sharding: NamedSharding) -> jax.Array:
+    def place(path: Any, x: Any, sharding: NamedSharding) -> jax.Array:
         x = np.asarray(x)
+        where = f"batch leaf {jax.tree_util.keystr(path) or '<root>'} with shape {x.shape}"
+        if x.ndim == 0:
+            raise ShardingError(
+                f"{where} is a scalar; every batch leaf needs a leading batch dimension. "
+                "Give it one (e.g. np.full((batch_size,), value))."
+            )
         parts = math.prod(sharding.mesh.shape[a] for a in spec_axes(sharding.spec))
-        global_rows = x.shape[0] * jax.process_count() if x.ndim else 0
-        if x.ndim == 0 or global_rows % (parts * divisor):
+        # A split batch is the concatenation of every process's rows; a replicated one is not.
+        global_rows = x.shape[0] * (jax.process_count() if parts > 1 else 1)
+        if global_rows % (parts * divisor):
             accum = f" x {divisor} microbatches" if divisor > 1 else ""
             raise ShardingError(
-                f"A global batch of {global_rows} rows (leaf shape {x.shape}) cannot be split "
-                f"over the batch axes {sharding.spec} of mesh {dict(sharding.mesh.shape)}"
-                f" ({parts} parts{accum}). Use a batch_size divisible by {parts * divisor}."
+                f"{where}: a global batch of {global_rows} rows cannot be split over the batch "
+                f"axes {sharding.spec} of mesh {dict(sharding.mesh.shape)} ({parts} parts"
+                f"{accum}). Use a batch_size divisible by {parts * divisor}."
             )
         return jax.make_array_from_process_local_data(sharding, x)
 
-    return jax.tree.map(place, batch, shardings)
-
-
-def prefetch(batches: Iterable[Any], place: Callable[[Any], Any]) -> Iterator[Any]:
-    """Places the next batch while the current step runs (device transfers are async)."""
-    iterator = iter(batches)
-    try:
-        ahead = place(next(iterator))
-    except StopIteration:
-        return
-    for batch in iterator:
-        current, ahead = ahead, place(batch)
-        yield current
-    yield ahead
+    return jax.tree_util.tree_map_with_path(place, batch, shardings)
 
 
 class InFlight:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
@@ -165,6 +166,12 @@ def _resolve_name(
         f"(known: {', '.join(sorted(set(rules)))}). Add a rule such as "
         f"({name!r}, 'model') to the strategy's rules= or to the leaf's sharding_rules."
     )
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A pytree key path as ``"model/layers/0/kernel"``, for messages and tables."""
+    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(p) for p in parts if p != "value")  # "value": the Variable wrapper
 
 
 def _trim(entries: list[AxisTarget]) -> P:

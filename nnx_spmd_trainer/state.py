@@ -43,13 +43,16 @@ class ShardedInit:
         with nnx.use_eager_sharding(False):
             self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(build, *args))
         self.shardings = strategy.state_shardings(self.abstract_state, mesh)
-        self.init_fn = jax.jit(build_state, out_shardings=self.shardings)
+        # A pre-built module's placed arrays are donated: its state is never held twice.
+        donate = tuple(range(len(args)))
+        self.init_fn = jax.jit(build_state, out_shardings=self.shardings, donate_argnums=donate)
         self.mesh = mesh
         self.args = args
 
     def __call__(self) -> nnx.State:
+        args, self.args = self.args, ()  # donated below: drop our reference
         with jax.set_mesh(self.mesh):
-            return self.init_fn(*self.args)
+            return self.init_fn(*args)
 
 
 def model_builder(

@@ -29,7 +29,9 @@ class Trainer:
 
     Args:
       model: a factory ``rngs -> nnx.Module`` (run under jit inside the mesh,
-        so parameters are born sharded) or an already-built ``nnx.Module``.
+        so parameters are born sharded) or an already-built ``nnx.Module``
+        (built under ``nnx.use_eager_sharding(False)`` if annotated); its state
+        is moved onto the mesh and ``trainer.model`` is a new object holding it.
       optimizer: any optax ``GradientTransformation``.
       strategy: how state and batches are laid out; default ``DataParallel()``.
       loss_fn: ``(model, batch) -> (loss, aux)``; or override ``Trainer.loss_fn``.
@@ -74,10 +76,9 @@ class Trainer:
         self.metrics_class = metrics if metrics is not None else DefaultMetrics
         self.grad_accum_steps = grad_accum_steps
         self.config = config
-        self.history = History()
-        self.callbacks = CallbackList([*callbacks, self.history], self)
         self._loss_fn = loss_fn
         self._eval_fn = eval_fn
+        self.max_steps_in_flight = max_steps_in_flight
         self._in_flight = data.InFlight(max_steps_in_flight)
         self._compiled: dict[Any, Callable[..., Any]] = {}
 
@@ -102,25 +103,40 @@ class Trainer:
         self._train_step: Any = None
         self._train_structure: Any = None
         self._last_eval_step = -1
+        self.history = History()
+        self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
 
     # -- the objects users see -------------------------------------------------
     @property
     def model(self) -> nnx.Module:
-        """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``."""
+        """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``.
+
+        During ``fit`` the arrays are brought up to date when this property is
+        read, and the next step donates them: read ``trainer.model`` again in
+        each hook rather than keeping it. It is in training mode (``model.train()``)
+        outside ``evaluate``; call ``model.eval()`` yourself for inference.
+        """
         self._sync_views()
         return self._model
 
     @property
     def optimizer(self) -> nnx.Optimizer[nnx.Module]:
-        """The live ``nnx.Optimizer``; its state is sharded like the parameters."""
+        """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
         self._sync_views()
         return self._optimizer
 
     @property
     def state(self) -> nnx.State:
-        """``{"model": ..., "optimizer": ...}`` as one ``nnx.State``: what a checkpoint saves."""
+        """``{"model": ..., "optimizer": ...}`` as one ``nnx.State``: what a checkpoint saves.
+
+        The arrays are this step's and the next step donates them: copy what you
+        keep (``jax.tree.map(jnp.copy, trainer.state)`` on device, or
+        ``jax.device_get``). Assigning ``trainer.state = saved`` places ``saved``
+        with the strategy's shardings and hands its arrays to the next step.
+        """
         if self._views_current:  # the user may have edited model/optimizer in place
-            self._state = nnx.state(self._objects())
+            # New containers: nnx.state shares the live Variables, which later syncs rewrite.
+            self._state = jax.tree.map(lambda x: x, nnx.state(self._objects()))
         return self._state
 
     @state.setter
@@ -197,7 +213,7 @@ class Trainer:
 
     def _compile(self, kind: str, graphdef: nnx.GraphDef[Any], batch: Any) -> Any:
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
-        key = (kind, graphdef, jax.tree.structure(batch))
+        key = (kind, graphdef, jax.tree.structure(batch), self.grad_accum_steps)
         if key in self._compiled:
             return self._compiled[key]
         replicated = NamedSharding(self.mesh, P())
@@ -289,9 +305,9 @@ class Trainer:
     ) -> int:
         """One pass over ``train_data`` (or until done); returns the steps taken."""
         steps = 0
-        place = lambda b: self.place(b, divisor=self.grad_accum_steps)
         with jax.set_mesh(self.mesh):
-            for batch in data.prefetch(train_data, place):
+            for host_batch in train_data:  # one batch at a time: the iterator's position is exact
+                batch = self.place(host_batch, divisor=self.grad_accum_steps)
                 # Hooks get the steps done so far at begin, and the new count at end.
                 self.callbacks.call("on_train_batch_begin", self.step, {})
                 self._train_one(batch)
@@ -336,10 +352,14 @@ class Trainer:
         self.reset_metrics("eval")
         self.callbacks.call("on_test_begin", {})
         batches = 0
+        eval_step, structure = None, None
         with jax.set_mesh(self.mesh):
-            for batches, batch in enumerate(data.prefetch(eval_data, self.place), start=1):
+            for batches, host_batch in enumerate(eval_data, start=1):
+                batch = self.place(host_batch)
                 self.callbacks.call("on_test_batch_begin", batches, {})
-                eval_step = self._compile("eval", graphdef, batch)
+                if eval_step is None or jax.tree.structure(batch) != structure:
+                    eval_step = self._compile("eval", graphdef, batch)
+                    structure = jax.tree.structure(batch)
                 self.eval_metrics = eval_step(state, self.eval_metrics, batch)
                 self._in_flight.add(jax.tree.leaves(self.eval_metrics)[0])
                 self.callbacks.call("on_test_batch_end", batches, {})

@@ -5,18 +5,31 @@ import optax
 import pytest
 from test_callbacks_helpers import make_batches, make_trainer, np_metrics, params_np
 
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.callbacks import LambdaCallback, MetricsLogger
 
 
-def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices():
+@pytest.mark.parametrize(
+    ("strategy", "rows_per_device"),
+    [
+        (DataParallel(), 2),  # 16 rows over 8 devices
+        (Hybrid(DataParallel(2), FSDP(4, min_size=1)), 2),  # parameters sharded too
+        (Hybrid(FSDP(4, min_size=1), TensorParallel(2)), 4),  # batch replicated over "model"
+    ],
+    ids=["dp8", "dp2xfsdp4", "fsdp4xtp2"],
+)
+def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices(
+    strategy, rows_per_device
+):
     seen: dict[int, dict[str, float]] = {}
     record = LambdaCallback(on_train_batch_end=lambda step, logs: seen.update({step: dict(logs)}))
-    trainer = make_trainer([MetricsLogger(2), record], optax.sgd(0.0))  # lr 0: fixed predictions
+    # lr 0: fixed predictions, so every window's metrics follow from the final weights
+    trainer = make_trainer([MetricsLogger(2), record], optax.sgd(0.0), strategy=strategy)
     train, evals = make_batches(6), make_batches(2, seed=1)
     placed = trainer.place(train[0])
     assert placed["x"].sharding.num_devices == 8
     assert len({shard.data.shape for shard in placed["x"].addressable_shards}) == 1
-    assert placed["x"].addressable_shards[0].data.shape == (2, 4)  # 16 rows / 8 devices
+    assert placed["x"].addressable_shards[0].data.shape == (rows_per_device, 4)
 
     history = trainer.fit(train, eval_data=evals, max_steps=6, eval_every_n_steps=3)
 

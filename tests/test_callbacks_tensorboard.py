@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_callbacks_helpers import make_batches, make_trainer, np_sgd, params_np
 
-from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Trainer
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid
 from nnx_spmd_trainer.callbacks import LearningRateMonitor, MetricsLogger, TensorBoard
 from nnx_spmd_trainer.callbacks.tensorboard import flatten_config, sharding_table
 from nnx_spmd_trainer.callbacks.throughput import Throughput, batch_size_and_tokens
@@ -136,21 +136,11 @@ def test_throughput_excludes_paused_time(monkeypatch):
     assert timer.seconds_per_step(step=12) == pytest.approx(10.0 / 5)  # t=30
 
 
-class ExposesLastBatch(Trainer):
-    """Stands in for a core that exposes ``trainer.last_batch`` (asked for in the report)."""
-
-    def place(self, batch, *, divisor=1):
-        self.last_batch = super().place(batch, divisor=divisor)
-        return self.last_batch
-
-
 def test_tokens_per_second_from_the_batch_shapes(tmp_path):
     batches = make_batches(4)
     for batch in batches:  # a [batch, seq] integer leaf: 16 x 5 tokens per step
         batch["tokens"] = np.zeros((16, 5), np.int32)
-    trainer = make_trainer(
-        [MetricsLogger(2), TensorBoard(tmp_path, write_hparams=False)], trainer_cls=ExposesLastBatch
-    )
+    trainer = make_trainer([MetricsLogger(2), TensorBoard(tmp_path, write_hparams=False)])
     trainer.fit(batches, max_steps=4)
     acc = _read(tmp_path)
     steps_per_s = [e.value for e in acc.Scalars("perf/steps_per_s")]

@@ -146,16 +146,27 @@ def test_sharded_gpt_trains_like_data_parallel():
 
 
 def test_gpt_with_dropout_trains_under_the_trainer():
-    trainer = Trainer(
-        lambda rngs: tiny_gpt(rngs, dropout_rate=0.1),
-        optax.adam(1e-3),
-        strategy=Hybrid(FSDP(4), TensorParallel(2)),
-        loss_fn=gpt.loss_fn,
-    )
+    def build(rate):
+        return Trainer(
+            lambda rngs: tiny_gpt(rngs, dropout_rate=rate),
+            optax.adam(1e-3),
+            strategy=Hybrid(FSDP(4), TensorParallel(2)),
+            loss_fn=gpt.loss_fn,
+        )
+
+    trainer, no_dropout = build(0.5), build(0.0)
     trainer.fit(token_batches(2), max_steps=2)
     assert int(trainer.model.dropout.rngs.count.get_value()) == 2  # one key per step
+    # Evaluation switches dropout off: the same weights without dropout layers agree...
+    no_dropout.state = jax.tree.map(jnp.copy, trainer.state)
     eval_batch = token_batches(1, seed=9)
-    assert trainer.evaluate(eval_batch) == trainer.evaluate(eval_batch)  # eval: no dropout
+    expected = no_dropout.evaluate(eval_batch)["loss"]
+    assert trainer.evaluate(eval_batch)["loss"] == pytest.approx(expected, rel=1e-6)
+    # ...while a training step on the same weights and batch drops units: its loss differs.
+    no_dropout.state = jax.tree.map(jnp.copy, trainer.state)
+    no_dropout.fit(eval_batch, max_steps=no_dropout.step + 1)
+    trainer.fit(eval_batch, max_steps=trainer.step + 1)
+    assert float(trainer.last_loss) != pytest.approx(float(no_dropout.last_loss), rel=1e-3)
 
 
 def test_mlp_and_cnn_shapes_and_annotations():

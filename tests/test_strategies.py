@@ -217,3 +217,23 @@ def test_bad_mesh_is_refused_before_compiling(strategy, message):
 def test_conflicting_rules_in_hybrid():
     with pytest.raises(ShardingError, match="'embed' is mapped to 'fsdp' and to 'model'"):
         build(Hybrid(FSDP(4), TensorParallel(2, rules=(("embed", "model"),))))
+
+
+def test_renamed_axes_still_honour_the_usual_annotations():
+    trainer = build(Hybrid(FSDP(4, axis="shard", min_size=64), TensorParallel(2, axis="tp")))
+    assert dict(trainer.mesh.shape) == {"shard": 4, "tp": 2}
+    assert trainer.model.l1.kernel.get_value().sharding.spec == P("shard", "tp")
+    assert trainer.model.l2.kernel.get_value().sharding.spec == P("tp", "shard")
+
+
+def test_optimizer_state_shaped_unlike_its_parameter():
+    """Adafactor keeps factored moments (one vector per matrix) with the kernel's annotation."""
+    batches = make_batches(3)
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    trainer = Trainer(lambda r: Net(r), tx, strategy=CASES["fsdp4xtp2"][0],
+                      loss_fn=classification_loss)  # fmt: skip
+    trainer.fit(batches, max_steps=3)
+    ref_params, _ = train_reference(lambda r: Net(r), tx, batches)
+    got, want = flat_params(nnx.state(trainer.model, nnx.Param)), flat_params(ref_params)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)

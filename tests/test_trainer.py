@@ -1,10 +1,12 @@
 """Trainer behaviour: one trace per fit, gradient accumulation, evaluation, errors, no hang."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from toy_models import (
     Net,
     RecordLosses,
@@ -35,6 +37,7 @@ class CountingTrainer(Trainer):
 
 
 def test_train_step_traced_once_over_a_multi_step_fit():
+    CountingTrainer.traces = CountingTrainer.eval_traces = 0
     trainer = CountingTrainer(lambda r: Net(r), optax.adam(1e-2), strategy=FSDP_TP)
     batches = make_batches(4)
     history = trainer.fit(batches, eval_data=batches[:2], epochs=3, eval_every_n_steps=5)
@@ -121,8 +124,13 @@ def test_batch_not_divisible_by_data_parallel_size():
         loss_fn=classification_loss,
         strategy=Hybrid(DataParallel(4), TensorParallel(2)),
     )
-    with pytest.raises(ShardingError, match=r"global batch of 6 rows.*\('data',\).*divisible by 4"):
+    with pytest.raises(
+        ShardingError, match=r"batch leaf \['x'\].*global batch of 6 rows.*\('data',\).*by 4"
+    ):
         trainer.fit(make_batches(1, batch_size=6), max_steps=1)
+    scalar = {**make_batches(1)[0], "weight": np.float32(1.0)}
+    with pytest.raises(ShardingError, match=r"batch leaf \['weight'\].*is a scalar"):
+        trainer.fit([scalar], max_steps=1)
 
 
 def test_batch_not_divisible_by_microbatches():
@@ -175,3 +183,30 @@ def test_one_shot_iterator_stops_with_a_warning():
     with pytest.warns(UserWarning, match="exhausted at step 3"):
         trainer.fit(iter(make_batches(3)), max_steps=10)
     assert trainer.step == 3
+
+
+def test_saved_state_restores_after_more_training():
+    trainer = Trainer(lambda r: Net(r), optax.adam(1e-2), strategy=FSDP_TP,
+                      loss_fn=classification_loss)  # fmt: skip
+    trainer.fit(make_batches(2), max_steps=2)
+    saved = jax.tree.map(jnp.copy, trainer.state)  # an on-device snapshot
+    before = flat_params(nnx.state(trainer.model, nnx.Param))
+    trainer.fit(make_batches(3, seed=5), max_steps=5)
+    moved = flat_params(nnx.state(trainer.model, nnx.Param))
+    assert not np.allclose(moved["l3/kernel"], before["l3/kernel"])
+    trainer.state = saved
+    restored = flat_params(nnx.state(trainer.model, nnx.Param))
+    for key in before:
+        np.testing.assert_array_equal(restored[key], before[key], err_msg=key)
+    assert trainer.model.l1.kernel.get_value().sharding.spec == P("fsdp", "model")
+    trainer.fit(make_batches(1), max_steps=6)  # and training goes on from it
+    assert trainer.step == 6
+
+
+def test_reading_state_does_not_alias_the_live_model():
+    trainer = Trainer(lambda r: Net(r), optax.sgd(0.1), loss_fn=classification_loss)
+    snapshot = trainer.state  # views are current here: a fresh split
+    kernel = snapshot["model"]["l3"]["kernel"]
+    trainer.model.l3.kernel.set_value(kernel.get_value() + 1.0)  # edit the live model in place
+    assert not np.allclose(np.asarray(trainer.model.l3.kernel.get_value()),
+                           np.asarray(kernel.get_value()))  # fmt: skip

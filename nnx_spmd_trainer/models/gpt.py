@@ -19,22 +19,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_spmd_trainer.models.annotations import MODEL, annotated
+
 __all__ = ["GPT", "TransformerBlock", "causal_attention_mask", "loss_fn"]
-
-MODEL = "model"
-
-
-def _annotated(init: nnx.Initializer, *spec: str | None) -> nnx.Initializer:
-    # The seed's spelling; flax 0.12 maps it to ``out_sharding`` with a DeprecationWarning.
-    return nnx.with_metadata(init, sharding=spec)
 
 
 def _layer_norm(num_features: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         epsilon=1e-6,
         num_features=num_features,
-        scale_init=_annotated(nnx.initializers.ones_init(), MODEL),
-        bias_init=_annotated(nnx.initializers.zeros_init(), MODEL),
+        scale_init=annotated(nnx.initializers.ones_init(), MODEL),
+        bias_init=annotated(nnx.initializers.zeros_init(), MODEL),
         rngs=rngs,
     )
 
@@ -71,10 +66,10 @@ class TransformerBlock(nnx.Module):
             num_heads=num_heads,
             in_features=embed_dim,
             # query/key/value kernels are (embed, heads, head_dim): split the heads.
-            kernel_init=_annotated(xavier, None, MODEL),
-            bias_init=_annotated(zeros, MODEL),
+            kernel_init=annotated(xavier, None, MODEL),
+            bias_init=annotated(zeros, MODEL),
             # the output kernel is (heads, head_dim, embed): split the heads again.
-            out_kernel_init=_annotated(xavier, MODEL),
+            out_kernel_init=annotated(xavier, MODEL),
             out_bias_init=zeros,
             keep_rngs=False,  # no attention dropout: the block's own Dropouts carry the RNG
             rngs=rngs,
@@ -84,14 +79,14 @@ class TransformerBlock(nnx.Module):
         self.linear1 = nnx.Linear(
             in_features=embed_dim,
             out_features=ff_dim,
-            kernel_init=_annotated(xavier, None, MODEL),
-            bias_init=_annotated(zeros, MODEL),
+            kernel_init=annotated(xavier, None, MODEL),
+            bias_init=annotated(zeros, MODEL),
             rngs=rngs,
         )
         self.linear2 = nnx.Linear(
             in_features=ff_dim,
             out_features=embed_dim,
-            kernel_init=_annotated(xavier, MODEL, None),
+            kernel_init=annotated(xavier, MODEL, None),
             bias_init=zeros,
             rngs=rngs,
         )
@@ -140,7 +135,7 @@ class GPT(nnx.Module):
         embed_init = nnx.initializers.normal(stddev=0.02)
         self.seq_len = seq_len
         self.token_embed = nnx.Embed(
-            vocab_size, embed_dim, embedding_init=_annotated(embed_init, MODEL, None), rngs=rngs
+            vocab_size, embed_dim, embedding_init=annotated(embed_init, MODEL, None), rngs=rngs
         )
         # Small ((seq_len, embed_dim)) and read whole by every device: left to the
         # strategy (replicated, or split by FSDP when large enough).
@@ -156,8 +151,8 @@ class GPT(nnx.Module):
         self.head = nnx.Linear(
             embed_dim,
             vocab_size,
-            kernel_init=_annotated(nnx.initializers.xavier_uniform(), None, MODEL),
-            bias_init=_annotated(nnx.initializers.zeros_init(), MODEL),
+            kernel_init=annotated(nnx.initializers.xavier_uniform(), None, MODEL),
+            bias_init=annotated(nnx.initializers.zeros_init(), MODEL),
             rngs=rngs,
         )
 

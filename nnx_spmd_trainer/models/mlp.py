@@ -12,14 +12,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_spmd_trainer.models.annotations import MODEL, annotated
+
 __all__ = ["CNN", "MLP", "loss_fn"]
-
-MODEL = "model"
-
-
-def _annotated(init: nnx.Initializer, *spec: str | None) -> nnx.Initializer:
-    # The seeds' spelling; flax 0.12 maps it to ``out_sharding`` with a DeprecationWarning.
-    return nnx.with_metadata(init, sharding=spec)
 
 
 class MLP(nnx.Module):
@@ -48,13 +43,13 @@ class MLP(nnx.Module):
         self.fc1 = nnx.Linear(
             in_features,
             hidden_dim,
-            kernel_init=_annotated(lecun, None, MODEL),
-            bias_init=_annotated(zeros, MODEL),
+            kernel_init=annotated(lecun, None, MODEL),
+            bias_init=annotated(zeros, MODEL),
             rngs=rngs,
         )
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
         self.fc2 = nnx.Linear(
-            hidden_dim, num_classes, kernel_init=_annotated(lecun, MODEL, None), rngs=rngs
+            hidden_dim, num_classes, kernel_init=annotated(lecun, MODEL, None), rngs=rngs
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -81,20 +76,20 @@ class CNN(nnx.Module):
             in_channels,
             channels,
             (3, 3),
-            kernel_init=_annotated(lecun, None, None, None, MODEL),
-            bias_init=_annotated(zeros, MODEL),
+            kernel_init=annotated(lecun, None, None, None, MODEL),
+            bias_init=annotated(zeros, MODEL),
             rngs=rngs,
         )
         self.conv2 = nnx.Conv(
             channels,
             2 * channels,
             (3, 3),
-            kernel_init=_annotated(lecun, None, None, None, MODEL),
-            bias_init=_annotated(zeros, MODEL),
+            kernel_init=annotated(lecun, None, None, None, MODEL),
+            bias_init=annotated(zeros, MODEL),
             rngs=rngs,
         )
         self.head = nnx.Linear(
-            2 * channels, num_classes, kernel_init=_annotated(lecun, MODEL, None), rngs=rngs
+            2 * channels, num_classes, kernel_init=annotated(lecun, MODEL, None), rngs=rngs
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

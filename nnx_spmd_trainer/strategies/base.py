@@ -11,6 +11,7 @@ override one of the three to change only that answer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -29,11 +30,6 @@ def _is_variable(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def path_str(path: Sequence[Any]) -> str:
-    """``(0, 'dot1', 'kernel')`` -> ``'0/dot1/kernel'`` for messages and tables."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """Base class: one mesh axis, optional logical-axis rules, default answers.
@@ -46,7 +42,7 @@ class Strategy:
 
     size: int = -1
     axis: str = "data"
-    rules: sh.Rules = ()
+    rules: sh.Rules = dataclasses.field(default=(), kw_only=True)
 
     #: Whether the batch is split along this strategy's axis.
     shards_batch: ClassVar[bool] = True
@@ -65,7 +61,11 @@ class Strategy:
     def logical_rules(self) -> sh.Rules:
         """Logical name -> mesh axis; every known logical name is present."""
         user = dict(sh.merge_rules(self.rules))
-        own = ((n, self.axis) for n in self.logical_axes if n not in user)
+        # A renamed axis (TensorParallel(axis="tp")) still honours its usual physical
+        # name in annotations ("model"), read as a logical name for the new axis.
+        default_axis = type(self).__dataclass_fields__["axis"].default
+        usual = (default_axis,) if self.axis != default_axis else ()
+        own = ((n, self.axis) for n in (*self.logical_axes, *usual) if n not in user)
         return sh.merge_rules(user.items(), own, ((n, None) for n in sh.LOGICAL_AXES))
 
     def refine_spec(self, spec: P, shape: tuple[int, ...], mesh: dict[str, int]) -> P:
@@ -112,14 +112,22 @@ class Strategy:
         """The spec of one abstract state leaf, from its metadata and shape."""
         shape = tuple(variable.get_value().shape)
         metadata = variable.get_metadata()
-        spec = sh.resolve_spec(
-            metadata.get("out_sharding"),
+        resolve = functools.partial(
+            sh.resolve_spec,
             shape=shape,
             mesh=mesh,
             rules=(*self.logical_rules(), ("batch", self.batch_axes())),
             leaf_rules=tuple(metadata.get("sharding_rules") or ()),
             path=path,
         )
+        try:
+            spec = resolve(metadata.get("out_sharding"))
+        except sh.ShardingError:
+            if isinstance(variable, nnx.Param):
+                raise
+            # Optimizer state inherits its parameter's annotation even when its shape
+            # differs (Adafactor's factored moments): lay it out as unannotated instead.
+            spec = resolve(None)
         return self.refine_spec(spec, shape, mesh)
 
     def state_shardings(self, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
@@ -131,7 +139,7 @@ class Strategy:
         axes = dict(mesh.shape)
 
         def one(path: Sequence[Any], variable: nnx.Variable[Any]) -> NamedSharding:
-            return NamedSharding(mesh, self.leaf_spec(variable, axes, path_str(path)))
+            return NamedSharding(mesh, self.leaf_spec(variable, axes, sh.path_str(path)))
 
         return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=_is_variable)
 

@@ -26,7 +26,7 @@ class FSDP(Strategy):
 
     size: int = -1
     axis: str = "fsdp"
-    min_size: int = 1024
+    min_size: int = dataclasses.field(default=1024, kw_only=True)
 
     logical_axes: ClassVar[tuple[str, ...]] = ("embed",)
 
