@@ -181,3 +181,34 @@ def test_gpt2_transformer_block_annotated_model(strategy):
     assert block.layer_norm1.scale.get_value().sharding.spec == P("model")
     assert block.mha.query.kernel.get_value().sharding.spec[0] == "model"
     assert dict(trainer.mesh.shape)["model"] == 2
+
+
+# -- seed: manual parallelism with shard_map and psum, inside the model ------------------
+class ShardMapLayer(nnx.Module):
+    """``layer_sharded`` of the seed: each device multiplies its feature slice, psum adds."""
+
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        init_fn = nnx.initializers.lecun_normal()
+        self.weights = nnx.Param(
+            nnx.with_metadata(init_fn, sharding=("model", None))(rngs.params(), (din, dout))
+        )
+        self.bias = nnx.Param(jnp.zeros((dout,)))
+
+    def __call__(self, x):
+        def layer_sharded(x, weights, bias):
+            return jax.nn.sigmoid(jax.lax.psum(x @ weights, "model") + bias)
+
+        # No mesh argument: shard_map takes the mesh the Trainer sets around each step.
+        return jax.shard_map(
+            layer_sharded,
+            in_specs=(P(None, "model"), P("model", None), P()),
+            out_specs=P(),
+        )(x, self.weights[...], self.bias[...])
+
+
+def test_shard_map_with_psum_inside_the_model():
+    batches = [
+        {"x": b["x"], "y": b["y"][:, :4]} for b in regression_batches(3, (8, 16))
+    ]  # 16 features in, 4 out
+    trainer = train_and_compare(lambda r: ShardMapLayer(16, 4, r), TensorParallel(8), batches)
+    assert trainer.model.weights.get_value().sharding.spec == P("model")
