@@ -16,13 +16,17 @@ from nnx_spmd_trainer.sharding import ShardingError, spec_axes
 def place_batch(batch: Any, shardings: Any, *, divisor: int = 1) -> Any:
     """Turns this process's NumPy batch into global ``jax.Array`` s.
 
+    With several processes each contributes its rows
+    (``jax.make_array_from_process_local_data``); with one, the same layout
+    comes from a single batched ``jax.device_put``.
+
     Args:
       batch: a pytree of arrays holding this process's rows of the global batch.
       shardings: a NamedSharding per leaf (the strategy's answer).
       divisor: extra factor the per-shard batch must divide (gradient accumulation).
     """
 
-    def place(path: Any, x: Any, sharding: NamedSharding) -> jax.Array:
+    def check(path: Any, x: Any, sharding: NamedSharding) -> np.ndarray:
         x = np.asarray(x)
         where = f"batch leaf {jax.tree_util.keystr(path) or '<root>'} with shape {x.shape}"
         if x.ndim == 0:
@@ -40,9 +44,12 @@ def place_batch(batch: Any, shardings: Any, *, divisor: int = 1) -> Any:
                 f"axes {sharding.spec} of mesh {dict(sharding.mesh.shape)} ({parts} parts"
                 f"{accum}). Use a batch_size divisible by {parts * divisor}."
             )
-        return jax.make_array_from_process_local_data(sharding, x)
+        return x
 
-    return jax.tree_util.tree_map_with_path(place, batch, shardings)
+    batch = jax.tree_util.tree_map_with_path(check, batch, shardings)
+    if jax.process_count() == 1:  # one batched transfer for all leaves
+        return jax.device_put(batch, shardings)
+    return jax.tree.map(jax.make_array_from_process_local_data, shardings, batch)
 
 
 class InFlight:
