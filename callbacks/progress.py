@@ -1,4 +1,4 @@
-"""ProgressBar: a tqdm bar on a terminal, plain lines anywhere else."""
+"""ProgressBar: a tqdm bar on a terminal, quiet (or plain lines, if asked) anywhere else."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ class ProgressBar(Callback):
 
     On a terminal it is a tqdm bar advanced once per step (host-side only)
     with the latest logged values as its postfix. When the output is not a
-    TTY (CI, log files, notebooks' captured output) the bar is disabled and a
-    plain line ``step N: key=value ...`` is printed at each log point instead.
-    Processes other than 0 print nothing.
+    TTY (CI, log files, captured output) it is quiet, or, with ``plain=True``,
+    prints one line ``step N: key=value ...`` per log point. Processes other
+    than 0 print nothing.
 
     Args:
       total: the number of steps, for the bar's length and ETA (fit's
@@ -32,6 +32,7 @@ class ProgressBar(Callback):
         when fit runs by epochs.
       file: where to write; default ``sys.stdout`` at the time fit begins.
       use_tqdm: force the bar on or off; default: on when ``file`` is a TTY.
+      plain: without a bar, print a line per log point instead of nothing.
 
     Example::
 
@@ -40,11 +41,17 @@ class ProgressBar(Callback):
     """
 
     def __init__(
-        self, total: int | None = None, *, file: IO[str] | None = None, use_tqdm: bool | None = None
+        self,
+        total: int | None = None,
+        *,
+        file: IO[str] | None = None,
+        use_tqdm: bool | None = None,
+        plain: bool = False,
     ) -> None:
         self.total = total
         self.file = file
         self.use_tqdm = use_tqdm
+        self.plain = plain
         self._bar: tqdm | None = None
         self._out: IO[str] = sys.stdout
 
@@ -53,7 +60,7 @@ class ProgressBar(Callback):
             return
         if self._bar is not None:
             self._bar.set_postfix_str(format_logs(logs), refresh=False)
-        else:
+        elif self.plain:
             print(f"step {step}: {format_logs(logs)}", file=self._out, flush=True)
 
     @override

@@ -110,7 +110,7 @@ def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Cal
         callbacks.MetricsLogger(config.log_every_n_steps),
         callbacks.LearningRateMonitor(),
         callbacks.TensorBoard(workdir / "tb"),
-        callbacks.ProgressBar(),
+        callbacks.ProgressBar(plain=True),  # a line per log point in CI logs too
         callbacks.CSVLogger(workdir / "metrics.csv"),
     ]
 

@@ -111,11 +111,13 @@ def test_csv_append_keeps_earlier_rows_and_a_fresh_logger_starts_over(tmp_path):
 
 
 # -- ProgressBar -------------------------------------------------------------------------------
-def test_progress_prints_plain_lines_off_a_tty_and_a_bar_on_one(capsys):
+def test_progress_is_quiet_off_a_tty_unless_plain_and_draws_a_bar_on_one(capsys):
+    _fit(make_trainer([MetricsLogger(2), ProgressBar()]))
+    assert capsys.readouterr().out == ""  # captured stdout is not a TTY: quiet
     terminal = io.StringIO()
     bar = ProgressBar(total=6, file=terminal, use_tqdm=True)
-    history = _fit(make_trainer([MetricsLogger(2), ProgressBar(), bar]))
-    lines = capsys.readouterr().out.splitlines()  # captured stdout is not a TTY: plain lines
+    history = _fit(make_trainer([MetricsLogger(2), ProgressBar(plain=True), bar]))
+    lines = capsys.readouterr().out.splitlines()  # plain lines when asked
     assert [line.split(":")[0] for line in lines] == [
         "step 2",
         "step 3",
