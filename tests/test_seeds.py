@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from toy_models import flat_params, train_reference
+from toy_models import assert_params_match, train_reference
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer
 
@@ -132,9 +132,7 @@ def train_and_compare(factory, strategy, batches, steps=3, tx=None):
     trainer = Trainer(factory, tx, strategy=strategy, loss_fn=regression_loss)
     history = trainer.fit(batches, max_steps=steps)
     ref, losses = train_reference(factory, tx, batches[:steps], regression_loss)
-    got, want = flat_params(nnx.state(trainer.model, nnx.Param)), flat_params(ref)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_params_match(trainer, ref)
     np.testing.assert_allclose(history.history["train/loss"], [np.mean(losses)], rtol=1e-5)
     return trainer
 

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 from toy_models import (
     Net,
     RecordLosses,
+    assert_params_match,
     classification_loss,
-    flat_params,
     make_batches,
     train_reference,
 )
@@ -140,11 +140,7 @@ def test_training_matches_one_device_optax(name):
     trainer.fit(batches, max_steps=STEPS)
     ref_params, ref_losses = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
-    got = flat_params(nnx.state(trainer.model, nnx.Param))
-    want = flat_params(ref_params)
-    assert got.keys() == want.keys()
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_params_match(trainer, ref_params)
     assert trainer.step == STEPS
 
 
@@ -234,6 +230,4 @@ def test_optimizer_state_shaped_unlike_its_parameter():
                       loss_fn=classification_loss)  # fmt: skip
     trainer.fit(batches, max_steps=3)
     ref_params, _ = train_reference(lambda r: Net(r), tx, batches)
-    got, want = flat_params(nnx.state(trainer.model, nnx.Param)), flat_params(ref_params)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_params_match(trainer, ref_params)

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from toy_models import (
     Net,
     RecordLosses,
+    assert_params_match,
     classification_loss,
     flat_params,
     make_batches,
@@ -53,9 +54,7 @@ def test_subclassed_loss_trains_like_reference():
     trainer = CountingTrainer(lambda r: Net(r), optax.adam(1e-2), strategy=FSDP_TP)
     trainer.fit(batches, max_steps=3)
     ref, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
-    got, want = flat_params(nnx.state(trainer.model, nnx.Param)), flat_params(ref)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_params_match(trainer, ref)
 
 
 @pytest.mark.parametrize("strategy", [DataParallel(), FSDP_TP], ids=["dp8", "fsdp4xtp2"])
@@ -74,9 +73,7 @@ def test_gradient_accumulation_equals_one_large_batch(strategy):
     trainer.fit(big, max_steps=3)
     ref, ref_losses = train_reference(lambda r: Net(r), optax.adam(1e-2), big)
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
-    got, want = flat_params(nnx.state(trainer.model, nnx.Param)), flat_params(ref)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_params_match(trainer, ref)
 
 
 def test_evaluate_matches_numpy_loss_of_current_parameters():

@@ -102,3 +102,12 @@ def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
 
 def as_numpy(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(jnp.asarray(x)))
+
+
+def assert_params_match(trainer, reference_params) -> None:
+    """The trainer's parameters equal the one-device reference, within float32 tolerance."""
+    got = flat_params(nnx.state(trainer.model, nnx.Param))
+    want = flat_params(reference_params)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
