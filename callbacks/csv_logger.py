@@ -82,17 +82,5 @@ class CSVLogger(Callback):
             self._open(fresh=not self.append and not self._opened)
 
     @override
-    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+    def on_logs(self, step: int, logs: Logs) -> None:
         self.write(step, logs)
-
-    @override
-    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self.write(self.trainer.step, logs)
-
-    @override
-    def on_test_end(self, logs: Logs) -> None:
-        self.write(self.trainer.step, logs)
-
-    @override
-    def on_train_end(self, logs: Logs) -> None:
-        self.write(self.trainer.step, logs)

@@ -81,19 +81,14 @@ class ProgressBar(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
+
+    @override
+    def on_logs(self, step: int, logs: Logs) -> None:
         self._print(step, logs)
 
     @override
-    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self._print(self.trainer.step, logs)
-
-    @override
-    def on_test_end(self, logs: Logs) -> None:
-        self._print(self.trainer.step, logs)
-
-    @override
     def on_train_end(self, logs: Logs) -> None:
-        self._print(self.trainer.step, logs)
         if self._bar is not None:
+            self._print(self.trainer.step, logs)  # the final values, before on_logs comes
             self._bar.close()
             self._bar = None

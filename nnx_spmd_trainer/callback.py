@@ -47,6 +47,10 @@ class Callback:
     def on_test_batch_begin(self, step: int, logs: Logs) -> None: ...
     def on_test_batch_end(self, step: int, logs: Logs) -> None: ...
 
+    def on_logs(self, step: int, logs: Logs) -> None:
+        """Called once after any hook that ends with values in ``logs`` (train batch end,
+        epoch end, test end, train end), with the global step: all a log writer needs."""
+
     def state_dict(self) -> dict[str, Any]:
         """What to checkpoint so a resumed run continues where it stopped."""
         return {}
@@ -68,8 +72,7 @@ class History(Callback):
         self.history: dict[str, list[float]] = {}
         self.steps: dict[str, list[int]] = {}
 
-    def _record(self, logs: Logs) -> None:
-        step = self.trainer.step
+    def on_logs(self, step: int, logs: Logs) -> None:
         for key, value in logs.items():
             steps = self.steps.setdefault(key, [])
             if steps and steps[-1] == step:  # the same value seen by a later hook
@@ -77,18 +80,6 @@ class History(Callback):
                 continue
             steps.append(step)
             self.history.setdefault(key, []).append(value)
-
-    def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        self._record(logs)
-
-    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self._record(logs)
-
-    def on_test_end(self, logs: Logs) -> None:
-        self._record(logs)
-
-    def on_train_end(self, logs: Logs) -> None:
-        self._record(logs)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history, "steps": self.steps}
@@ -105,7 +96,11 @@ class CallbackList:
     only act at epoch or train boundaries.
     """
 
+    #: Hooks whose last argument is ``logs``; values left there go on to ``on_logs``.
+    LOG_HOOKS = frozenset({"on_train_batch_end", "on_epoch_end", "on_test_end", "on_train_end"})
+
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
+        self.trainer = trainer
         self.callbacks = sorted(callbacks, key=lambda c: c.order)
         for callback in self.callbacks:
             callback.set_trainer(trainer)
@@ -125,3 +120,5 @@ class CallbackList:
             ]
         for method in self._bound[hook]:
             method(*args)
+        if hook in self.LOG_HOOKS and args[-1]:
+            self.call("on_logs", self.trainer.step, args[-1])
