@@ -52,6 +52,7 @@ class EarlyStopping(Callback):
         if patience < 0 or min_delta < 0:
             raise ValueError(f"patience and min_delta must be >= 0, got {patience}, {min_delta}.")
         self.monitor = monitor
+        self.state_key = f"EarlyStopping[{monitor},{mode}]"  # one per monitored value
         self.patience = patience
         self.mode = mode
         self.min_delta = min_delta
@@ -60,7 +61,6 @@ class EarlyStopping(Callback):
         self.wait = 0
         self.stopped_step: int | None = None
         self._fitting = False
-        self._last_checked_step: int | None = None
 
     def improved(self, value: float) -> bool:
         """Whether ``value`` beats the best by more than ``min_delta`` (NaN never does)."""
@@ -75,9 +75,8 @@ class EarlyStopping(Callback):
     def _check(self, logs: Logs) -> None:
         step = self.trainer.step
         # Only during fit: a standalone trainer.evaluate() must not stop a later fit.
-        if not self._fitting or self.monitor not in logs or step == self._last_checked_step:
+        if not self._fitting or self.monitor not in logs:
             return
-        self._last_checked_step = step
         value = float(logs[self.monitor])
         if self.improved(value):
             self.best, self.best_step, self.wait = value, step, 0
@@ -96,15 +95,11 @@ class EarlyStopping(Callback):
         self._fitting = False
 
     @override
-    def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        self._check(logs)
+    def on_exception(self, error: BaseException) -> None:
+        self._fitting = False
 
     @override
-    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self._check(logs)
-
-    @override
-    def on_test_end(self, logs: Logs) -> None:
+    def on_logs(self, step: int, logs: Logs) -> None:
         self._check(logs)
 
     @override

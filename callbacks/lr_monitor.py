@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
-
-
-def find_hyperparam(opt_state: Any, name: str = "learning_rate") -> Any | None:
-    """The first ``hyperparams[name]`` inside an optimizer state, or ``None``.
-
-    ``optax.inject_hyperparams`` keeps its hyperparameters in a ``hyperparams``
-    dict of its state, which may sit anywhere in a chain, a ``multi_transform``
-    or a wrapper, so the whole pytree of containers is searched.
-    """
-    stack = [opt_state]
-    while stack:
-        node = stack.pop()
-        hyperparams = getattr(node, "hyperparams", None)
-        if isinstance(hyperparams, Mapping) and name in hyperparams:
-            return hyperparams[name]
-        if isinstance(node, Mapping):
-            stack.extend(reversed(list(node.values())))
-        elif isinstance(node, tuple | list):  # NamedTuple states included
-            stack.extend(reversed(node))
-    return None
 
 
 def _host_float(value: Any) -> float:
@@ -39,22 +20,29 @@ def _host_float(value: Any) -> float:
     return float(np.asarray(jax.device_get(value)))
 
 
+def _injected(path: tuple[Any, ...], value: Any) -> bool:
+    """The value inject_hyperparams used (``hyperparams[...]``), not its schedule's state."""
+    del value
+    return len(path) > 1 and getattr(path[-2], "name", None) == "hyperparams"
+
+
 class LearningRateMonitor(Callback):
     """Writes ``logs["lr"]``: the learning rate of the update that produced the current weights.
 
     Two sources, in this order:
 
-    * ``schedule=fn``: ``fn(count - 1)`` where ``count`` is the optimizer's
-      update count (``trainer.optimizer.step``), because optax evaluates a
+    * ``schedule=fn``: ``fn(step - 1)`` where ``step`` is ``trainer.step`` (the
+      optimizer's update count, read on the host), because optax evaluates a
       schedule at the count *before* incrementing it;
     * an optimizer built with ``optax.inject_hyperparams``: the
-      ``hyperparams["learning_rate"]`` it stored, found anywhere in
-      ``trainer.optimizer.opt_state``. That is the value the last update used.
+      ``learning_rate`` hyperparameter it stored, found anywhere in
+      ``trainer.optimizer.opt_state`` (``optax.tree.get``). That is the value
+      the last update used.
 
     It writes at log points only: when ``logs`` already holds training
-    metrics (a ``MetricsLogger`` step or an epoch end, where the devices were
-    just synced anyway), and every ``log_every_n_steps`` steps if given.
-    It runs after ``MetricsLogger`` and before the writers (``order = -90``).
+    metrics (a log step or an epoch end, where the devices were just synced
+    anyway), and every ``log_every_n_steps`` steps if given. It adds ``lr`` in
+    the hook, so every writer sees it in ``on_logs``.
 
     Example::
 
@@ -64,8 +52,6 @@ class LearningRateMonitor(Callback):
                                              TensorBoard("runs/a")])
         # or, without inject_hyperparams: LearningRateMonitor(schedule=schedule)
     """
-
-    order = -90
 
     def __init__(
         self,
@@ -81,12 +67,19 @@ class LearningRateMonitor(Callback):
         self.key = key
 
     def learning_rate(self) -> float:
-        """Reads the learning rate now (one small device-to-host copy)."""
-        optimizer = self.trainer.optimizer
+        """The learning rate now (a host computation, or one small device-to-host copy)."""
         if self.schedule is not None:
-            count = int(_host_float(optimizer.step))
-            return float(np.asarray(self.schedule(max(count - 1, 0))))
-        value = find_hyperparam(optimizer.opt_state)
+            return float(np.asarray(self.schedule(max(self.trainer.step - 1, 0))))
+        try:
+            value = optax.tree.get(
+                self.trainer.optimizer.opt_state, "learning_rate", filtering=_injected
+            )
+        except KeyError:
+            raise ValueError(
+                "LearningRateMonitor found several 'learning_rate' hyperparameters in the "
+                "optimizer state (one per inject_hyperparams); pass "
+                "LearningRateMonitor(schedule=the_schedule_to_report)."
+            ) from None
         if value is None:
             raise ValueError(
                 "LearningRateMonitor found no 'learning_rate' hyperparameter in the optimizer "

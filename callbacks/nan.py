@@ -43,8 +43,6 @@ class TerminateOnNaN(Callback):
         nan_guard.stopped_step   # None, or the step where the loss went NaN
     """
 
-    order = -80  # after MetricsLogger, before writers and checkpoints
-
     def __init__(self, check_every_n_steps: int = 1) -> None:
         if check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be >= 1, got {check_every_n_steps}.")

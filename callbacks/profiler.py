@@ -36,6 +36,7 @@ class Profiler(Callback):
                 f"need start_step >= 0 and num_steps >= 1, got {start_step}, {num_steps}."
             )
         self.logdir = os.fspath(logdir)
+        self.state_key = f"Profiler[{self.logdir}]"
         self.start_step = start_step
         self.num_steps = num_steps
         self.done = False
@@ -65,6 +66,14 @@ class Profiler(Callback):
     def on_train_end(self, logs: Logs) -> None:
         if self._active:  # fit ended inside the window
             self._stop()
+
+    @override
+    def on_exception(self, error: BaseException) -> None:
+        # Stop without waiting on the state: the failed step may never finish. The
+        # window is not done, so the next fit traces again.
+        if self._active:
+            jax.profiler.stop_trace()
+            self._active = False
 
     @override
     def state_dict(self) -> dict[str, Any]:

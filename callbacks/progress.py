@@ -90,5 +90,13 @@ class ProgressBar(Callback):
     def on_train_end(self, logs: Logs) -> None:
         if self._bar is not None:
             self._print(self.trainer.step, logs)  # the final values, before on_logs comes
+            self.close()
+
+    @override
+    def on_exception(self, error: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -15,7 +15,7 @@ from flax import nnx
 from tensorboardX import SummaryWriter
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback, Logs
+from nnx_spmd_trainer import Callback, Logs, Trainer, sharding_table
 from nnx_spmd_trainer.sharding import path_str
 
 from .throughput import Throughput, batch_size_and_tokens
@@ -40,31 +40,25 @@ def flatten_config(config: Any) -> dict[str, Any]:
     return flat
 
 
-def sharding_table(params: Any) -> list[dict[str, Any]]:
-    """One row per parameter: path, shape, dtype, partition spec and bytes per device."""
-    rows = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not hasattr(leaf, "shape"):
-            continue
-        sharding = getattr(leaf, "sharding", None)
-        shard_shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        rows.append(
-            {
-                "path": path_str(path),
-                "shape": tuple(leaf.shape),
-                "dtype": str(leaf.dtype),
-                "spec": str(getattr(sharding, "spec", "")),
-                "bytes_per_device": math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize,
-            }
-        )
-    return rows
-
-
 def _markdown(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         lines.append("| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |")
     return "\n".join(lines)
+
+
+def sharding_text(trainer: Trainer) -> tuple[str, int]:
+    """The strategy, the mesh and one row per state leaf (parameters and optimizer state),
+    as Markdown; and the total bytes a device holds."""
+    rows = sharding_table(trainer.state)
+    total = sum(row["bytes_per_device"] for row in rows)
+    header = f"strategy: `{trainer.strategy!r}`, mesh: `{dict(trainer.mesh.shape)}`\n\n"
+    table = _markdown(
+        ["state leaf", "shape", "dtype", "spec", "bytes/device"],
+        [[r["path"], r["shape"], r["dtype"], r["spec"], r["bytes_per_device"]] for r in rows]
+        + [["**total per device**", "", "", "", total]],
+    )
+    return header + table, total
 
 
 def _hparam_value(value: Any) -> bool | int | float | str:
@@ -83,11 +77,13 @@ class TensorBoard(Callback):
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
       or ``trainer.last_batch`` (shapes only);
       without either, only the step rates are written;
-    * at the start: the run config (``trainer.config``) and the parameter
-      sharding table (path, shape, spec, bytes per device) as text;
+    * at the start: the run config (``trainer.config``) and the sharding
+      table of the whole state, parameters and optimizer state (path, shape,
+      spec, bytes per device, and the total each device holds) as text;
     * every ``histogram_every_n_steps`` steps: histograms of the parameters;
     * at the end: hparams (flattened config and the last value of each
-      metric) in the ``hparams`` sub-run; then the writer is closed.
+      metric) in the ``hparams`` sub-run; then the writer is closed. It is
+      closed too (without hparams) when ``fit`` fails.
 
     Example::
 
@@ -119,6 +115,7 @@ class TensorBoard(Callback):
         self._writer: SummaryWriter | None = None
         self._timer = Throughput()
         self._last: dict[str, float] = {}
+        self._finish_after_logs = False
 
     @property
     def writer(self) -> SummaryWriter | None:
@@ -161,16 +158,8 @@ class TensorBoard(Callback):
         writer.add_text("config", text, step)
 
     def _write_sharding(self, writer: SummaryWriter, step: int) -> None:
-        rows = sharding_table(nnx.state(self.trainer.model, nnx.Param))
-        total = sum(row["bytes_per_device"] for row in rows)
-        mesh = dict(self.trainer.mesh.shape)
-        header = f"strategy: `{self.trainer.strategy!r}`, mesh: `{mesh}`\n\n"
-        table = _markdown(
-            ["parameter", "shape", "dtype", "spec", "bytes/device"],
-            [[r["path"], r["shape"], r["dtype"], r["spec"], r["bytes_per_device"]] for r in rows]
-            + [["**total**", "", "", "", total]],
-        )
-        writer.add_text("sharding", header + table, step)
+        text, _ = sharding_text(self.trainer)
+        writer.add_text("sharding", text, step)
 
     def write_histograms(self, step: int) -> None:
         if (writer := self.writer) is None:
@@ -196,6 +185,7 @@ class TensorBoard(Callback):
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
+        self._finish_after_logs = False
         if (writer := self.writer) is None:
             return
         if self.write_config:
@@ -206,16 +196,8 @@ class TensorBoard(Callback):
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        if logs:
-            self.write_scalars(logs, step)
-            self._write_throughput(logs, step)
         if self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0:
             self.write_histograms(step)
-
-    @override
-    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self.write_scalars(logs, self.trainer.step)
-        self._write_throughput(logs, self.trainer.step)
 
     @override
     def on_test_begin(self, logs: Logs) -> None:
@@ -224,17 +206,31 @@ class TensorBoard(Callback):
     @override
     def on_test_end(self, logs: Logs) -> None:
         self._timer.resume()
-        self.write_scalars(logs, self.trainer.step)
-        if self._writer is not None:
+
+    @override
+    def on_logs(self, step: int, logs: Logs) -> None:
+        self.write_scalars(logs, step)
+        self._write_throughput(logs, step)
+        if any(key.startswith("eval/") for key in logs) and self._writer is not None:
             self._writer.flush()  # evaluations are rare and worth seeing at once
+        if self._finish_after_logs:
+            self._finish()
 
     @override
     def on_train_end(self, logs: Logs) -> None:
-        self.write_scalars(logs, self.trainer.step)
-        self._write_throughput(logs, self.trainer.step)
-        if (writer := self.writer) is None:
-            return
-        if self.write_hparams:
+        # The final values come to on_logs after every callback added its own: finish there.
+        self._finish_after_logs = bool(logs)
+        if not logs:
+            self._finish()
+
+    @override
+    def on_exception(self, error: BaseException) -> None:
+        self._finish_after_logs = False
+        self.close()
+
+    def _finish(self) -> None:
+        self._finish_after_logs = False
+        if self.write_hparams and (writer := self.writer) is not None:
             self._write_hparams(writer)
         self.close()
 

@@ -1,8 +1,16 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
-from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
-from nnx_spmd_trainer.sharding import ShardingError
-from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.state import sharding_table
+from nnx_spmd_trainer.strategies import (
+    FSDP,
+    AxisStrategy,
+    DataParallel,
+    Hybrid,
+    Strategy,
+    TensorParallel,
+)
 from nnx_spmd_trainer.trainer import Trainer
 
 __all__ = [
@@ -17,4 +25,8 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "Trainer",
+    "AxisStrategy",
+    "DataShard",
+    "HOOKS",
+    "sharding_table",
 ]

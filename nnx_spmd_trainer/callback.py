@@ -1,13 +1,22 @@
 """Callback base, the list that dispatches hooks, and History.
 
 The core calls these hooks; concrete callbacks live in ``nnx_spmd_trainer.callbacks``.
-``logs`` always holds host floats. On steps where no callback asked for host
-values it is empty: nothing is copied from the devices.
+
+The report flow reads one way. The trainer alone decides when training
+metrics leave the devices (its log steps, epoch ends, the end of ``fit``) and
+puts them in ``logs`` *before* it calls a hook; evaluation values arrive the
+same way at ``on_test_end``. A hook may add values of its own (the learning
+rate, a norm). Once every callback has run the hook, ``on_logs(step, logs)``
+hands the finished ``logs`` to the writers, read-only. ``logs`` always holds
+host floats; on steps that are not log steps it is empty and nothing is
+copied from the devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import difflib
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -19,19 +28,26 @@ Logs = dict[str, float]
 class Callback:
     """Keras-style callback: every hook is a no-op until overridden.
 
-    Callbacks run in ascending ``order`` (stable), so a producer of logs such
-    as ``MetricsLogger`` (order -100) runs before the writers that read them.
     ``on_train_batch_begin`` gets the number of steps already done and
     ``on_train_batch_end`` the new count, so step ``n`` is "after n updates".
+    Callbacks run in the order given (a stable sort on ``order``, 0 by default).
+    An ``on_...`` method whose name is close to a hook's is a typo and an error.
+
+    Attributes:
+      order: sort key for dispatch; callbacks with equal ``order`` keep their list order.
+      state_key: the key of this callback's ``state_dict`` in a checkpoint; two
+        callbacks with state must have different keys (set it to tell two
+        instances of one class apart).
 
     >>> class PrintLoss(Callback):
-    ...     def on_train_batch_end(self, step, logs):
+    ...     def on_logs(self, step, logs):
     ...         if "train/loss" in logs:
     ...             print(step, logs["train/loss"])
     """
 
     order: int = 0
     trainer: Trainer
+    _state_key: str | None = None
 
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -48,8 +64,26 @@ class Callback:
     def on_test_batch_end(self, step: int, logs: Logs) -> None: ...
 
     def on_logs(self, step: int, logs: Logs) -> None:
-        """Called once after any hook that ends with values in ``logs`` (train batch end,
-        epoch end, test end, train end), with the global step: all a log writer needs."""
+        """The finished ``logs`` of a log point, at the global ``step``: all a writer needs.
+
+        Called after every callback ran the hook that produced them (train batch
+        end, epoch end, test end, train end). Read ``logs``; do not change it.
+        """
+
+    def on_exception(self, error: BaseException) -> None:
+        """``fit`` is failing with ``error``: release what you hold (files, traces, bars).
+
+        The trainer state is the last completed step's. ``fit`` re-raises
+        ``error`` after every callback ran this hook.
+        """
+
+    @property
+    def state_key(self) -> str:
+        return self._state_key or type(self).__qualname__
+
+    @state_key.setter
+    def state_key(self, key: str) -> None:
+        self._state_key = key
 
     def state_dict(self) -> dict[str, Any]:
         """What to checkpoint so a resumed run continues where it stopped."""
@@ -59,14 +93,16 @@ class Callback:
         del state
 
 
+#: Every hook, in the order a fit meets them; the one list the dispatch is checked against.
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
 class History(Callback):
     """Records every value that lands in ``logs``, with the step it belongs to.
 
     ``history.history["train/loss"]`` is the list of values and
     ``history.steps["train/loss"]`` the global steps they were logged at.
     """
-
-    order = 1000  # last: sees what every other callback added
 
     def __init__(self) -> None:
         self.history: dict[str, list[float]] = {}
@@ -89,36 +125,117 @@ class History(Callback):
         self.steps = {k: list(v) for k, v in state["steps"].items()}
 
 
+def _overrides(callback: Callback, hook: str) -> bool:
+    # A hook set on the instance counts too (LambdaCallback style).
+    return getattr(type(callback), hook) is not getattr(Callback, hook) or hook in vars(callback)
+
+
+def check_hook_names(callback: Callback) -> None:
+    """Raises on an ``on_...`` method that misspells a hook (it would never be called)."""
+    names = {n for n in dir(type(callback)) if n.startswith("on_")} | {
+        n for n in vars(callback) if n.startswith("on_")
+    }
+    for name in sorted(names - set(HOOKS)):
+        close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.85)
+        if close:
+            raise TypeError(
+                f"{type(callback).__name__}.{name} is not a hook and would never be called; "
+                f"did you mean {close[0]}? The hooks are: {', '.join(HOOKS)}."
+            )
+
+
 class CallbackList:
-    """Dispatches each hook, in order, to the callbacks that override it.
+    """Dispatches each hook, in order, to the callbacks that override it; one method per hook.
 
     Skipping the no-op hooks keeps per-step dispatch free for callbacks that
     only act at epoch or train boundaries.
     """
 
-    #: Hooks whose last argument is ``logs``; values left there go on to ``on_logs``.
-    LOG_HOOKS = frozenset({"on_train_batch_end", "on_epoch_end", "on_test_end", "on_train_end"})
-
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
         self.trainer = trainer
         self.callbacks = sorted(callbacks, key=lambda c: c.order)
+        keys: dict[str, Callback] = {}
         for callback in self.callbacks:
+            check_hook_names(callback)
             callback.set_trainer(trainer)
-        self._bound: dict[str, list[Callable[..., None]]] = {}
+            if type(callback).state_dict is Callback.state_dict:
+                continue
+            if callback.state_key in keys:
+                raise ValueError(
+                    f"Two callbacks, {keys[callback.state_key]!r} and {callback!r}, share the "
+                    f"state_key {callback.state_key!r}, so a checkpoint cannot tell their "
+                    "states apart. Set callback.state_key = '...' on one of them."
+                )
+            keys[callback.state_key] = callback
+        self._stateful = keys
+        self._bound = {
+            hook: [getattr(c, hook) for c in self.callbacks if _overrides(c, hook)]
+            for hook in HOOKS
+        }
 
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)
 
-    def call(self, hook: str, *args: Any) -> None:
-        if hook not in self._bound:
-            base = getattr(Callback, hook)
-            self._bound[hook] = [
-                getattr(c, hook)
-                for c in self.callbacks
-                if getattr(type(c), hook) is not base
-                or hook in vars(c)  # a hook set on the instance (LambdaCallback style)
-            ]
+    def _call(self, hook: str, *args: Any) -> None:
         for method in self._bound[hook]:
             method(*args)
-        if hook in self.LOG_HOOKS and args[-1]:
-            self.call("on_logs", self.trainer.step, args[-1])
+
+    def _call_with_logs(self, hook: str, *args: Any) -> None:
+        self._call(hook, *args)
+        logs = args[-1]
+        if logs:
+            self._call("on_logs", self.trainer.step, logs)
+
+    def on_train_begin(self, logs: Logs) -> None:
+        self._call("on_train_begin", logs)
+
+    def on_train_end(self, logs: Logs) -> None:
+        self._call_with_logs("on_train_end", logs)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs) -> None:
+        self._call("on_epoch_begin", epoch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        self._call_with_logs("on_epoch_end", epoch, logs)
+
+    def on_train_batch_begin(self, step: int, logs: Logs) -> None:
+        self._call("on_train_batch_begin", step, logs)
+
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        self._call_with_logs("on_train_batch_end", step, logs)
+
+    def on_test_begin(self, logs: Logs) -> None:
+        self._call("on_test_begin", logs)
+
+    def on_test_end(self, logs: Logs) -> None:
+        self._call_with_logs("on_test_end", logs)
+
+    def on_test_batch_begin(self, step: int, logs: Logs) -> None:
+        self._call("on_test_batch_begin", step, logs)
+
+    def on_test_batch_end(self, step: int, logs: Logs) -> None:
+        self._call("on_test_batch_end", step, logs)
+
+    def on_exception(self, error: BaseException) -> None:
+        """Every callback gets the hook, even if one of them fails in it (that is warned)."""
+        for method in self._bound["on_exception"]:
+            try:
+                method(error)
+            except Exception as cleanup_error:  # noqa: BLE001 - the original error wins
+                warnings.warn(
+                    f"{method.__qualname__} failed while handling {type(error).__name__}: "
+                    f"{cleanup_error!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    # -- checkpointed state ------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{state_key: callback.state_dict()}`` for every callback that has state."""
+        return {key: callback.state_dict() for key, callback in self._stateful.items()}
+
+    def load_state_dict(self, states: dict[str, dict[str, Any]]) -> None:
+        """Gives each callback its saved state; a callback absent from ``states`` keeps its own."""
+        for key, state in states.items():
+            if key in self._stateful:
+                self._stateful[key].load_state_dict(state)

@@ -13,30 +13,40 @@ from jax.sharding import NamedSharding
 from nnx_spmd_trainer.sharding import ShardingError, spec_axes
 
 
-def place_batch(batch: Any, shardings: Any, *, divisor: int = 1) -> Any:
-    """Turns this process's NumPy batch into global ``jax.Array`` s.
+def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> Any:
+    """Turns this process's batch into global ``jax.Array`` s with the given shardings.
 
     With several processes each contributes its rows
     (``jax.make_array_from_process_local_data``); with one, the same layout
-    comes from a single batched ``jax.device_put``.
+    comes from a single batched ``jax.device_put``. A leaf that is already a
+    ``jax.Array`` is resharded on the devices if needed, never copied to the host.
 
     Args:
       batch: a pytree of arrays holding this process's rows of the global batch.
       shardings: a NamedSharding per leaf (the strategy's answer).
       divisor: extra factor the per-shard batch must divide (gradient accumulation).
+      data_shards: how many distinct row sets the processes feed
+        (``strategy.data_shard(mesh).count``): the global batch is this many
+        times a process's rows. Processes that share rows (a model axis spanning
+        processes) count once.
     """
+    check_batch(batch, shardings, divisor=divisor, data_shards=data_shards)
+    return transfer_batch(batch, shardings, data_shards=data_shards)
 
-    def check(path: Any, x: Any, sharding: NamedSharding) -> np.ndarray:
-        x = np.asarray(x)
-        where = f"batch leaf {jax.tree_util.keystr(path) or '<root>'} with shape {x.shape}"
-        if x.ndim == 0:
+
+def check_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> None:
+    """Raises a ShardingError naming the leaf if the batch cannot take ``shardings``."""
+
+    def check(path: Any, x: Any, sharding: NamedSharding) -> None:
+        shape = np.shape(x)
+        where = f"batch leaf {jax.tree_util.keystr(path) or '<root>'} with shape {shape}"
+        if not shape:
             raise ShardingError(
                 f"{where} is a scalar; every batch leaf needs a leading batch dimension. "
                 "Give it one (e.g. np.full((batch_size,), value))."
             )
         parts = math.prod(sharding.mesh.shape[a] for a in spec_axes(sharding.spec))
-        # A split batch is the concatenation of every process's rows; a replicated one is not.
-        global_rows = x.shape[0] * (jax.process_count() if parts > 1 else 1)
+        global_rows = shape[0] if _is_global(x) else shape[0] * data_shards
         if global_rows % (parts * divisor):
             accum = f" x {divisor} microbatches" if divisor > 1 else ""
             raise ShardingError(
@@ -44,12 +54,28 @@ def place_batch(batch: Any, shardings: Any, *, divisor: int = 1) -> Any:
                 f"axes {sharding.spec} of mesh {dict(sharding.mesh.shape)} ({parts} parts"
                 f"{accum}). Use a batch_size divisible by {parts * divisor}."
             )
-        return x
 
-    batch = jax.tree_util.tree_map_with_path(check, batch, shardings)
+    jax.tree_util.tree_map_with_path(check, batch, shardings)
+
+
+def _is_global(x: Any) -> bool:
+    """A jax.Array already laid out over the devices (not this process's host rows)."""
+    return isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable)
+
+
+def transfer_batch(batch: Any, shardings: Any, *, data_shards: int = 1) -> Any:
+    """Places an already checked batch: no validation, one batched transfer where possible."""
     if jax.process_count() == 1:  # one batched transfer for all leaves
         return jax.device_put(batch, shardings)
-    return jax.tree.map(jax.make_array_from_process_local_data, shardings, batch)
+
+    def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if _is_global(x):
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        global_shape = (x.shape[0] * data_shards, *x.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(one, batch, shardings)
 
 
 class InFlight:
@@ -73,3 +99,7 @@ class InFlight:
     def drain(self) -> None:
         while self._pending:
             self._pending.popleft().block_until_ready()
+
+    def clear(self) -> None:
+        """Forgets the pending steps without waiting (after a failure)."""
+        self._pending.clear()

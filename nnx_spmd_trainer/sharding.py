@@ -6,19 +6,29 @@ rule here is unit-tested against a plain ``{axis: size}`` mapping.
 Resolution of one annotated name, in order:
 
 1. the leaf's own ``sharding_rules`` (attached with ``nnx.with_metadata``);
-2. a physical mesh axis of that name;
-3. the strategy's logical-axis rules;
-4. a well-known physical name absent from this mesh -> replicated, so one
+2. Flax's logical-axis-rules context (``with nnx.logical_axis_rules(...):``
+   around the Trainer's construction), as Flax itself lets both rename any
+   name, a mesh axis name included;
+3. a physical mesh axis of that name;
+4. the strategy's logical-axis rules (its defaults and its ``rules=``);
+5. a well-known physical name absent from this mesh -> replicated, so one
    annotated model runs under every strategy;
-5. anything else is an unknown logical axis: an error.
+6. anything else is an unknown logical axis: an error.
+
+The nearer to the leaf, the stronger: the model's author and the caller's
+context know more about one model than a strategy's defaults do.
+
+Which rows each process feeds (``data_shard_of``) is pure too: it reads a
+grid of process ids shaped like the mesh, not the devices themselves.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 AxisTarget = str | tuple[str, ...] | None
@@ -96,6 +106,7 @@ def resolve_spec(
     mesh: Mapping[str, int],
     rules: Rules = (),
     leaf_rules: Rules = (),
+    context_rules: Rules = (),
     path: str = "",
 ) -> P:
     """Turns a leaf's annotation into a PartitionSpec valid on ``mesh``.
@@ -107,11 +118,13 @@ def resolve_spec(
       mesh: mesh axis name -> size.
       rules: the strategy's logical-axis rules.
       leaf_rules: the leaf's own ``sharding_rules`` metadata; they win.
+      context_rules: Flax's ``nnx.logical_axis_rules`` context; after the
+        leaf's own, before the mesh axes and the strategy's rules.
       path: the leaf's path, for error messages.
 
     >>> resolve_spec(("embed", "mlp"), shape=(8, 16), mesh={"model": 2},
     ...              rules=(("embed", None), ("mlp", "model")))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     if annotation is None:
         return P()
@@ -121,7 +134,9 @@ def resolve_spec(
             f"{_describe(path, shape, annotation, mesh)}: the annotation has more entries "
             "than the array has dimensions. Give one entry per dimension."
         )
-    leaf_table = dict(leaf_rules)
+    # One table, nearest first: a leaf rule shadows the context's, which shadows nothing
+    # else here (mesh axes and strategy rules are looked at after it in _resolve_name).
+    leaf_table = {**dict(context_rules), **dict(leaf_rules)}
     rule_table = dict(rules)
     used: set[str] = set()
     entries: list[AxisTarget] = []
@@ -160,11 +175,13 @@ def _resolve_name(
         return tuple(a for a in _axis_names(rules[name]) if a in mesh)
     if name in PHYSICAL_AXES:
         return ()
+    known = ", ".join(sorted({*rules, *leaf_rules}))
     raise ShardingError(
         f"{_describe(path, shape, annotation, mesh)}: unknown axis name {name!r}. It is "
         f"neither a mesh axis ({', '.join(mesh)}) nor a logical axis with a rule "
-        f"(known: {', '.join(sorted(set(rules)))}). Add a rule such as "
-        f"({name!r}, 'model') to the strategy's rules= or to the leaf's sharding_rules."
+        f"(known: {known}). Add a rule such as "
+        f"({name!r}, 'model') to the strategy's rules=, to the leaf's sharding_rules, or "
+        "to a `with nnx.logical_axis_rules([...]):` around the Trainer's construction."
     )
 
 
@@ -192,7 +209,7 @@ def shard_largest_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) 
     divides. Ties go to the leading dimension.
 
     >>> shard_largest_dim(P(None, "model"), (64, 32), "fsdp", 4)
-    PartitionSpec('fsdp', 'model')
+    P('fsdp', 'model')
     """
     if axis in spec_axes(spec):
         return spec
@@ -212,3 +229,88 @@ def shard_shape(shape: Sequence[int], spec: P, mesh: Mapping[str, int]) -> tuple
         dim // math.prod(mesh[a] for a in _axis_names(entry))
         for dim, entry in zip(shape, entries, strict=True)
     )
+
+
+def leading_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes that split a spec's leading (batch) dimension, in order."""
+    return _axis_names(spec[0]) if len(spec) else ()
+
+
+class DataShard(NamedTuple):
+    """Which rows one process feeds: the ``index``-th of ``count`` equal slices.
+
+    Read a global dataset as ``rows[index::count]`` or ``ds.shard(count, index)``;
+    processes with the same index feed the same rows.
+
+    >>> DataShard(index=1, count=2)
+    DataShard(index=1, count=2)
+    """
+
+    # The names the question uses; they shadow tuple's index()/count() methods, unused here.
+    index: int  # type: ignore[assignment]
+    count: int  # type: ignore[assignment]
+
+
+def data_shard_of(
+    process_ids: np.ndarray,
+    axis_names: Sequence[str],
+    batch_axes: Sequence[str],
+    process_index: int,
+) -> DataShard:
+    """The rows ``process_index`` feeds, given which process owns each mesh device.
+
+    A device's batch-shard number is its coordinate along ``batch_axes``
+    (row-major, in that order). Each process must hold one contiguous,
+    aligned block of shard numbers, the same size for every process; its
+    index is the block's start over its size. Devices that differ only
+    along other axes (a model axis) hold the same rows, so processes split
+    only along such an axis feed the same rows.
+
+    Args:
+      process_ids: the owning process of every device, shaped like the mesh.
+      axis_names: the mesh's axis names, one per dimension of ``process_ids``.
+      batch_axes: the mesh axes splitting the batch's leading dimension.
+      process_index: the process asking.
+
+    >>> ids = np.array([[0, 0], [0, 0], [1, 1], [1, 1]])  # 4x2 mesh, two hosts
+    >>> data_shard_of(ids, ("fsdp", "model"), ("fsdp",), 1)
+    DataShard(index=1, count=2)
+    """
+    process_ids = np.asarray(process_ids)
+    names = tuple(axis_names)
+    shape = dict(zip(names, process_ids.shape, strict=True))
+    where = f"mesh {shape}, batch axes {tuple(batch_axes)}"
+    missing = [a for a in batch_axes if a not in names]
+    if missing:
+        raise ShardingError(f"{where}: batch axes {missing} are not mesh axes.")
+    if process_index not in process_ids:
+        raise ShardingError(
+            f"{where}: process {process_index} owns no device of the mesh "
+            f"(processes {sorted({int(p) for p in process_ids.flat})}). Build the mesh over "
+            "every process's devices."
+        )
+    # Batch axes first, in the spec's order, then the rest: a flat shard number per row.
+    order = [names.index(a) for a in batch_axes]
+    order += [d for d in range(process_ids.ndim) if d not in order]
+    count = math.prod(process_ids.shape[d] for d in order[: len(batch_axes)])
+    by_shard = np.transpose(process_ids, order).reshape(count, -1)
+    blocks: dict[int, tuple[int, int]] = {}
+    for process in sorted({int(p) for p in by_shard.flat}):
+        shards = np.flatnonzero((by_shard == process).any(axis=1))
+        blocks[process] = (int(shards[0]), len(shards))
+        if shards[-1] - shards[0] + 1 != len(shards) or shards[0] % len(shards):
+            raise ShardingError(
+                f"{where}: process {process} holds batch shards {shards.tolist()} of {count}, "
+                "not one contiguous, aligned block, so it cannot feed one slice of the "
+                "batch. Order the mesh's devices process by process along the batch axes "
+                "(jax.make_mesh does), or put the axes that span processes first."
+            )
+    sizes = {process: size for process, (_, size) in blocks.items()}
+    if len(set(sizes.values())) > 1:
+        raise ShardingError(
+            f"{where}: processes hold unequal numbers of batch shards ({sizes}), so "
+            "they cannot feed equal slices. "
+            "Give every process the same number of devices along the batch axes."
+        )
+    start, size = blocks[process_index]
+    return DataShard(index=start // size, count=count // size)

@@ -1,7 +1,9 @@
 """Pure step builders: loss, gradients, accumulation, on-device metrics.
 
 The steps are functions of split state (``nnx.split``) so they are jitted with
-plain ``jax.jit``: ``nnx.merge`` runs once at trace time, not per call.
+plain ``jax.jit``: ``nnx.merge`` runs once at trace time, not per call. The
+model's mode is set on the merged copy inside the trace (train for the train
+step, eval for the eval step), so the live module is never flipped.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def make_train_step(
     ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array]:
         objects = nnx.merge(graphdef, state)
         model, optimizer = objects["model"], objects["optimizer"]
+        model.train()
         model_def, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
         def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
@@ -91,7 +94,7 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
             loss = loss / grad_accum_steps
         nnx.update(model, rest)
-        optimizer.update(model, grads)
+        optimizer.update(model, grads, value=loss)  # plateau schedules, line searches
         return nnx.state(objects), metrics, loss
 
     return train_step
@@ -105,7 +108,26 @@ def make_eval_step(
     def eval_step(
         state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
     ) -> clu_metrics.Collection:
-        loss, aux = eval_fn(nnx.merge(graphdef, state)["model"], batch)
+        model = nnx.merge(graphdef, state)["model"]
+        model.eval()
+        loss, aux = eval_fn(model, batch)
         return _merge_metrics(metrics, loss, aux)
 
     return eval_step
+
+
+def over_flat_state(
+    step_fn: Callable[..., Any], treedef: Any, *, returns_state: bool
+) -> Callable[..., Any]:
+    """``step_fn(state, ...)`` as a function of the state's flat list of arrays.
+
+    The trainer keeps the state in live Variables and hands the step their
+    arrays: a flat list crosses the jit boundary without walking Variables in
+    Python. With ``returns_state``, ``(state, *rest)`` comes back as ``(arrays, *rest)``.
+    """
+
+    def flat_step(arrays: list[jax.Array], *args: Any) -> Any:
+        out = step_fn(jax.tree.unflatten(treedef, arrays), *args)
+        return (jax.tree.leaves(out[0]), *out[1:]) if returns_state else out
+
+    return flat_step

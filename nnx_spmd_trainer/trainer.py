@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
-from nnx_spmd_trainer.state import ModelFactory, model_builder
+from nnx_spmd_trainer.state import LiveState, ModelFactory, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
@@ -32,17 +33,27 @@ class Trainer:
         so parameters are born sharded) or an already-built ``nnx.Module``
         (built under ``nnx.use_eager_sharding(False)`` if annotated); its state
         is moved onto the mesh and ``trainer.model`` is a new object holding it.
-      optimizer: any optax ``GradientTransformation``.
+      optimizer: any optax ``GradientTransformation``; its ``update`` also gets
+        ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
       loss_fn: ``(model, batch) -> (loss, aux)``; or override ``Trainer.loss_fn``.
       eval_fn: like ``loss_fn`` for evaluation; defaults to ``loss_fn``.
       metrics: a ``clu.metrics.Collection`` subclass fed ``loss=`` and ``**aux``
         inside the compiled step; default: the average loss.
-      callbacks: ``Callback`` objects, called in ascending ``order``.
+      callbacks: ``Callback`` objects, called in the order given.
       seed: seeds ``nnx.Rngs`` given to the factory.
       grad_accum_steps: microbatches per step (gradients averaged in one compiled step).
       max_steps_in_flight: dispatched steps allowed to run ahead of the host.
+      log_every_n_steps: training metrics reach ``logs`` every n steps (also at
+        each epoch end and at the end of ``fit``); a ``MetricsLogger(n)`` asks the same.
       config: the run's configuration, for callbacks that record it.
+
+    Attributes:
+      step: the global step, read from the optimizer's update count (the one counter).
+      epoch: the epoch of the running (or last) ``fit``, counted from 0 in each call.
+      train_iterator: the live iterator over ``train_data`` during an epoch
+        (a Grain ``DatasetIterator`` has ``get_state()``), else ``None``.
+      data_shard: which rows this process feeds (``strategy.data_shard(mesh)``).
 
     Example::
 
@@ -64,6 +75,7 @@ class Trainer:
         seed: int = 0,
         grad_accum_steps: int = 1,
         max_steps_in_flight: int = 2,
+        log_every_n_steps: int | None = None,
         config: Any = None,
     ) -> None:
         if loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
@@ -72,6 +84,7 @@ class Trainer:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()
         self.mesh = self.strategy.make_mesh()
+        self.data_shard = self.strategy.data_shard(self.mesh)
         self.tx = optimizer
         self.metrics_class = metrics if metrics is not None else DefaultMetrics
         self.grad_accum_steps = grad_accum_steps
@@ -81,14 +94,16 @@ class Trainer:
         self.max_steps_in_flight = max_steps_in_flight
         self._in_flight = data.InFlight(max_steps_in_flight)
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._placements: dict[Any, Any] = {}
+        self._log_every: tuple[int, ...] = ()
+        if log_every_n_steps is not None:
+            self.request_log_every(log_every_n_steps)
 
         self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed)
-        self._state: nnx.State = self.init()
-        objects = nnx.merge(self.init.graphdef, self._state)
-        self._model: nnx.Module = objects["model"]
-        self._optimizer: nnx.Optimizer[nnx.Module] = objects["optimizer"]
-        self._views_current = True
-        self.step = 0
+        self._live = LiveState(nnx.merge(self.init.graphdef, self.init()))
+        self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
+        self.epoch = 0
+        self.train_iterator: Iterator[Any] | None = None
         self.stop_training = False
         self.train_metrics = self.empty_metrics()
         self.eval_metrics = self.empty_metrics()
@@ -106,56 +121,74 @@ class Trainer:
         self.history = History()
         self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
 
-    # -- the objects users see -------------------------------------------------
+    # -- the state: one authority, the live objects ----------------------------------
     @property
     def model(self) -> nnx.Module:
         """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``.
 
-        During ``fit`` the arrays are brought up to date when this property is
-        read, and the next step donates them: read ``trainer.model`` again in
-        each hook rather than keeping it. It is in training mode (``model.train()``)
-        outside ``evaluate``; call ``model.eval()`` yourself for inference.
+        It is current after every step: each step writes its results into the
+        same Variables, and the next step donates their arrays, so read values
+        again in each hook rather than keeping arrays. Edits to it (``set_value``)
+        are what the next step trains. The steps set train/eval mode on their
+        own copy; this object's mode is yours.
         """
-        self._sync_views()
-        return self._model
+        return self._live.objects["model"]
 
     @property
     def optimizer(self) -> nnx.Optimizer[nnx.Module]:
         """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
-        self._sync_views()
-        return self._optimizer
+        return self._live.objects["optimizer"]
 
     @property
     def state(self) -> nnx.State:
         """``{"model": ..., "optimizer": ...}`` as one ``nnx.State``: what a checkpoint saves.
 
-        The arrays are this step's and the next step donates them: copy what you
-        keep (``jax.tree.map(jnp.copy, trainer.state)`` on device, or
-        ``jax.device_get``). Assigning ``trainer.state = saved`` places ``saved``
-        with the strategy's shardings and hands its arrays to the next step.
+        A snapshot with its own Variables, holding this step's arrays; the next
+        step donates those arrays, so copy what you keep
+        (``jax.tree.map(jnp.copy, trainer.state)`` on device, or ``jax.device_get``).
+        Assigning ``trainer.state = saved`` places ``saved`` with the strategy's
+        shardings into the live objects (``trainer.step`` follows its optimizer
+        step) and hands its arrays to the next step.
         """
-        if self._views_current:  # the user may have edited model/optimizer in place
-            # New containers: nnx.state shares the live Variables, which later syncs rewrite.
-            self._state = jax.tree.map(lambda x: x, nnx.state(self._objects()))
-        return self._state
+        return self._live.as_state()
 
     @state.setter
     def state(self, state: nnx.State) -> None:
-        self._state = jax.device_put(state, self.init.shardings)
-        self._views_current = False
+        try:
+            placed = jax.device_put(state, self.init.shardings)
+        except ValueError as error:
+            raise ValueError(
+                "The assigned state does not have the trainer's structure "
+                f"({error}). Assign a state saved from a trainer built with the same model "
+                "and optimizer (trainer.state)."
+            ) from error
+        nnx.update(self._live.objects, placed)
+        self._live.refresh()
+        self._host_step = None  # the optimizer count came with the state
 
     @property
     def state_shardings(self) -> nnx.State:
         """The NamedSharding of every state leaf, as the strategy answered."""
         return self.init.shardings
 
-    def _objects(self) -> dict[str, Any]:
-        return {"model": self._model, "optimizer": self._optimizer}
+    @property
+    def step(self) -> int:
+        """The global step: the optimizer's update count, read from the state.
 
-    def _sync_views(self) -> None:
-        if not self._views_current:
-            nnx.update(self._objects(), self._state)
-            self._views_current = True
+        A host copy follows each step without a device sync; it is re-read from
+        the devices only after ``state`` was assigned.
+        """
+        if self._host_step is None:
+            count = self.optimizer.step.get_raw_value()
+            self._host_step = int(np.asarray(count.addressable_data(0)))
+        return self._host_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        counter = self.optimizer.step
+        current = counter.get_raw_value()
+        counter.set_raw_value(jax.device_put(np.asarray(value, current.dtype), current.sharding))
+        self._host_step = int(value)
 
     # -- what subclasses override ---------------------------------------------
     def loss_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -202,36 +235,40 @@ class Trainer:
         self.reset_metrics("train")
         return logs
 
-    # -- compiled steps ------------------------------------------------------------
-    def _graphdef(self, training: bool) -> nnx.GraphDef[Any]:
-        self._sync_views()
-        if training:
-            self._model.train()
-        else:
-            self._model.eval()
-        return nnx.graphdef(self._objects())
+    def request_log_every(self, n: int) -> None:
+        """Training metrics reach ``logs`` every ``n`` steps (each request adds its steps)."""
+        if n < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
+        self._log_every = tuple(sorted({*self._log_every, n}))
 
-    def _compile(self, kind: str, graphdef: nnx.GraphDef[Any], batch: Any) -> Any:
+    def is_log_step(self, step: int) -> bool:
+        """Whether training metrics are flushed into ``logs`` after ``step``."""
+        return any(step % n == 0 for n in self._log_every)
+
+    # -- compiled steps ------------------------------------------------------------
+    def _compile(self, kind: str, batch: Any) -> Any:
+        live = self._live
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
-        key = (kind, graphdef, jax.tree.structure(batch), self.grad_accum_steps)
+        key = (kind, live.graphdef, jax.tree.structure(batch), self.grad_accum_steps)
         if key in self._compiled:
             return self._compiled[key]
         replicated = NamedSharding(self.mesh, P())
+        state_shardings = jax.tree.leaves(self.init.shardings)
         if kind == "train":
             fn = step.make_train_step(
-                graphdef,
+                live.graphdef,
                 self.loss_fn,
                 grad_accum_steps=self.grad_accum_steps,
                 batch_sharding=batch_sharding,
             )
-            out: Any = (self.init.shardings, replicated, replicated)
+            out: Any = (state_shardings, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)
         else:
-            fn = step.make_eval_step(graphdef, self.eval_fn)
+            fn = step.make_eval_step(live.graphdef, self.eval_fn)
             out, donate = replicated, ()
         compiled = self.strategy.compile_step(
-            fn,
-            in_shardings=(self.init.shardings, replicated, batch_sharding),
+            step.over_flat_state(fn, live.treedef, returns_state=kind == "train"),
+            in_shardings=(state_shardings, replicated, batch_sharding),
             out_shardings=out,
             donate_argnums=donate,
         )
@@ -239,16 +276,26 @@ class Trainer:
         return compiled
 
     def place(self, batch: Any, *, divisor: int = 1) -> Any:
-        """This process's NumPy batch -> global arrays with the strategy's batch sharding."""
-        shardings = self.strategy.batch_sharding(batch, self.mesh)
-        return data.place_batch(batch, shardings, divisor=divisor)
+        """This process's batch -> global arrays with the strategy's batch sharding.
+
+        The strategy is asked, and the batch checked, once per batch structure
+        and shapes; later batches of the same kind go straight to the devices.
+        """
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, tuple(np.shape(x) for x in leaves), divisor)
+        shardings = self._placements.get(key)
+        if shardings is None:
+            shardings = self.strategy.batch_sharding(batch, self.mesh)
+            data.check_batch(batch, shardings, divisor=divisor, data_shards=self.data_shard.count)
+            self._placements[key] = shardings
+        return data.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
     def lower_train_step(self, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the train step on ``batch``, for memory/cost analysis."""
         placed = self.place(batch, divisor=self.grad_accum_steps)
-        train_step = self._compile("train", self._graphdef(training=True), placed)
+        train_step = self._compile("train", placed)
         with jax.set_mesh(self.mesh):
-            return train_step.lower(self.state, self.train_metrics, placed)
+            return train_step.lower(self._live.arrays(), self.train_metrics, placed)
 
     # -- the loops ---------------------------------------------------------------
     def fit(
@@ -262,9 +309,13 @@ class Trainer:
     ) -> History:
         """Trains for ``max_steps`` steps or ``epochs`` passes, whichever ends first.
 
-        Training metrics accumulate on device; they reach ``logs`` at epoch
-        ends, at the end, and wherever a callback (``MetricsLogger``) asks.
-        ``eval_data`` is evaluated every ``eval_every_n_steps`` steps and at the end.
+        Training metrics accumulate on device; they reach ``logs`` at the log
+        steps (``log_every_n_steps``), at epoch ends and at the end. ``eval_data``
+        is evaluated every ``eval_every_n_steps`` steps and at the end.
+
+        If anything raises (the data, a callback, the step), callbacks get
+        ``on_exception`` (profiler, writers and bars close), the state stays the
+        last completed step's, and the error propagates; ``fit`` can be called again.
         """
         if max_steps is None and epochs is None:
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
@@ -274,27 +325,47 @@ class Trainer:
         self.max_steps = max_steps
         self._train_step = None  # compiled on the first batch of each fit
         self._last_eval_step = -1
-        self.callbacks.call("on_train_begin", {})  # may restore state: read it only after
-        for epoch in itertools.count() if epochs is None else range(epochs):
-            if self._done(max_steps):
-                break
-            self.callbacks.call("on_epoch_begin", epoch, {})
-            if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
-                if epoch == 0:
-                    raise ValueError("train_data yielded no batches.")
-                warnings.warn(
-                    f"train_data was exhausted at step {self.step} before max_steps={max_steps}; "
-                    "pass a re-iterable dataset (not a one-shot iterator) to run several epochs.",
-                    stacklevel=2,
-                )
-                break
-            self.callbacks.call("on_epoch_end", epoch, self._epoch_logs())
-        self._in_flight.drain()
-        if eval_data is not None and self._last_eval_step != self.step:
-            self._evaluate(eval_data)
-        self.callbacks.call("on_train_end", self.flush_train_metrics())
-        self._sync_views()
+        self._live.refresh()  # the user may have changed the model between fits
+        try:
+            self.callbacks.on_train_begin({})  # may restore state: read it only after
+            for epoch in itertools.count() if epochs is None else range(epochs):
+                if self._done(max_steps):
+                    break
+                self.epoch = epoch
+                self.callbacks.on_epoch_begin(epoch, {})
+                if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
+                    if epoch == 0:
+                        raise ValueError("train_data yielded no batches.")
+                    warnings.warn(
+                        f"train_data was exhausted at step {self.step} before "
+                        f"max_steps={max_steps}; pass a re-iterable dataset (not a one-shot "
+                        "iterator) to run several epochs.",
+                        stacklevel=2,
+                    )
+                    break
+                self.callbacks.on_epoch_end(epoch, self._epoch_logs())
+            self._in_flight.drain()
+            if eval_data is not None and self._last_eval_step != self.step:
+                self._evaluate(eval_data)
+            self.callbacks.on_train_end(self.flush_train_metrics())
+        except BaseException as error:
+            self._abort(error)
+            raise
         return self.history
+
+    def _abort(self, error: BaseException) -> None:
+        """The exception path of ``fit``: settle the devices, tell the callbacks."""
+        with contextlib.suppress(Exception):  # a failed device step raises again here
+            self._in_flight.drain()
+        self._in_flight.clear()
+        self.train_iterator = None
+        if any(array.is_deleted() for array in self._live.arrays()):
+            error.add_note(
+                f"nnx_spmd_trainer: the step after step {self._host_step} failed on the "
+                "devices after its input state was donated, so that state is lost; restore "
+                "a checkpoint (trainer.state = saved) before training on."
+            )
+        self.callbacks.on_exception(error)
 
     def _train_epoch(
         self,
@@ -305,33 +376,39 @@ class Trainer:
     ) -> int:
         """One pass over ``train_data`` (or until done); returns the steps taken."""
         steps = 0
+        self.train_iterator = iter(train_data)
         with jax.set_mesh(self.mesh):
-            for host_batch in train_data:  # one batch at a time: the iterator's position is exact
+            # One batch at a time: the iterator's position is exactly the steps taken.
+            for host_batch in self.train_iterator:
                 batch = self.place(host_batch, divisor=self.grad_accum_steps)
                 # Hooks get the steps done so far at begin, and the new count at end.
-                self.callbacks.call("on_train_batch_begin", self.step, {})
+                self.callbacks.on_train_batch_begin(self.step, {})
                 self._train_one(batch)
                 steps += 1
-                self.callbacks.call("on_train_batch_end", self.step, {})
+                logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
+                self.callbacks.on_train_batch_end(self.step, logs)
                 if eval_every_n_steps and self.step % eval_every_n_steps == 0:
                     assert eval_data is not None
                     self._evaluate(eval_data)
                     self._last_eval_step = self.step
                 if self._done(max_steps):
                     break
+        self.train_iterator = None
         return steps
 
     def _train_one(self, batch: Any) -> None:
         structure = jax.tree.structure(batch)
         if self._train_step is None or structure != self._train_structure:
-            self._train_step = self._compile("train", self._graphdef(training=True), batch)
+            self._train_step = self._compile("train", batch)
             self._train_structure = structure
-        # self.state, not a local: a callback may have set trainer.state or edited the model.
-        state, self.train_metrics, loss = self._train_step(self.state, self.train_metrics, batch)
-        self._state, self._views_current = state, False
+        count = self.step  # before dispatch: afterwards the counter is a future array
+        arrays, self.train_metrics, loss = self._train_step(
+            self._live.arrays(), self.train_metrics, batch
+        )
+        self._live.write(arrays)
+        self._host_step = count + 1  # the step's optimizer.update counted one update
         self.last_loss, self.last_batch = loss, batch
         self._in_flight.add(loss)
-        self.step += 1
         self._train_metric_steps += 1
 
     def _done(self, max_steps: int | None) -> bool:
@@ -347,28 +424,26 @@ class Trainer:
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
-        graphdef = self._graphdef(training=False)
-        state = self.state
+        arrays = self._live.arrays()
         self.reset_metrics("eval")
-        self.callbacks.call("on_test_begin", {})
+        self.callbacks.on_test_begin({})
         batches = 0
         eval_step, structure = None, None
         with jax.set_mesh(self.mesh):
             for batches, host_batch in enumerate(eval_data, start=1):
                 batch = self.place(host_batch)
-                self.callbacks.call("on_test_batch_begin", batches, {})
+                self.callbacks.on_test_batch_begin(batches, {})
                 if eval_step is None or jax.tree.structure(batch) != structure:
-                    eval_step = self._compile("eval", graphdef, batch)
+                    eval_step = self._compile("eval", batch)
                     structure = jax.tree.structure(batch)
-                self.eval_metrics = eval_step(state, self.eval_metrics, batch)
+                self.eval_metrics = eval_step(arrays, self.eval_metrics, batch)
                 self._in_flight.add(jax.tree.leaves(self.eval_metrics)[0])
-                self.callbacks.call("on_test_batch_end", batches, {})
+                self.callbacks.on_test_batch_end(batches, {})
         if batches == 0:
             raise ValueError("eval_data yielded no batches.")
         self._in_flight.drain()
-        self._graphdef(training=True)  # back to the trainer's default mode
         logs = self.compute_metrics("eval")
-        self.callbacks.call("on_test_end", logs)
+        self.callbacks.on_test_end(logs)
         return logs
 
     @property

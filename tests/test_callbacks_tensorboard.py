@@ -67,8 +67,8 @@ def test_scalars_config_sharding_histograms_and_hparams(tmp_path):
     config_text = _text(acc, "config")
     assert "| model.width | 3 |" in config_text and "| name | 'linear' |" in config_text
     sharding_text = _text(acc, "sharding")
-    assert "| l/kernel | (4, 3) | float32 | P() | 48 |" in sharding_text
-    assert "| l/bias | (3,) | float32 | P() | 12 |" in sharding_text
+    assert "| model/l/kernel | (4, 3) | float32 | P() | 48 |" in sharding_text
+    assert "| model/l/bias | (3,) | float32 | P() | 12 |" in sharding_text
 
     # Histograms of the weights after steps 3 and 6, against NumPy SGD from the same start.
     reference = list(np_sgd(*initial, batches, lr=0.1))

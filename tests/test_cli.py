@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, cli, tasks
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
+from nnx_spmd_trainer.app import cli, tasks
 
 CONFIG_NAMES = sorted(p.stem for p in cli.CONFIGS_DIR.glob("*.py") if not p.name.startswith("_"))
 REQUIRED_KEYS = (

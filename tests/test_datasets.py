@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from nnx_spmd_trainer import datasets
+from nnx_spmd_trainer.app import datasets
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer
+from nnx_spmd_trainer.app.models import CNN, GPT, MLP, TransformerBlock, gpt, mlp
 from nnx_spmd_trainer.configs import default
-from nnx_spmd_trainer.models import CNN, GPT, MLP, TransformerBlock, gpt, mlp
 
 VOCAB = 16
 TINY = dict(seq_len=8, embed_dim=32, num_heads=8, ff_dim=64, num_layers=1)

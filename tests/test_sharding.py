@@ -1,10 +1,13 @@
 """Spec resolution is pure: tested against plain {axis: size} meshes, no devices."""
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer.sharding import (
+    DataShard,
     ShardingError,
+    data_shard_of,
     merge_rules,
     resolve_spec,
     shard_largest_dim,
@@ -79,3 +82,67 @@ def test_shard_largest_dim():
 def test_shard_shape():
     assert shard_shape((16, 8), P("fsdp", "model"), MESH) == (4, 4)
     assert shard_shape((16, 8), P(("fsdp", "model")), MESH) == (2, 8)
+
+
+def test_context_rules_between_leaf_rules_and_strategy_rules():
+    strategy = (("embed", "fsdp"),)
+    context = (("embed", "model"), ("my_hidden", "model"))
+    resolve = lambda a, **kw: resolve_spec(a, shape=(8, 8), mesh=MESH, rules=strategy, **kw)
+    assert resolve(("embed",)) == P("fsdp")
+    assert resolve(("embed",), context_rules=context) == P("model")  # context over strategy
+    assert resolve(("embed",), context_rules=context, leaf_rules=(("embed", None),)) == P()
+    assert resolve(("my_hidden", "embed"), context_rules=context) == P("model")  # axis used once
+    # Like Flax's own rules, the context may rename a mesh axis name too.
+    assert resolve(("model",), context_rules=(("model", "fsdp"),)) == P("fsdp")
+    with pytest.raises(ShardingError, match=r"'my_hidden'.*nnx.logical_axis_rules"):
+        resolve(("my_hidden",))
+
+
+def _ids(rows):
+    return np.array(rows)
+
+
+@pytest.mark.parametrize(
+    ("ids", "names", "batch_axes", "expected"),
+    [
+        # DataParallel over 8 devices, devices 0-3 on process 0
+        (np.arange(8) // 4, ("data",), ("data",), [(0, 2), (1, 2)]),
+        (np.arange(8) // 2, ("data",), ("data",), [(0, 4), (1, 4), (2, 4), (3, 4)]),
+        # fsdp=4 x model=2: a process's devices cover whole fsdp rows
+        (_ids([[0, 0], [0, 0], [1, 1], [1, 1]]), ("fsdp", "model"), ("fsdp",), [(0, 2), (1, 2)]),
+        (
+            _ids([[0, 0], [1, 1], [2, 2], [3, 3]]),
+            ("fsdp", "model"),
+            ("fsdp",),
+            [(0, 4), (1, 4), (2, 4), (3, 4)],
+        ),
+        # data=2 x model=4, model axis spanning two processes: they feed the same rows
+        (
+            _ids([[0, 0, 1, 1], [2, 2, 3, 3]]),
+            ("data", "model"),
+            ("data",),
+            [(0, 2), (0, 2), (1, 2), (1, 2)],
+        ),
+        # no batch axis: every process feeds everything
+        (np.arange(8) // 4, ("model",), (), [(0, 1), (0, 1)]),
+        # batch over two axes, in the spec's order (not the mesh's)
+        (_ids([[0, 1], [0, 1]]), ("fsdp", "model"), ("model", "fsdp"), [(0, 2), (1, 2)]),
+    ],
+)
+def test_data_shard_of(ids, names, batch_axes, expected):
+    got = [data_shard_of(ids, names, batch_axes, p) for p in range(len(expected))]
+    assert got == [DataShard(*e) for e in expected]
+
+
+def test_data_shard_of_refuses_layouts_no_slice_fits():
+    with pytest.raises(ShardingError, match=r"process 0 holds batch shards \[0, 2, 4, 6\]"):
+        data_shard_of(np.arange(8) % 2, ("data",), ("data",), 0)
+    # contiguous but misaligned: shards 1-2 on one process
+    with pytest.raises(ShardingError, match=r"\[1, 2\] of 4, not one contiguous, aligned"):
+        data_shard_of(_ids([0, 1, 1, 2]), ("data",), ("data",), 1)
+    with pytest.raises(ShardingError, match=r"unequal numbers of batch shards \(\{0: 6, 1: 2\}\)"):
+        data_shard_of(_ids([0] * 6 + [1] * 2), ("data",), ("data",), 0)
+    with pytest.raises(ShardingError, match="process 5 owns no device"):
+        data_shard_of(np.arange(8) // 4, ("data",), ("data",), 5)
+    with pytest.raises(ShardingError, match=r"batch axes \['fsdp'\] are not mesh axes"):
+        data_shard_of(np.arange(8) // 4, ("data",), ("fsdp",), 0)

@@ -1,6 +1,7 @@
 """Each strategy: promised specs on every leaf, and the same numbers as one device."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -8,6 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from toy_models import (
+    LECUN,
     Net,
     RecordLosses,
     assert_params_match,
@@ -17,6 +19,7 @@ from toy_models import (
 )
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorParallel, Trainer
+from nnx_spmd_trainer.sharding import shard_shape
 
 # What each strategy promises for Net's leaves (fsdp min_size=64 elements):
 # l1 annotated (None, "model") / ("model",); l2 logical ("mlp", "embed"); the rest unannotated.
@@ -107,18 +110,9 @@ def test_every_leaf_has_the_promised_sharding(name):
         spec = expected_spec(key, promised) if array.ndim else P()
         assert isinstance(array.sharding, NamedSharding), key
         assert array.sharding.spec == spec, (key, array.sharding.spec, spec)
-        per_device = tuple(
-            d // np.prod([MESHES[name][a] for a in _axes(s)], dtype=int)
-            for d, s in zip(
-                array.shape, (list(spec) + [None] * array.ndim)[: array.ndim], strict=True
-            )
-        )
+        per_device = shard_shape(array.shape, spec, MESHES[name])  # the one per-device rule
         assert array.sharding.shard_shape(array.shape) == per_device, key
         assert array.addressable_shards[0].data.shape == per_device, key
-
-
-def _axes(entry):
-    return () if entry is None else (entry,) if isinstance(entry, str) else entry
 
 
 @pytest.mark.parametrize("name", ["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
@@ -221,3 +215,56 @@ def test_optimizer_state_shaped_unlike_its_parameter():
     trainer.fit(batches, max_steps=3)
     ref_params, _ = train_reference(lambda r: Net(r), tx, batches)
     assert_params_match(trainer, ref_params)
+
+
+class WithStats(nnx.Module):
+    """Net plus a running statistic annotated with ``annotation``."""
+
+    def __init__(self, rngs: nnx.Rngs, annotation: tuple) -> None:
+        self.net = Net(rngs)
+        self.running_mean = nnx.BatchStat(jnp.zeros((3,)), out_sharding=annotation)
+
+    def __call__(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "message"),
+    [
+        (("model",), r"running_mean with shape \(3,\).*not divisible by mesh axes \('model',\)"),
+        (("my_stats",), r"running_mean with shape \(3,\).*unknown axis name 'my_stats'"),
+    ],
+)
+def test_wrongly_annotated_batch_stat_is_refused(annotation, message):
+    """Only optimizer state falls back to unannotated; a model's own leaves must fit."""
+    with pytest.raises(ShardingError, match=message):
+        Trainer(
+            lambda rngs: WithStats(rngs, annotation),
+            optax.adam(1e-2),
+            strategy=TensorParallel(),
+            loss_fn=classification_loss,
+        )
+
+
+class ContextNamed(nnx.Module):
+    """Annotated with a logical name only a ``nnx.logical_axis_rules`` context maps."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        init = nnx.with_partitioning(LECUN, (None, "my_hidden"))
+        self.l1 = nnx.Linear(16, 32, kernel_init=init, rngs=rngs)
+        self.l2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def test_flax_logical_axis_rules_context_is_honoured():
+    strategy = Hybrid(DataParallel(4), TensorParallel(2))
+    with nnx.logical_axis_rules([("my_hidden", "model"), ("embed", None)]):
+        trainer = Trainer(ContextNamed, optax.adam(1e-2), strategy=strategy,
+                          loss_fn=classification_loss)  # fmt: skip
+    assert trainer.model.l1.kernel.get_value().sharding.spec == P(None, "model")
+    mu = trainer.optimizer.opt_state[0].mu["l1"]["kernel"].get_value()
+    assert mu.sharding.spec == P(None, "model")
+    with pytest.raises(ShardingError, match=r"l1/kernel.*unknown axis name 'my_hidden'"):
+        Trainer(ContextNamed, optax.adam(1e-2), strategy=strategy, loss_fn=classification_loss)

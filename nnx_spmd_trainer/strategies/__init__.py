@@ -1,9 +1,17 @@
-"""Strategies: small immutable objects answering the three layout questions."""
+"""Strategies: small immutable objects answering the layout questions."""
 
+from nnx_spmd_trainer.strategies.axis import AxisStrategy
 from nnx_spmd_trainer.strategies.base import Strategy
 from nnx_spmd_trainer.strategies.data_parallel import DataParallel
 from nnx_spmd_trainer.strategies.fsdp import FSDP
 from nnx_spmd_trainer.strategies.hybrid import Hybrid
 from nnx_spmd_trainer.strategies.tensor_parallel import TensorParallel
 
-__all__ = ["DataParallel", "FSDP", "Hybrid", "Strategy", "TensorParallel"]
+__all__ = [
+    "AxisStrategy",
+    "DataParallel",
+    "FSDP",
+    "Hybrid",
+    "Strategy",
+    "TensorParallel",
+]

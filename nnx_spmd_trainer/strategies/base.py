@@ -1,72 +1,83 @@
-"""Strategy: a small immutable object that answers three layout questions.
+"""Strategy: the abstract contract, the questions the Trainer asks and their default answers.
+
+A strategy is a small immutable object; it never runs the loop:
 
 1. ``state_shardings`` -- what sharding does each state leaf get at init?
 2. ``batch_sharding`` -- what sharding does the global batch get?
 3. ``compile_step`` -- how is a step function jitted?
+4. ``data_shard`` -- which rows does this process feed? (follows the answer to 2.)
 
-It never runs the loop; the Trainer asks and acts. Subclass any strategy and
-override one of the three to change only that answer.
+The first three take the answer proposed so far (``proposed=``; for
+``compile_step``, ``jit=``: the rest of the chain), so that ``Hybrid`` asks
+every member each question in turn, as ``optax.chain`` calls every transform.
+Subclass a strategy and override one of them to change only that answer,
+alone or inside a Hybrid.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import abc
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
 
 Axes = tuple[tuple[str, int], ...]
+#: What compiles a step: ``jax.jit``, or the rest of a Hybrid's chain ending in it.
+Jit = Callable[..., Callable[..., Any]]
 
 
 def _is_variable(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """Base class: one mesh axis, optional logical-axis rules, default answers.
+def context_rules() -> sh.Rules:
+    """The rules of the enclosing ``with nnx.logical_axis_rules([...]):``, else ``()``."""
+    return tuple(
+        (name, tuple(target) if isinstance(target, list) else target)
+        for name, target in flax_spmd.get_logical_axis_rules()
+    )
 
-    Attributes:
-      size: devices along this strategy's mesh axis; -1 means "all left".
-      axis: the mesh axis name.
-      rules: extra logical-axis rules, merged over the strategy's defaults.
+
+class Strategy(abc.ABC):
+    """The contract: three composition helpers to define, four questions answered.
+
+    A subclass defines ``mesh_axes``, ``batch_axes`` and ``logical_rules``
+    (``AxisStrategy`` does, for one mesh axis) and inherits the default
+    answers: state laid out from its annotations, the batch split over the
+    batch axes, the step compiled with ``jax.jit``. Override a question and
+    start from ``super()``'s answer to change only part of it.
+
+    >>> from nnx_spmd_trainer import DataParallel
+    >>> class Announce(DataParallel):
+    ...     def compile_step(self, step_fn, *, jit=jax.jit, **layout):
+    ...         print("compiling", step_fn.__name__)
+    ...         return super().compile_step(step_fn, jit=jit, **layout)
+    >>> _ = Announce().compile_step(abs, in_shardings=None, out_shardings=None)
+    compiling abs
     """
 
-    size: int = -1
-    axis: str = "data"
-    rules: sh.Rules = dataclasses.field(default=(), kw_only=True)
-
-    #: Whether the batch is split along this strategy's axis.
-    shards_batch: ClassVar[bool] = True
-    #: Logical axis names this strategy maps onto its own mesh axis by default.
-    logical_axes: ClassVar[tuple[str, ...]] = ()
-
     # -- composition: what a Hybrid joins ----------------------------------
+    @abc.abstractmethod
     def mesh_axes(self) -> Axes:
-        """(axis name, size) pairs this strategy contributes to the mesh."""
-        return ((self.axis, self.size),)
+        """(axis name, size) pairs this strategy contributes to the mesh; size -1: all left."""
 
+    @abc.abstractmethod
     def batch_axes(self) -> tuple[str, ...]:
         """Mesh axes that split the leading batch dimension."""
-        return (self.axis,) if self.shards_batch else ()
 
+    @abc.abstractmethod
     def logical_rules(self) -> sh.Rules:
         """Logical name -> mesh axis; every known logical name is present."""
-        user = dict(sh.merge_rules(self.rules))
-        # A renamed axis (TensorParallel(axis="tp")) still honours its usual physical
-        # name in annotations ("model"), read as a logical name for the new axis.
-        default_axis = type(self).__dataclass_fields__["axis"].default
-        usual = (default_axis,) if self.axis != default_axis else ()
-        own = ((n, self.axis) for n in (*self.logical_axes, *usual) if n not in user)
-        return sh.merge_rules(user.items(), own, ((n, None) for n in sh.LOGICAL_AXES))
 
     def refine_spec(self, spec: P, shape: tuple[int, ...], mesh: dict[str, int]) -> P:
         """Adjusts a resolved spec (FSDP shards what is left); default: as is."""
@@ -109,7 +120,7 @@ class Strategy:
         mesh: dict[str, int],
         path: str = "",
     ) -> P:
-        """The spec of one abstract state leaf, from its metadata and shape."""
+        """The spec of one abstract state leaf, from its metadata, shape and the rules."""
         shape = tuple(variable.get_value().shape)
         metadata = variable.get_metadata()
         resolve = functools.partial(
@@ -118,24 +129,22 @@ class Strategy:
             mesh=mesh,
             rules=(*self.logical_rules(), ("batch", self.batch_axes())),
             leaf_rules=tuple(metadata.get("sharding_rules") or ()),
+            context_rules=context_rules(),
             path=path,
         )
         try:
             spec = resolve(metadata.get("out_sharding"))
         except sh.ShardingError:
-            if isinstance(variable, nnx.Param):
-                raise
+            if not isinstance(variable, nnx.OptState):
+                raise  # a model's own leaf (Param, BatchStat, ...) must be annotated right
             # Optimizer state inherits its parameter's annotation even when its shape
             # differs (Adafactor's factored moments): lay it out as unannotated instead.
+            # The parameter itself was resolved with that annotation, so no error hides.
             spec = resolve(None)
         return self.refine_spec(spec, shape, mesh)
 
-    def state_shardings(self, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
-        """A NamedSharding for every leaf of ``abstract_state`` (from ``nnx.eval_shape``).
-
-        Optimizer moments carry their parameter's metadata, so they get the
-        same spec; scalars (step counters, RNG keys) are replicated.
-        """
+    def annotated_shardings(self, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
+        """Every leaf's NamedSharding from its annotation: the default answer to question 1."""
         axes = dict(mesh.shape)
 
         def one(path: Sequence[Any], variable: nnx.Variable[Any]) -> NamedSharding:
@@ -143,9 +152,31 @@ class Strategy:
 
         return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=_is_variable)
 
+    def state_shardings(
+        self, abstract_state: nnx.State, mesh: Mesh, proposed: nnx.State | None = None
+    ) -> nnx.State:
+        """A NamedSharding for every leaf of ``abstract_state`` (from ``nnx.eval_shape``).
+
+        Optimizer moments carry their parameter's metadata, so they get the
+        same spec; scalars (step counters, RNG keys) are replicated.
+
+        Args:
+          abstract_state: the state's shapes and metadata, or a built module's state.
+          mesh: the mesh from ``make_mesh``.
+          proposed: the answer so far (in a Hybrid: the joint resolution, then
+            each earlier member's); kept by default, else resolved here.
+        """
+        return self.annotated_shardings(abstract_state, mesh) if proposed is None else proposed
+
     # -- question 2: batch placement ------------------------------------------
-    def batch_sharding(self, batch: Any, mesh: Mesh) -> Any:
-        """A NamedSharding per batch leaf: leading dimension over the batch axes."""
+    def batch_sharding(self, batch: Any, mesh: Mesh, proposed: Any = None) -> Any:
+        """A NamedSharding per batch leaf: leading dimension over the batch axes.
+
+        ``proposed`` is the answer so far (in a Hybrid: over every member's
+        batch axes, then each earlier member's); kept by default.
+        """
+        if proposed is not None:
+            return proposed
         axes = tuple(a for a in self.batch_axes() if a in mesh.shape)
         spec = P(axes) if axes else P()
         return jax.tree.map(lambda _: NamedSharding(mesh, spec), batch)
@@ -158,15 +189,49 @@ class Strategy:
         in_shardings: Any,
         out_shardings: Any,
         donate_argnums: tuple[int, ...] = (),
+        jit: Jit = jax.jit,
     ) -> Callable[..., Any]:
-        """Jits ``step_fn`` with explicit layouts; donated inputs are reused in place."""
-        return jax.jit(
+        """Jits ``step_fn`` with explicit layouts; donated inputs are reused in place.
+
+        ``jit`` is the rest of the chain (middleware): an override may wrap
+        ``step_fn`` or change the layouts, then pass them on to ``jit``.
+        """
+        return jit(
             step_fn,
             in_shardings=in_shardings,
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
 
-    def __repr__(self) -> str:
-        size = "" if self.size == -1 else str(self.size)
-        return f"{type(self).__name__}({size})"
+    # -- question 4: which rows this process feeds -------------------------------
+    def data_shard(
+        self,
+        mesh: Mesh,
+        process_index: int | None = None,
+        *,
+        process_ids: np.ndarray | None = None,
+    ) -> sh.DataShard:
+        """Which slice of the global data ``process_index`` feeds, from ``batch_sharding``.
+
+        Args:
+          mesh: the mesh from ``make_mesh``.
+          process_index: the process asking; ``jax.process_index()`` by default.
+          process_ids: the process owning each mesh device, shaped like the
+            mesh; the devices' own by default. Other ids plan a multi-host
+            layout from one host.
+        """
+        probe = jax.ShapeDtypeStruct((mesh.size,), np.float32)  # one global batch leaf
+        sharding = jax.tree.leaves(self.batch_sharding(probe, mesh))[0]
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(
+                f"{self!r}.batch_sharding gave {sharding!r}; data_shard reads the mesh axes "
+                "of a NamedSharding's leading dimension. Return NamedSharding(mesh, spec)."
+            )
+        if process_ids is None:
+            process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+        return sh.data_shard_of(
+            process_ids,
+            mesh.axis_names,
+            sh.leading_axes(sharding.spec),
+            jax.process_index() if process_index is None else process_index,
+        )

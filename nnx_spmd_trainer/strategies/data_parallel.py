@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from nnx_spmd_trainer.strategies.base import Strategy
+from nnx_spmd_trainer.strategies.axis import AxisStrategy
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class DataParallel(Strategy):
+class DataParallel(AxisStrategy):
     """Every device holds the whole state and a slice of the batch.
 
     >>> strategy = DataParallel()          # all devices on the "data" axis
@@ -16,5 +17,5 @@ class DataParallel(Strategy):
     (('data', -1),)
     """
 
-    size: int = -1
-    axis: str = "data"
+    usual_axis: ClassVar[str] = "data"
+    axis: str = usual_axis

@@ -9,11 +9,11 @@ from typing import ClassVar
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.strategies.base import Strategy
+from nnx_spmd_trainer.strategies.axis import AxisStrategy
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class FSDP(Strategy):
+class FSDP(AxisStrategy):
     """Fully sharded data parallel over one mesh axis.
 
     Annotated leaves keep their layout; any leaf of at least ``min_size``
@@ -21,14 +21,15 @@ class FSDP(Strategy):
     largest dimension the axis divides, so nothing large stays replicated.
 
     >>> FSDP(4, min_size=1).refine_spec(P(), (16, 8), {"fsdp": 4})
-    PartitionSpec('fsdp',)
+    P('fsdp',)
     """
 
-    size: int = -1
-    axis: str = "fsdp"
-    min_size: int = dataclasses.field(default=1024, kw_only=True)
-
+    usual_axis: ClassVar[str] = "fsdp"
     logical_axes: ClassVar[tuple[str, ...]] = ("embed",)
+
+    axis: str = usual_axis
+    #: Unannotated leaves smaller than this (in elements) stay replicated.
+    min_size: int = dataclasses.field(default=1024, kw_only=True)
 
     def refine_spec(self, spec: P, shape: tuple[int, ...], mesh: dict[str, int]) -> P:
         if self.axis not in mesh or math.prod(shape) < self.min_size:

@@ -1,35 +1,63 @@
-"""Hybrid: compose strategies like ``optax.chain``: axes joined, rules merged."""
+"""Hybrid: compose strategies like ``optax.chain``: axes joined, rules merged, all asked."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, final
 
+import jax
+from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.strategies.base import Axes, Strategy
+from nnx_spmd_trainer.strategies.base import Axes, Jit, Strategy
 
 
+@final
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Hybrid(Strategy):
-    """One mesh axis per member; a logical axis two members map differently is an error.
+    """One mesh axis per member; every member answers every question, in order.
 
+    The joint answer (all members' axes and rules; a logical axis two
+    members map differently is an error) is proposed to the first member,
+    whose answer is proposed to the next, and so on. ``compile_step`` nests
+    the members' ``compile_step`` as middleware, the first outermost. To
+    change one answer, subclass a member, not Hybrid (it is final).
+
+    >>> from nnx_spmd_trainer import FSDP, TensorParallel
     >>> Hybrid(FSDP(4), TensorParallel(2)).mesh_axes()
     (('fsdp', 4), ('model', 2))
     """
 
-    members: tuple[Strategy, ...] = ()
+    members: tuple[Strategy, ...]
+    rules: sh.Rules
 
     def __init__(self, *members: Strategy, rules: sh.Rules = ()) -> None:
         if not members:
             raise ValueError(
                 "Hybrid needs at least one strategy, e.g. Hybrid(FSDP(4), TensorParallel(2))."
             )
-        object.__setattr__(self, "members", tuple(members))
-        object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "size", -1)
-        object.__setattr__(self, "axis", "")
+        strangers = [m for m in members if not isinstance(m, Strategy)]
+        if strangers:
+            raise TypeError(
+                f"Hybrid members must be strategies, got {strangers!r}; "
+                "e.g. Hybrid(FSDP(4), TensorParallel(2))."
+            )
+        # Frozen: the dataclass way to set fields in a hand-written __init__.
+        object.__setattr__(self, "members", members)
+        object.__setattr__(self, "rules", tuple(rules))
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError(
+            f"Hybrid is final; {cls.__name__} cannot subclass it. Subclass the member whose "
+            "answer should change instead, e.g. class MyFSDP(FSDP) in "
+            "Hybrid(MyFSDP(4), TensorParallel(2))."
+        )
+
+    # -- composition -----------------------------------------------------------
     def mesh_axes(self) -> Axes:
         return tuple(axis for m in self.members for axis in m.mesh_axes())
 
@@ -46,5 +74,39 @@ class Hybrid(Strategy):
             spec = member.refine_spec(spec, shape, mesh)
         return spec
 
+    # -- the questions, asked of every member ------------------------------------
+    def state_shardings(
+        self, abstract_state: nnx.State, mesh: Mesh, proposed: nnx.State | None = None
+    ) -> nnx.State:
+        shardings = super().state_shardings(abstract_state, mesh, proposed)
+        for member in self.members:
+            shardings = member.state_shardings(abstract_state, mesh, proposed=shardings)
+        return shardings
+
+    def batch_sharding(self, batch: Any, mesh: Mesh, proposed: Any = None) -> Any:
+        shardings = super().batch_sharding(batch, mesh, proposed)
+        for member in self.members:
+            shardings = member.batch_sharding(batch, mesh, proposed=shardings)
+        return shardings
+
+    def compile_step(
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        in_shardings: Any,
+        out_shardings: Any,
+        donate_argnums: tuple[int, ...] = (),
+        jit: Jit = jax.jit,
+    ) -> Callable[..., Any]:
+        for member in reversed(self.members):  # built inside out: the first member outermost
+            jit = functools.partial(member.compile_step, jit=jit)
+        return jit(
+            step_fn,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=donate_argnums,
+        )
+
     def __repr__(self) -> str:
-        return f"Hybrid({', '.join(map(repr, self.members))})"
+        rules = [f"rules={self.rules!r}"] if self.rules else []
+        return f"Hybrid({', '.join([*map(repr, self.members), *rules])})"

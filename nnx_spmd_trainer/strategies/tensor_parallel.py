@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from nnx_spmd_trainer.strategies.base import Strategy
+from nnx_spmd_trainer.strategies.axis import AxisStrategy
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class TensorParallel(Strategy):
+class TensorParallel(AxisStrategy):
     """Model (tensor) parallelism over the "model" axis.
 
     Leaves annotated with ``"model"`` (or a logical name mapped to it:
@@ -20,8 +20,8 @@ class TensorParallel(Strategy):
     'model'
     """
 
-    size: int = -1
-    axis: str = "model"
-
+    usual_axis: ClassVar[str] = "model"
     shards_batch: ClassVar[bool] = False
     logical_axes: ClassVar[tuple[str, ...]] = ("mlp", "hidden", "heads", "vocab")
+
+    axis: str = usual_axis

@@ -10,8 +10,15 @@ import ml_collections
 import optax
 from clu import metrics as clu_metrics
 
-from nnx_spmd_trainer import datasets, models
-from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+from nnx_spmd_trainer.app import datasets, models
+from nnx_spmd_trainer.strategies import (
+    FSDP,
+    AxisStrategy,
+    DataParallel,
+    Hybrid,
+    Strategy,
+    TensorParallel,
+)
 
 #: Metrics computed inside the compiled step; every example loss returns ``accuracy`` in aux.
 Metrics = clu_metrics.Collection.create(
@@ -32,7 +39,7 @@ def parse_strategy(spec: str) -> Strategy:
     >>> parse_strategy("data=2, fsdp=2, tp=2")
     Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
     """
-    kinds: dict[str, type[Strategy]] = {
+    kinds: dict[str, type[AxisStrategy]] = {
         "data": DataParallel,
         "dp": DataParallel,
         "fsdp": FSDP,
@@ -92,64 +99,118 @@ class Task:
     splits: datasets.Splits
 
 
+#: Builds a task from the config and this process's ``(index, count)`` shard of the data.
+TaskBuilder = Callable[[ml_collections.ConfigDict, tuple[int, int]], Task]
+
+#: The tasks ``config.model`` can name, filled by ``@register``; each reads its ``config.<name>``.
+TASKS: dict[str, TaskBuilder] = {}
+
+
+def register(name: str) -> Callable[[TaskBuilder], TaskBuilder]:
+    """Decorator: adds a task builder to ``TASKS`` under ``name``.
+
+    >>> @register("example")
+    ... def example_task(config, shard): ...
+    >>> "example" in TASKS
+    True
+    >>> del TASKS["example"]
+    """
+
+    def add(builder: TaskBuilder) -> TaskBuilder:
+        if name in TASKS:
+            raise ValueError(f"A task named {name!r} is already registered.")
+        TASKS[name] = builder
+        return builder
+
+    return add
+
+
 def build_task(config: ml_collections.ConfigDict, *, shard: tuple[int, int] = (0, 1)) -> Task:
-    """The model, loss and data that ``config.model`` names ("gpt", "mlp" or "cnn")."""
-    per_process = config.batch_size // shard[1]
-    max_eval = config.max_eval_batches or None
+    """The model, loss and data that ``config.model`` names (a key of ``TASKS``).
+
+    ``shard`` is ``(index, count)`` (``strategy.data_shard(mesh)``): this
+    process reads every ``count``-th example and ``config.batch_size // count``
+    rows of each global batch.
+    """
     name = config.model
-    if name not in ("gpt", "mlp", "cnn"):
-        raise ValueError(f"config.model={name!r} is not one of 'gpt', 'mlp', 'cnn'.")
+    if name not in TASKS:
+        raise ValueError(f"config.model={name!r} is not one of {', '.join(map(repr, TASKS))}.")
     if name not in config:
         raise ValueError(
             f"config.model={name!r} needs a config.{name} block with its sizes; "
-            f"start from configs/{'default' if name == 'gpt' else name}.py."
+            f"start from a config in configs/ whose model is {name!r}."
         )
-    sizes = config[name]
-    if name == "gpt":
-        tokenizer, splits = datasets.char_lm_splits(
-            seq_len=sizes.seq_len,
-            batch_size=per_process,
-            seed=config.seed,
-            eval_fraction=config.eval_fraction,
-            max_eval_batches=max_eval,
-            shard=shard,
+    return TASKS[name](config, shard)
+
+
+def _rows(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> int:
+    """This process's rows of each global batch."""
+    if config.batch_size % shard[1]:
+        raise ValueError(
+            f"config.batch_size={config.batch_size} cannot be split into {shard[1]} equal "
+            f"per-process parts (the processes feed {shard[1]} distinct row sets); use a "
+            f"multiple of {shard[1]}."
         )
-        kwargs = {
-            k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")
-        }
-        return Task(
-            lambda rngs: models.GPT(
-                vocab_size=tokenizer.vocab_size,
-                dropout_rate=sizes.dropout_rate,
-                rngs=rngs,
-                **kwargs,
-            ),
-            models.gpt.loss_fn,
-            splits,
-        )
-    if name == "mlp":
-        splits = datasets.classification_splits(
-            num_features=sizes.num_features,
-            num_classes=sizes.num_classes,
-            batch_size=per_process,
-            seed=config.seed,
-            shard=shard,
-        )
-        return Task(
-            lambda rngs: models.MLP(
-                sizes.num_features,
-                sizes.hidden_dim,
-                sizes.num_classes,
-                dropout_rate=sizes.dropout_rate,
-                rngs=rngs,
-            ),
-            models.mlp.loss_fn,
-            splits,
-        )
+    return config.batch_size // shard[1]
+
+
+@register("gpt")
+def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
+    """A character-level GPT learning the pydoc topics text (``config.gpt``)."""
+    sizes = config.gpt
+    tokenizer, splits = datasets.char_lm_splits(
+        seq_len=sizes.seq_len,
+        batch_size=_rows(config, shard),
+        seed=config.seed,
+        eval_fraction=config.eval_fraction,
+        max_eval_batches=config.max_eval_batches or None,
+        shard=shard,
+    )
+    kwargs = {k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")}
+    return Task(
+        lambda rngs: models.GPT(
+            vocab_size=tokenizer.vocab_size,
+            dropout_rate=sizes.dropout_rate,
+            rngs=rngs,
+            **kwargs,
+        ),
+        models.gpt.loss_fn,
+        splits,
+    )
+
+
+@register("mlp")
+def mlp_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
+    """An MLP learning a synthetic teacher network's labels (``config.mlp``)."""
+    sizes = config.mlp
+    splits = datasets.classification_splits(
+        num_features=sizes.num_features,
+        num_classes=sizes.num_classes,
+        batch_size=_rows(config, shard),
+        seed=config.seed,
+        shard=shard,
+    )
+    return Task(
+        lambda rngs: models.MLP(
+            sizes.num_features,
+            sizes.hidden_dim,
+            sizes.num_classes,
+            dropout_rate=sizes.dropout_rate,
+            rngs=rngs,
+        ),
+        models.mlp.loss_fn,
+        splits,
+    )
+
+
+@register("cnn")
+def cnn_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
+    """A small CNN telling the orientation of a bar in synthetic images (``config.cnn``)."""
+    sizes = config.cnn
     splits = datasets.image_splits(
         image_size=sizes.image_size,
         num_classes=sizes.num_classes,
-        batch_size=per_process,
+        batch_size=_rows(config, shard),
         seed=config.seed,
         shard=shard,
     )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer.models.annotations import MODEL, annotated
+from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 
 __all__ = ["GPT", "TransformerBlock", "causal_attention_mask", "loss_fn"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from nnx_spmd_trainer.datasets.base import Splits, index_batches
-from nnx_spmd_trainer.datasets.text import unigram_baseline
+from nnx_spmd_trainer.app.datasets.base import Splits, index_batches
+from nnx_spmd_trainer.app.datasets.text import unigram_baseline
 
 __all__ = ["classification_splits", "image_splits", "make_classification", "make_images"]
 

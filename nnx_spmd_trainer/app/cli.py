@@ -32,13 +32,8 @@ from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import (  # type: ignore[attr-defined]
-    Callback,
-    History,
-    Trainer,
-    callbacks,
-    tasks,
-)
+from nnx_spmd_trainer import Callback, History, Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer.app import tasks
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 #: The shipped configs, wherever the install put them (package-dir mapping of configs/).
@@ -124,7 +119,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     """
     workdir = Path(workdir)
     strategy = tasks.parse_strategy(config.strategy)
-    task = tasks.build_task(config, shard=(jax.process_index(), jax.process_count()))
+    # Which rows this process reads is a question of the layout: the strategy answers it.
+    task = tasks.build_task(config, shard=strategy.data_shard(strategy.make_mesh()))
     splits = task.splits
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)

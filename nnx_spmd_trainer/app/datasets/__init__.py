@@ -1,8 +1,8 @@
 """Example data as Grain pipelines: pydoc text for the GPT, synthetic tasks for MLP and CNN."""
 
-from nnx_spmd_trainer.datasets.base import Splits, index_batches
-from nnx_spmd_trainer.datasets.synthetic import classification_splits, image_splits
-from nnx_spmd_trainer.datasets.text import (
+from nnx_spmd_trainer.app.datasets.base import Splits, index_batches
+from nnx_spmd_trainer.app.datasets.synthetic import classification_splits, image_splits
+from nnx_spmd_trainer.app.datasets.text import (
     CharTokenizer,
     char_lm_splits,
     eval_batches,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from nnx_spmd_trainer.datasets.base import Batch, Splits, index_batches
+from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 
 __all__ = [
     "CharTokenizer",

@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make run` trains the default job, `make test` runs the
+# checks. Each sets itself up: .venv is created and the project installed on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+ARGS ?=
+
+.PHONY: run test install
+
+run: install  ## train the default job; extra flags with ARGS="--config.max_steps=20"
+	$(VENV)/bin/nnx-spmd-train $(ARGS)
+
+test: install  ## lint, type-check and run the tests, as CI does
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest
+
+install: $(VENV)/bin/nnx-spmd-train
+
+# A file target: done once, and again only when pyproject.toml changes.
+$(VENV)/bin/nnx-spmd-train: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -e ".[dev]"
+	touch $@
