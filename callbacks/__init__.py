@@ -6,6 +6,7 @@ do anything these do.
 
 from nnx_spmd_trainer import Callback, History
 
+from .checkpoint import DamagedCheckpoint, OrbaxCheckpoint
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .lambda_callback import LambdaCallback
@@ -18,12 +19,14 @@ from .tensorboard import TensorBoard
 
 __all__ = [
     "CSVLogger",
+    "DamagedCheckpoint",
     "Callback",
     "EarlyStopping",
     "History",
     "LambdaCallback",
     "LearningRateMonitor",
     "MetricsLogger",
+    "OrbaxCheckpoint",
     "Profiler",
     "ProgressBar",
     "TensorBoard",

@@ -115,7 +115,6 @@ class TensorBoard(Callback):
         self._writer: SummaryWriter | None = None
         self._timer = Throughput()
         self._last: dict[str, float] = {}
-        self._finish_after_logs = False
 
     @property
     def writer(self) -> SummaryWriter | None:
@@ -185,7 +184,6 @@ class TensorBoard(Callback):
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
-        self._finish_after_logs = False
         if (writer := self.writer) is None:
             return
         if self.write_config:
@@ -213,25 +211,16 @@ class TensorBoard(Callback):
         self._write_throughput(logs, step)
         if any(key.startswith("eval/") for key in logs) and self._writer is not None:
             self._writer.flush()  # evaluations are rare and worth seeing at once
-        if self._finish_after_logs:
-            self._finish()
 
     @override
-    def on_train_end(self, logs: Logs) -> None:
-        # The final values come to on_logs after every callback added its own: finish there.
-        self._finish_after_logs = bool(logs)
-        if not logs:
-            self._finish()
+    def on_fit_end(self, logs: Logs) -> None:
+        # After the final values reached on_logs: the hparams summary can hold them.
+        if self.write_hparams and (writer := self.writer) is not None:
+            self._write_hparams(writer)
+        self.close()
 
     @override
     def on_exception(self, error: BaseException) -> None:
-        self._finish_after_logs = False
-        self.close()
-
-    def _finish(self) -> None:
-        self._finish_after_logs = False
-        if self.write_hparams and (writer := self.writer) is not None:
-            self._write_hparams(writer)
         self.close()
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import sharding_table
 from nnx_spmd_trainer.strategies import (
@@ -28,5 +29,6 @@ __all__ = [
     "AxisStrategy",
     "DataShard",
     "HOOKS",
+    "export_params",
     "sharding_table",
 ]

@@ -52,12 +52,29 @@ class Callback:
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    def on_fit_start(self, logs: Logs) -> None:
+        """First in ``fit``, before ``on_train_begin``: restore a checkpoint here.
+
+        The state, ``trainer.step`` and callback states it leaves are what
+        every ``on_train_begin`` sees.
+        """
+
     def on_train_begin(self, logs: Logs) -> None: ...
     def on_train_end(self, logs: Logs) -> None: ...
+
+    def on_fit_end(self, logs: Logs) -> None:
+        """Last in a ``fit`` that did not fail, after ``on_train_end`` and its ``on_logs``:
+        every callback has seen every value. Save a final checkpoint, close files here."""
+
     def on_epoch_begin(self, epoch: int, logs: Logs) -> None: ...
     def on_epoch_end(self, epoch: int, logs: Logs) -> None: ...
     def on_train_batch_begin(self, step: int, logs: Logs) -> None: ...
     def on_train_batch_end(self, step: int, logs: Logs) -> None: ...
+
+    def on_step_end(self, step: int) -> None:
+        """After step ``step`` is done and reported: its hooks, its ``on_logs`` and the
+        evaluation due at it, if any. A checkpoint saved here holds all of it."""
+
     def on_test_begin(self, logs: Logs) -> None: ...
     def on_test_end(self, logs: Logs) -> None: ...
     def on_test_batch_begin(self, step: int, logs: Logs) -> None: ...
@@ -186,11 +203,17 @@ class CallbackList:
         if logs:
             self._call("on_logs", self.trainer.step, logs)
 
+    def on_fit_start(self, logs: Logs) -> None:
+        self._call("on_fit_start", logs)
+
     def on_train_begin(self, logs: Logs) -> None:
         self._call("on_train_begin", logs)
 
     def on_train_end(self, logs: Logs) -> None:
         self._call_with_logs("on_train_end", logs)
+
+    def on_fit_end(self, logs: Logs) -> None:
+        self._call("on_fit_end", logs)
 
     def on_epoch_begin(self, epoch: int, logs: Logs) -> None:
         self._call("on_epoch_begin", epoch, logs)
@@ -203,6 +226,9 @@ class CallbackList:
 
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         self._call_with_logs("on_train_batch_end", step, logs)
+
+    def on_step_end(self, step: int) -> None:
+        self._call("on_step_end", step)
 
     def on_test_begin(self, logs: Logs) -> None:
         self._call("on_test_begin", logs)

@@ -7,7 +7,7 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -23,6 +23,14 @@ from nnx_spmd_trainer.state import LiveState, ModelFactory, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
+
+
+class DataPosition(NamedTuple):
+    """Where a resumed run continues: the epoch, the batches of it already trained on."""
+
+    epoch: int
+    batches: int
+    restore_iterator: Callable[[Iterator[Any]], bool] | None = None
 
 
 class Trainer:
@@ -46,13 +54,18 @@ class Trainer:
       max_steps_in_flight: dispatched steps allowed to run ahead of the host.
       log_every_n_steps: training metrics reach ``logs`` every n steps (also at
         each epoch end and at the end of ``fit``); a ``MetricsLogger(n)`` asks the same.
+      devices: the devices the mesh spans; default all of ``jax.devices()``.
       config: the run's configuration, for callbacks that record it.
 
     Attributes:
       step: the global step, read from the optimizer's update count (the one counter).
-      epoch: the epoch of the running (or last) ``fit``, counted from 0 in each call.
-      train_iterator: the live iterator over ``train_data`` during an epoch
-        (a Grain ``DatasetIterator`` has ``get_state()``), else ``None``.
+      epoch: the epoch of the running (or last) ``fit``, counted from 0 in each call
+        (or from the epoch a resumed run stopped in).
+      batches_in_epoch: batches taken from ``train_iterator`` in this epoch.
+      train_iterator: the iterator of the running (or last) epoch over ``train_data``
+        (a Grain ``DatasetIterator`` has ``get_state()``), ``None`` before the first.
+      train_metric_steps: steps accumulated in ``train_metrics`` since the last flush.
+      eval_every_n_steps: the running ``fit``'s evaluation interval, else ``None``.
       data_shard: which rows this process feeds (``strategy.data_shard(mesh)``).
 
     Example::
@@ -76,6 +89,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         max_steps_in_flight: int = 2,
         log_every_n_steps: int | None = None,
+        devices: Sequence[jax.Device] | None = None,
         config: Any = None,
     ) -> None:
         if loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
@@ -83,7 +97,7 @@ class Trainer:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()
-        self.mesh = self.strategy.make_mesh()
+        self.mesh = self.strategy.make_mesh(devices)
         self.data_shard = self.strategy.data_shard(self.mesh)
         self.tx = optimizer
         self.metrics_class = metrics if metrics is not None else DefaultMetrics
@@ -103,11 +117,16 @@ class Trainer:
         self._live = LiveState(nnx.merge(self.init.graphdef, self.init()))
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
         self.epoch = 0
+        self.batches_in_epoch = 0
         self.train_iterator: Iterator[Any] | None = None
+        self.eval_every_n_steps: int | None = None
+        #: Set by a callback that saved for a preemption; fit then ends without its final eval.
+        self.preempted = False
+        self._resume_at: DataPosition | None = None
         self.stop_training = False
         self.train_metrics = self.empty_metrics()
         self.eval_metrics = self.empty_metrics()
-        self._train_metric_steps = 0
+        self.train_metric_steps = 0
         #: The last step's loss and global batch, still on device (read them only when needed).
         self.last_loss: jax.Array | None = None
         self.last_batch: Any = None
@@ -212,7 +231,7 @@ class Trainer:
         global (computed over the whole sharded batch), so one replica suffices.
         """
         collection = self.train_metrics if split == "train" else self.eval_metrics
-        if split == "train" and self._train_metric_steps == 0:
+        if split == "train" and self.train_metric_steps == 0:
             return {}
         local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), collection)
         values = {}
@@ -225,7 +244,7 @@ class Trainer:
     def reset_metrics(self, split: str = "train") -> None:
         if split == "train":
             self.train_metrics = self.empty_metrics()
-            self._train_metric_steps = 0
+            self.train_metric_steps = 0
         else:
             self.eval_metrics = self.empty_metrics()
 
@@ -321,20 +340,23 @@ class Trainer:
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
-        self.stop_training = False
+        self.stop_training = self.preempted = False
         self.max_steps = max_steps
+        self.eval_every_n_steps = eval_every_n_steps
         self._train_step = None  # compiled on the first batch of each fit
         self._last_eval_step = -1
         self._live.refresh()  # the user may have changed the model between fits
         try:
-            self.callbacks.on_train_begin({})  # may restore state: read it only after
-            for epoch in itertools.count() if epochs is None else range(epochs):
+            self.callbacks.on_fit_start({})  # may restore state and resume_data_at(...)
+            self.callbacks.on_train_begin({})
+            first = self._resume_at.epoch if self._resume_at else 0
+            for epoch in itertools.count(first) if epochs is None else range(first, epochs):
                 if self._done(max_steps):
                     break
                 self.epoch = epoch
                 self.callbacks.on_epoch_begin(epoch, {})
                 if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
-                    if epoch == 0:
+                    if epoch == first:
                         raise ValueError("train_data yielded no batches.")
                     warnings.warn(
                         f"train_data was exhausted at step {self.step} before "
@@ -345,13 +367,33 @@ class Trainer:
                     break
                 self.callbacks.on_epoch_end(epoch, self._epoch_logs())
             self._in_flight.drain()
-            if eval_data is not None and self._last_eval_step != self.step:
+            if eval_data is not None and self._last_eval_step != self.step and not self.preempted:
                 self._evaluate(eval_data)
             self.callbacks.on_train_end(self.flush_train_metrics())
+            self.callbacks.on_fit_end({})
         except BaseException as error:
             self._abort(error)
             raise
+        finally:
+            self.eval_every_n_steps = None
         return self.history
+
+    def resume_data_at(
+        self,
+        *,
+        epoch: int,
+        batches: int,
+        restore_iterator: Callable[[Iterator[Any]], bool] | None = None,
+    ) -> None:
+        """The next ``fit`` starts in ``epoch``, after its first ``batches`` batches.
+
+        When that epoch's iterator is created, ``restore_iterator(iterator)`` may
+        set its position (a Grain iterator's saved state) and return True;
+        otherwise the trainer reads and discards ``batches`` batches, with a
+        warning: exact, but it costs their loading time. A checkpoint callback
+        calls this from ``on_fit_start``.
+        """
+        self._resume_at = DataPosition(epoch, batches, restore_iterator)
 
     def _abort(self, error: BaseException) -> None:
         """The exception path of ``fit``: settle the devices, tell the callbacks."""
@@ -374,27 +416,53 @@ class Trainer:
         max_steps: int | None,
         eval_every_n_steps: int | None,
     ) -> int:
-        """One pass over ``train_data`` (or until done); returns the steps taken."""
-        steps = 0
+        """One pass over ``train_data`` (or until done); returns the batches of the epoch
+        taken, those a resumed run had taken before included."""
         self.train_iterator = iter(train_data)
+        self.batches_in_epoch = 0
+        if self._resume_at is not None:
+            self._seek(self.train_iterator, self._resume_at)
+            self._resume_at = None
         with jax.set_mesh(self.mesh):
             # One batch at a time: the iterator's position is exactly the steps taken.
             for host_batch in self.train_iterator:
+                self.batches_in_epoch += 1
                 batch = self.place(host_batch, divisor=self.grad_accum_steps)
                 # Hooks get the steps done so far at begin, and the new count at end.
                 self.callbacks.on_train_batch_begin(self.step, {})
                 self._train_one(batch)
-                steps += 1
                 logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
                 self.callbacks.on_train_batch_end(self.step, logs)
                 if eval_every_n_steps and self.step % eval_every_n_steps == 0:
                     assert eval_data is not None
                     self._evaluate(eval_data)
                     self._last_eval_step = self.step
+                self.callbacks.on_step_end(self.step)
                 if self._done(max_steps):
                     break
-        self.train_iterator = None
-        return steps
+        return self.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
+
+    def _seek(self, iterator: Iterator[Any], position: DataPosition) -> None:
+        """Moves a new epoch's iterator to a resumed run's position."""
+        self.batches_in_epoch = position.batches
+        if position.batches == 0:
+            return
+        if position.restore_iterator is not None and position.restore_iterator(iterator):
+            return
+        warnings.warn(
+            f"Resuming epoch {position.epoch} at batch {position.batches}: train_data has no "
+            f"restorable position, so its first {position.batches} batches are read and "
+            "discarded (exact, but it costs their loading time). A Grain dataset "
+            "(grain.MapDataset / IterDataset / DataLoader) resumes without reading them.",
+            stacklevel=3,
+        )
+        for skipped in range(position.batches):
+            if next(iterator, None) is None:
+                raise ValueError(
+                    f"train_data ended after {skipped} batches while skipping to batch "
+                    f"{position.batches} of epoch {position.epoch}: it is not the data the "
+                    "checkpoint was trained on."
+                )
 
     def _train_one(self, batch: Any) -> None:
         structure = jax.tree.structure(batch)
@@ -409,7 +477,7 @@ class Trainer:
         self._host_step = count + 1  # the step's optimizer.update counted one update
         self.last_loss, self.last_batch = loss, batch
         self._in_flight.add(loss)
-        self._train_metric_steps += 1
+        self.train_metric_steps += 1
 
     def _done(self, max_steps: int | None) -> bool:
         return self.stop_training or (max_steps is not None and self.step >= max_steps)

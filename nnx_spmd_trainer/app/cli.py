@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Callback, History, Trainer, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.export import check_export_path, export_params
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 #: The shipped configs, wherever the install put them (package-dir mapping of configs/).
@@ -78,6 +79,7 @@ class RunResult:
     eval_loss: float
     baseline: float
     baseline_name: str
+    trainer: Trainer | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def beats_baseline(self) -> bool:
@@ -153,7 +155,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
         eval_every_n_steps=config.eval_every_n_steps or None,
     )
     result = RunResult(
-        history, history.history["eval/loss"][-1], splits.baseline, splits.baseline_name
+        history, history.history["eval/loss"][-1], splits.baseline, splits.baseline_name, trainer
     )
     verdict = "beats" if result.beats_baseline else "does NOT beat"
     accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
@@ -223,7 +225,17 @@ def _main(argv: Sequence[str]) -> int:
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     workdir = flags.FLAGS.workdir or os.path.join("runs", Path(config_path).stem)
     simulate_host_devices(config.num_devices)
-    run(config, workdir)
+    if flags.FLAGS.export:
+        check_export_path(flags.FLAGS.export)  # refuse an occupied path before training
+    result = run(config, workdir)
+    if flags.FLAGS.export:
+        assert result.trainer is not None
+        path = export_params(result.trainer.model, flags.FLAGS.export)
+        if jax.process_index() == 0:
+            _say(
+                f"parameters exported to {path}; load them with plain Orbax: "
+                f"orbax.checkpoint.PyTreeCheckpointer().restore({str(path)!r})"
+            )
     return 0
 
 
@@ -242,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys_argv=argv,
     )
     flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+    flags.DEFINE_string(
+        "export", None, "Write the trained parameters here as a plain Orbax checkpoint."
+    )
     app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 

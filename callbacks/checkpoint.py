@@ -1,0 +1,444 @@
+"""OrbaxCheckpoint: sharded async checkpoints that resume exactly, on any layout."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+from typing_extensions import override
+
+from nnx_spmd_trainer import Callback, Logs
+
+from .fingerprint import fingerprints, mismatches
+
+Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint step that cannot be trusted; the message names its step and path."""
+
+
+def _versions() -> dict[str, str]:
+    names = ("nnx-spmd-trainer", "jax", "flax", "optax", "orbax-checkpoint", "grain")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _jsonable(config: Any) -> Any:
+    if config is None:
+        return None
+    if hasattr(config, "to_json_best_effort"):  # ml_collections.ConfigDict
+        return json.loads(config.to_json_best_effort())
+    return json.loads(json.dumps(config, default=repr))
+
+
+def _has_position(iterator: Any) -> bool:
+    """Grain iterators (and anything like them) can save and set their position."""
+    return callable(getattr(iterator, "get_state", None)) and callable(
+        getattr(iterator, "set_state", None)
+    )
+
+
+class OrbaxCheckpoint(Callback):
+    """Saves the whole training run with Orbax, asynchronously, and resumes it exactly.
+
+    One checkpoint is one Orbax step (``<directory>/<step>/``) holding:
+
+    * ``state``: the model and optimizer state (RNG keys included) as sharded
+      arrays, each process writing only its own shards;
+    * ``train_metrics``: the on-device metric accumulators, so a resumed run logs the
+      same averages at the same steps;
+    * ``data``: a Grain iterator's position (``grain.checkpoint.CheckpointSave``),
+      when ``train_data`` is a Grain dataset; other iterables are resumed by
+      reading and discarding the batches already trained on (with a warning);
+    * ``meta`` (JSON): step, epoch, batches into the epoch, every callback's
+      ``state_dict`` by ``state_key``, library versions, strategy, mesh, config;
+    * in the step's Orbax metadata, a fingerprint of every leaf (computed on the
+      devices), checked on restore.
+
+    Saving blocks training only while the arrays are copied off the devices;
+    the write goes on in the background and is waited for at the end of
+    ``fit`` and on an exception. A step whose loss is not finite, or any step
+    after ``trainer.nonfinite_step``, is never saved.
+
+    At the start of ``fit`` it restores ``restore``: ``"latest"`` (default),
+    ``"best"`` (by ``monitor``), a step number, a step directory (of any
+    run), or ``None``. Each leaf is read straight into this trainer's
+    shardings, so a checkpoint written under one strategy or device count
+    restores under another. A damaged, truncated or unfinished latest step is
+    reported with its step and path and moved aside to ``<step>.damaged``
+    (never deleted), and the newest good step is used.
+
+    On SIGTERM (a preemption) it finishes the current step, saves, waits for
+    the write, and stops training; ``fit`` runs ``on_train_end`` and returns
+    with ``trainer.preempted`` set. With several processes, all stop at the
+    same step through JAX's preemption sync point (no Python handler then).
+
+    Args:
+      directory: where the steps go; created if missing.
+      save_every_n_steps: save after every n-th step (and at the end of fit).
+      keep: how many of the latest steps to keep (older ones are removed).
+      monitor: a ``logs`` key recorded with each step, for ``keep_best`` and
+        ``restore="best"``.
+      mode: ``"min"`` or ``"max"``: which ``monitor`` values are best.
+      keep_best: also keep this many best steps by ``monitor``.
+      async_save: write in the background (default) or block until written.
+      restore: what to restore when ``fit`` starts (see above).
+      report: called with one line when a run is resumed or a step is skipped
+        as damaged (damage is also a warning); e.g. ``print``.
+
+    Example::
+
+        checkpoint = OrbaxCheckpoint("runs/a/ckpt", save_every_n_steps=200, keep=3)
+        trainer = Trainer(..., callbacks=[MetricsLogger(50), checkpoint])
+        trainer.fit(data, max_steps=10_000)   # run again: continues where it stopped
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save_every_n_steps: int | None = None,
+        keep: int | None = 3,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        keep_best: int | None = None,
+        async_save: bool = True,
+        restore: Restore = "latest",
+        report: Callable[[str], None] | None = None,
+    ) -> None:
+        if save_every_n_steps is not None and save_every_n_steps < 1:
+            raise ValueError(f"save_every_n_steps must be >= 1, got {save_every_n_steps}.")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}.")
+        if (keep_best is not None or restore == "best") and monitor is None:
+            raise ValueError("keep_best and restore='best' need monitor='<a logs key>'.")
+        self.directory = Path(directory).absolute()
+        self.save_every_n_steps = save_every_n_steps
+        self.keep = keep
+        self.monitor = monitor
+        self.mode = mode
+        self.keep_best = keep_best
+        self.async_save = async_save
+        self.restore = restore
+        self.report = report
+        self.state_key = f"OrbaxCheckpoint[{self.directory}]"
+        #: The step restored by the last ``fit``, or ``None``.
+        self.restored_step: int | None = None
+        self._manager: ocp.CheckpointManager | None = None
+        self._seen: Logs = {}
+        self._preempt_requested = False
+        self._previous_handler: Any = None
+
+    # -- the manager -------------------------------------------------------------------
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._manager = self._make_manager(self.directory)
+        return self._manager
+
+    def _make_manager(self, directory: Path) -> ocp.CheckpointManager:
+        preserve: list[policies.PreservationPolicy] = [policies.LatestN(n=self.keep)]
+        if self.keep_best is not None and self.monitor is not None:
+            monitor = self.monitor
+            preserve.append(
+                policies.BestN(
+                    get_metric_fn=lambda metrics: metrics[monitor],
+                    reverse=self.mode == "min",
+                    n=self.keep_best,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=self.async_save,
+            preservation_policy=policies.AnyPreservationPolicy(preserve),
+            create=True,
+        )
+        return ocp.CheckpointManager(directory, options=options)
+
+    def steps(self) -> list[int]:
+        """The committed steps in ``directory``, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    # -- saving --------------------------------------------------------------------------
+    def _savable(self, step: int) -> bool:
+        trainer = self.trainer
+        if trainer.nonfinite_step is not None or step in self.manager.all_steps():
+            return False
+        loss = trainer.last_loss
+        return loss is None or math.isfinite(float(np.asarray(jax.device_get(loss))))
+
+    def save(self, step: int, *, force: bool = False) -> bool:
+        """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved)."""
+        if not self._savable(step):
+            return False
+        trainer = self.trainer
+        state = trainer.state
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardSave(state),
+            "train_metrics": ocp.args.StandardSave(trainer.train_metrics),
+            "meta": ocp.args.JsonSave(self._meta(step)),
+        }
+        iterator = trainer.train_iterator
+        if _has_position(iterator):
+            items["data"] = grain.checkpoint.CheckpointSave(iterator)
+        metric = self._seen.get(self.monitor) if self.monitor else None
+        return bool(
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(**items),
+                metrics={self.monitor: metric} if metric is not None else None,
+                custom_metadata={
+                    "fingerprints": fingerprints(
+                        {"state": state, "train_metrics": trainer.train_metrics}
+                    )
+                },
+                force=force,
+            )
+        )
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        trainer = self.trainer
+        return {
+            "step": step,
+            "epoch": trainer.epoch,
+            "batches_in_epoch": trainer.batches_in_epoch,
+            "train_metric_steps": trainer.train_metric_steps,
+            "data": "grain" if _has_position(trainer.train_iterator) else "skip",
+            "monitor": {self.monitor: self._seen.get(self.monitor)} if self.monitor else {},
+            "callbacks": trainer.callbacks.state_dict(),
+            "versions": _versions(),
+            "strategy": repr(trainer.strategy),
+            "mesh": dict(trainer.mesh.shape),
+            "num_processes": jax.process_count(),
+            "config": _jsonable(trainer.config),
+            "time": time.time(),
+        }
+
+    # -- restoring -------------------------------------------------------------------------
+    def _candidates(self) -> tuple[ocp.CheckpointManager, list[int], bool]:
+        """(manager, steps to try newest first, whether falling back is allowed)."""
+        restore = self.restore
+        if restore == "latest":
+            return self.manager, self.steps()[::-1], True
+        if restore == "best":
+            return self.manager, self._by_monitor(), True
+        if isinstance(restore, int):
+            return self.manager, [restore], False
+        assert restore is not None  # fit restores nothing then
+        path = Path(os.fspath(restore)).absolute()  # a step directory, of any run
+        if not path.name.isdigit():
+            raise ValueError(f"restore={str(restore)!r} is not a step directory (…/<step>).")
+        other = ocp.CheckpointManager(
+            path.parent, options=ocp.CheckpointManagerOptions(read_only=True, create=False)
+        )
+        return other, [int(path.name)], False
+
+    def _by_monitor(self) -> list[int]:
+        scored = []
+        for step in self.steps():
+            value = (self.manager.metrics(step) or {}).get(self.monitor)
+            if value is not None:
+                scored.append((value if self.mode == "min" else -value, step))
+        return [step for _, step in sorted(scored)]
+
+    def restore_into_trainer(self) -> int | None:
+        """Restores the ``restore`` choice into the trainer; the step restored, or None."""
+        manager, candidates, fall_back = self._candidates()
+        for step in candidates:
+            try:
+                self._restore_step(manager, step)
+            except DamagedCheckpoint as damaged:
+                if not fall_back:
+                    raise
+                self._set_aside(manager, step, damaged)
+                continue
+            return step
+        return None
+
+    def _restore_step(self, manager: ocp.CheckpointManager, step: int) -> None:
+        path = Path(manager.directory) / str(step)
+        if not (path / "commit_success.txt").exists():
+            raise DamagedCheckpoint(
+                f"checkpoint step {step} at {path} has no commit marker: it was not finished"
+            )
+        trainer = self.trainer
+        target_state = _targets(trainer.state, trainer.state_shardings)
+        target_metrics = _targets(
+            trainer.empty_metrics(), jax.tree.map(lambda x: x.sharding, trainer.train_metrics)
+        )
+        try:
+            saved = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target_state),
+                    train_metrics=ocp.args.StandardRestore(target_metrics),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+            expected = manager.metadata(step).custom_metadata["fingerprints"]
+        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+            raise DamagedCheckpoint(
+                f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
+                f"{str(error)[:300]})"
+            ) from error
+        bad = mismatches(
+            expected, {"state": saved["state"], "train_metrics": saved["train_metrics"]}
+        )
+        if bad:
+            raise DamagedCheckpoint(
+                f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
+                f"the fingerprints saved with them ({', '.join(bad[:5])})"
+            )
+        meta = saved["meta"]
+        trainer.state = saved["state"]
+        trainer.train_metrics = saved["train_metrics"]
+        trainer.train_metric_steps = int(meta["train_metric_steps"])
+        trainer.callbacks.load_state_dict(meta["callbacks"])
+        restore_data = None
+        if meta["data"] == "grain":
+            restore_data = lambda iterator: self._restore_iterator(manager, step, iterator)  # noqa: E731
+        trainer.resume_data_at(
+            epoch=int(meta["epoch"]),
+            batches=int(meta["batches_in_epoch"]),
+            restore_iterator=restore_data,
+        )
+
+    def _restore_iterator(
+        self, manager: ocp.CheckpointManager, step: int, iterator: Iterator[Any]
+    ) -> bool:
+        if not _has_position(iterator):
+            return False  # the data given now is not a Grain pipeline: skip batches instead
+        manager.restore(
+            step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
+        )
+        return True
+
+    def _set_aside(self, manager: ocp.CheckpointManager, step: int, why: Exception) -> None:
+        path = Path(manager.directory) / str(step)
+        aside = path.with_name(f"{step}.damaged")
+        suffix = 1
+        while aside.exists():
+            aside, suffix = path.with_name(f"{step}.damaged-{suffix}"), suffix + 1
+        if jax.process_index() == 0:
+            path.rename(aside)  # kept for inspection: nothing is deleted automatically
+        manager.reload()
+        message = f"{why}; moved to {aside} and restoring an earlier step."
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        if self.report is not None:
+            self.report(message)
+
+    # -- preemption ----------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        self._preempt_requested = True
+
+    def _listen_for_preemption(self) -> None:
+        # After jax.distributed.initialize a Python handler would replace XLA's
+        # preemption notifier: several processes use the sync point instead.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _stop_listening(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def _preempted(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return bool(self.manager.reached_preemption(step))
+        return self._preempt_requested
+
+    # -- hooks ------------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, logs: Logs) -> None:
+        self._seen, self._preempt_requested = {}, False
+        self.restored_step = None
+        if self.restore is not None:
+            self.restored_step = self.restore_into_trainer()
+            if self.restored_step is not None and self.report is not None:
+                self.report(
+                    f"resuming from checkpoint step {self.restored_step} in {self.directory}"
+                )
+        latest = self.manager.latest_step()
+        if latest is not None and latest > self.trainer.step:
+            raise ValueError(
+                f"{self.directory} already holds checkpoints up to step {latest}, ahead of "
+                f"this run's step {self.trainer.step}, and new steps there would be refused. "
+                "Resume them (restore='latest') or save this run in another directory."
+            )
+        self._listen_for_preemption()
+
+    @override
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        self._seen.update(logs)
+
+    @override
+    def on_test_end(self, logs: Logs) -> None:
+        self._seen.update(logs)
+
+    @override
+    def on_step_end(self, step: int) -> None:
+        # Everything about this step (its logs, its evaluation) is in the callbacks' states.
+        if self._preempted(step):
+            self._save_for_preemption(step)
+        elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
+            self.save(step)
+
+    def _save_for_preemption(self, step: int) -> None:
+        self.save(step, force=True)
+        self.manager.wait_until_finished()
+        self.trainer.preempted = True
+        self.trainer.stop_training = True
+        if self.report is not None:
+            self.report(f"preempted: saved step {step} in {self.directory}; run again to resume")
+
+    @override
+    def on_train_end(self, logs: Logs) -> None:
+        self._seen.update(logs)
+
+    @override
+    def on_fit_end(self, logs: Logs) -> None:
+        try:
+            self.save(self.trainer.step)  # the final state (a no-op if just saved)
+            self.manager.wait_until_finished()
+        finally:
+            self._stop_listening()
+
+    @override
+    def on_exception(self, error: BaseException) -> None:
+        self._stop_listening()
+        if self._manager is not None:
+            self._manager.wait_until_finished()  # a save in flight completes; nothing half-done
+
+
+def _targets(tree: Any, shardings: Any) -> Any:
+    """Restore targets: each leaf's shape and dtype, laid out as this trainer lays it out."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
+        ],
+    )

@@ -1,0 +1,84 @@
+"""Exports a model's parameters as a plain Orbax checkpoint that loads without this library."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+
+def check_export_path(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """The absolute export path; ``FileExistsError`` if it holds anything and not ``overwrite``."""
+    path = Path(path).absolute()
+    occupied = path.exists() and not (path.is_dir() and not any(path.iterdir()))
+    if occupied and not overwrite:
+        raise FileExistsError(
+            f"{path} exists and is not an empty directory: refusing to overwrite it with an "
+            "export. Remove it, pick another path, or pass overwrite=True."
+        )
+    return path
+
+
+def _host_copy(x: Any) -> np.ndarray:
+    """The whole value of one parameter as a NumPy array, on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # Several processes: a collective (every process must call it), one leaf at a
+        # time, so the devices hold at most one whole parameter on top of the model.
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _to_host(tree: dict[Any, Any]) -> dict[str, Any]:
+    """String keys (a list index ``0`` becomes ``"0"``) and host arrays, in the same nesting."""
+    return {
+        str(key): _to_host(value) if isinstance(value, dict) else _host_copy(value)
+        for key, value in tree.items()
+    }
+
+
+def export_params(
+    model: nnx.Module, path: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Writes the ``nnx.Param`` values of ``model`` to ``path`` as a plain Orbax checkpoint.
+
+    The checkpoint is the model's own tree of nested dicts keyed by attribute
+    names, every key a string: ``model.l1.kernel`` is ``params["l1"]["kernel"]``
+    and an index of a layer list is a string key, so ``model.layers[0].kernel``
+    is ``params["layers"]["0"]["kernel"]``. Only ``nnx.Param`` leaves are
+    written (no batch statistics, RNG state or optimizer state). Each value is
+    the whole, unsharded array with its dtype. It is saved as a NumPy array, so
+    the checkpoint records no mesh or devices and loads in any process, on any
+    number of devices, with neither this library nor Flax::
+
+        import orbax.checkpoint as ocp
+
+        params = ocp.PyTreeCheckpointer().restore(path)  # nested dicts of np.ndarray
+
+    ``path`` is made absolute and returned: Orbax refuses relative paths, on
+    restore too (pass the returned path, or ``os.path.abspath(path)``).
+    An existing path that is not an empty directory is refused with
+    ``FileExistsError`` unless ``overwrite=True``, which replaces it.
+
+    With several processes, every process must call this (as it must call
+    ``fit``): each parameter is gathered onto every host with
+    ``process_allgather`` (a collective), and every process calls Orbax's
+    ``save``, which is itself collective (it syncs all processes around
+    creating and committing the directory; calling it from process 0 alone
+    would hang). Orbax writes NumPy arrays from process 0 only. Writing the
+    sharded ``jax.Array`` values from every process instead would avoid the
+    gather, but the checkpoint would then record the saving devices, and a
+    plain ``restore(path)`` on other devices fails without a tree of
+    ``restore_args``.
+    """
+    path = check_export_path(path, overwrite=overwrite)
+    import orbax.checkpoint as ocp  # here: importing the library should not import Orbax
+
+    params = _to_host(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    # force: an empty directory (or, with overwrite, an old export) is replaced; synchronous.
+    ocp.PyTreeCheckpointer().save(path, params, force=True)
+    return path
