@@ -172,6 +172,9 @@ class OrbaxCheckpoint(Callback):
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self.async_save,
             preservation_policy=policies.AnyPreservationPolicy(preserve),
+            # With a best_fn Orbax also writes each step's metrics, read back by "best".
+            best_fn=(lambda metrics: metrics[self.monitor]) if self.monitor else None,
+            best_mode=self.mode,
             create=True,
         )
         return ocp.CheckpointManager(directory, options=options)

@@ -53,9 +53,11 @@ class CSVLogger(Callback):
             self.columns = []
             self.path.write_text("")
 
-    def _rewrite_header(self) -> None:
+    def _rewrite_header(self, keep_through_step: int | None = None) -> None:
         with self.path.open(newline="") as f:
             rows = list(csv.DictReader(f))
+        if keep_through_step is not None:
+            rows = [row for row in rows if int(row["step"]) <= keep_through_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("w", newline="") as f:
             writer = csv.DictWriter(f, ["step", *self.columns], restval="")
@@ -78,8 +80,12 @@ class CSVLogger(Callback):
 
     @override
     def on_train_begin(self, logs: Logs) -> None:
-        if jax.process_index() == 0:
-            self._open(fresh=not self.append and not self._opened)
+        if jax.process_index() != 0:
+            return
+        self._open(fresh=not self.append and not self._opened)
+        if self.append and self.columns:
+            # A resumed run redoes the steps after its checkpoint: their old rows go.
+            self._rewrite_header(keep_through_step=self.trainer.step)
 
     @override
     def on_logs(self, step: int, logs: Logs) -> None:

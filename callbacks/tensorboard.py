@@ -115,6 +115,7 @@ class TensorBoard(Callback):
         self._writer: SummaryWriter | None = None
         self._timer = Throughput()
         self._last: dict[str, float] = {}
+        self._purge_step: int | None = None
 
     @property
     def writer(self) -> SummaryWriter | None:
@@ -122,7 +123,11 @@ class TensorBoard(Callback):
         if jax.process_index() != 0:
             return None
         if self._writer is None:
-            self._writer = SummaryWriter(self.logdir, flush_secs=self.flush_secs)
+            # purge_step: TensorBoard hides what an earlier, killed run logged past the
+            # step this run resumed from, so a curve has no duplicate points.
+            self._writer = SummaryWriter(
+                self.logdir, flush_secs=self.flush_secs, purge_step=self._purge_step
+            )
         return self._writer
 
     # -- what gets written -------------------------------------------------------
@@ -184,6 +189,7 @@ class TensorBoard(Callback):
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
+        self._purge_step = self.trainer.step + 1 if self.trainer.step else None
         if (writer := self.writer) is None:
             return
         if self.write_config:

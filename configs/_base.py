@@ -33,4 +33,8 @@ def training_config() -> ml_collections.ConfigDict:
     config.log_every_n_steps = 50
     config.eval_every_n_steps = 100
     config.max_eval_batches = 8  # cap on held-out batches per evaluation (0: all)
+    # Orbax checkpoints under <workdir>/checkpoints; 0: only at the end of the run
+    config.checkpoint_every_n_steps = 50
+    # Continue from the latest checkpoint in the workdir, if any; False moves them aside
+    config.resume = True
     return config

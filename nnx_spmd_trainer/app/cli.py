@@ -22,6 +22,7 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -102,14 +103,32 @@ class BaselineReport(Callback):
 
 
 def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Callback]:
-    """Metrics every ``log_every_n_steps``, lr, TensorBoard, progress, CSV."""
+    """Metrics every ``log_every_n_steps``, lr, NaN guard, checkpoints, TensorBoard, progress,
+    CSV."""
     return [
         callbacks.MetricsLogger(config.log_every_n_steps),
         callbacks.LearningRateMonitor(),
+        callbacks.TerminateOnNaN(check_every_n_steps=config.log_every_n_steps),
+        callbacks.OrbaxCheckpoint(
+            workdir / "checkpoints",
+            save_every_n_steps=config.checkpoint_every_n_steps or None,
+            restore="latest" if config.resume else None,
+            report=_say,
+        ),
         callbacks.TensorBoard(workdir / "tb"),
         callbacks.ProgressBar(plain=True),  # a line per log point in CI logs too
-        callbacks.CSVLogger(workdir / "metrics.csv"),
+        callbacks.CSVLogger(workdir / "metrics.csv", append=config.resume),
     ]
+
+
+def set_old_checkpoints_aside(workdir: Path) -> None:
+    """``--config.resume=False`` starts over: earlier checkpoints are moved, never deleted."""
+    checkpoints = workdir / "checkpoints"
+    if jax.process_index() != 0 or not checkpoints.is_dir() or not any(checkpoints.iterdir()):
+        return
+    aside = workdir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
+    checkpoints.rename(aside)
+    _say(f"resume=False: starting over; the earlier checkpoints are now in {aside}")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> RunResult:
@@ -127,6 +146,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    if not config.resume:
+        set_old_checkpoints_aside(workdir)
     trainer = Trainer(
         task.model,
         tasks.make_optimizer(config),
@@ -154,9 +175,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
         max_steps=config.max_steps,
         eval_every_n_steps=config.eval_every_n_steps or None,
     )
-    result = RunResult(
-        history, history.history["eval/loss"][-1], splits.baseline, splits.baseline_name, trainer
-    )
+    eval_losses = history.history.get("eval/loss", [float("nan")])
+    result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
+    if trainer.preempted:
+        _say(
+            f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
+        )
+        return result
     verdict = "beats" if result.beats_baseline else "does NOT beat"
     accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
     _say(
@@ -228,7 +253,7 @@ def _main(argv: Sequence[str]) -> int:
     if flags.FLAGS.export:
         check_export_path(flags.FLAGS.export)  # refuse an occupied path before training
     result = run(config, workdir)
-    if flags.FLAGS.export:
+    if flags.FLAGS.export and not (result.trainer and result.trainer.preempted):
         assert result.trainer is not None
         path = export_params(result.trainer.model, flags.FLAGS.export)
         if jax.process_index() == 0:
