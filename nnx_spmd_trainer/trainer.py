@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.state import LiveState, ModelFactory, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -513,6 +516,14 @@ class Trainer:
         logs = self.compute_metrics("eval")
         self.callbacks.on_test_end(logs)
         return logs
+
+    def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Writes the model's parameters where plain Orbax loads them (``export_params``).
+
+        ``orbax.checkpoint.PyTreeCheckpointer().restore(path)`` gives the
+        model's tree of unsharded NumPy arrays, with no code of this library.
+        """
+        return export_params(self.model, path, overwrite=overwrite)
 
     @property
     def num_devices(self) -> int:

@@ -136,3 +136,53 @@ def test_resume_false_starts_over_and_keeps_the_old_checkpoints(tmp_path, uninte
     assert "starting over" in proc.stdout and "final after 4 steps" in proc.stdout
     (aside,) = workdir.parent.glob("run/checkpoints.before-*")
     assert "24" in {p.name for p in aside.iterdir()}
+
+
+# -- a script of the user's, killed mid-epoch: a Grain pipeline and a plain list ---------------
+SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import grain, numpy as np, optax
+from flax import nnx
+from test_checkpoint import Dropped, FSDP_TP, grain_data
+from toy_models import RecordLosses, classification_loss, flat_params
+from nnx_spmd_trainer import Callback, Trainer
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
+source, directory, kill_at, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+data = grain_data() if source == "grain" else list(grain_data())
+losses = RecordLosses()
+checkpoint = OrbaxCheckpoint(directory, save_every_n_steps=3)
+
+class Kill(Callback):
+    def on_step_end(self, step):
+        if step == kill_at:
+            checkpoint.manager.wait_until_finished()
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no final save
+
+trainer = Trainer(lambda r: Dropped(r), optax.adamw(1e-2), strategy=FSDP_TP,
+                  loss_fn=classification_loss, callbacks=[checkpoint, Kill(), losses])
+trainer.fit(data, epochs=3)
+params = flat_params(nnx.state(trainer.model, nnx.Param))
+np.savez(out, losses=np.asarray(losses.losses), first=checkpoint.restored_step or 0,
+         **{{k.replace("/", "."): v for k, v in params.items()}})
+"""
+
+
+def run_script(source: str, directory: Path, kill_at: int, out: Path) -> int:
+    script = SCRIPT.format(tests=str(Path(__file__).parent))
+    args = [sys.executable, "-c", script, source, str(directory), str(kill_at), str(out)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600).returncode
+
+
+@pytest.mark.parametrize("source", ["grain", "list"])
+def test_a_script_killed_mid_epoch_resumes_bitwise(tmp_path, source):
+    assert run_script(source, tmp_path / "whole", 0, tmp_path / "whole.npz") == 0
+    assert run_script(source, tmp_path / "ckpt", 8, tmp_path / "x.npz") == -signal.SIGKILL
+    assert run_script(source, tmp_path / "ckpt", 0, tmp_path / "resumed.npz") == 0
+    whole, resumed = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    assert int(resumed["first"]) == 6  # mid-epoch 2: 5 batches an epoch
+    np.testing.assert_array_equal(resumed["losses"], whole["losses"][6:])
+    for key in whole.files:
+        if key not in ("losses", "first"):
+            np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
