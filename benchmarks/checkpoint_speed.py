@@ -8,7 +8,8 @@ its Adam state, laid out by ``--strategy`` on 8 simulated devices) is saved with
 
 * blocked: the wall time of ``OrbaxCheckpoint.save(step)`` with ``async_save=True``
   returning, which is what the training loop waits for (the write goes on in the
-  background and is waited for outside the timed region);
+  background and is waited for outside the timed region); like every save and
+  fingerprint timed here, it follows one finished training step, as in a loop;
 * the same save with ``async_save=False`` (``save`` returns once written);
 * ``restore_into_trainer()`` into a second trainer with the same strategy (which
   recomputes and checks the fingerprints), and ``fingerprints(trainer.state)`` alone;
@@ -120,6 +121,11 @@ class Saves:
         checkpoint.manager.close()
         shutil.rmtree(checkpoint.directory, ignore_errors=True)
 
+    def advance(self, data: list[dict]) -> None:
+        """One training step, finished, as a save in a training loop follows a step."""
+        fit_steps(self.trainer, data[:1])
+        self.settle()
+
     def settle(self) -> None:
         """Nothing of the trainer's in flight: a save then times the save alone."""
         jax.block_until_ready(self.trainer.state)
@@ -127,10 +133,10 @@ class Saves:
         assert loss is None or np.isfinite(np.asarray(jax.device_get(loss))), loss
 
 
-def time_async_save(saves: Saves) -> tuple[float, float]:
+def time_async_save(saves: Saves, data: list[dict]) -> tuple[float, float]:
     """(blocked, save to committed): what ``save`` holds the loop for, and the whole write."""
     checkpoint = saves.checkpoint(async_save=True)
-    saves.settle()
+    saves.advance(data)
     start = time.perf_counter()
     assert checkpoint.save(saves.trainer.step)
     blocked = time.perf_counter() - start
@@ -140,9 +146,9 @@ def time_async_save(saves: Saves) -> tuple[float, float]:
     return blocked, total
 
 
-def time_sync_save(saves: Saves) -> float:
+def time_sync_save(saves: Saves, data: list[dict]) -> float:
     checkpoint = saves.checkpoint(async_save=False)
-    saves.settle()
+    saves.advance(data)
     start = time.perf_counter()
     assert checkpoint.save(saves.trainer.step)
     elapsed = time.perf_counter() - start
@@ -160,9 +166,9 @@ def time_restore(reader: OrbaxCheckpoint, expected: dict[str, int]) -> float:
     return elapsed
 
 
-def time_fingerprints(trainer: Trainer) -> float:
-    state = trainer.state
-    jax.block_until_ready(state)
+def time_fingerprints(saves: Saves, data: list[dict]) -> float:
+    saves.advance(data)
+    state = saves.trainer.state
     start = time.perf_counter()
     fingerprints(state)
     return time.perf_counter() - start
@@ -250,10 +256,10 @@ def main() -> None:
         reader = OrbaxCheckpoint(source.directory, restore="latest")
         reader.set_trainer(target)
         for round_ in range(args.rounds + 1):  # round 0 is the warm-up
-            blocked, total = time_async_save(saves)
-            sync = time_sync_save(saves)
+            blocked, total = time_async_save(saves, data)
+            sync = time_sync_save(saves, data)
             restore = time_restore(reader, expected)
-            fingerprint = time_fingerprints(trainer)
+            fingerprint = time_fingerprints(saves, data)
             writing, idle, left = time_steps_while_writing(saves, data, round_ % 2 == 1)
             if round_ == 0:
                 if not args.overlap_steps:  # enough steps to span one background write

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import math
@@ -19,6 +20,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
@@ -33,6 +35,7 @@ class DamagedCheckpoint(Exception):
     """A checkpoint step that cannot be trusted; the message names its step and path."""
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
     names = ("nnx-spmd-trainer", "jax", "flax", "optax", "orbax-checkpoint", "grain")
     found = {}
@@ -345,6 +348,8 @@ class OrbaxCheckpoint(Callback):
             aside, suffix = path.with_name(f"{step}.damaged-{suffix}"), suffix + 1
         if jax.process_index() == 0:
             path.rename(aside)  # kept for inspection: nothing is deleted automatically
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         manager.reload()
         message = f"{why}; moved to {aside} and restoring an earlier step."
         warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -3,9 +3,11 @@
 Orbax keeps no checksum of array data: a flipped byte restores silently as a
 wrong value (PITFALLS.md). A fingerprint per leaf, saved beside the arrays and
 recomputed after a restore, catches that. Each one is the wrapping ``uint32``
-sum of the leaf's bits weighted by their position, ``bits[i] * (i * 2654435761 + 1)``.
-Integer addition is associative, so the value is the same for any sharding, any
-device count and a NumPy copy, and any one-bit flip changes it.
+sum of the leaf's 32-bit words weighted by their position,
+``bits[i] * ((2 * i + 1) * 2654435761)``. Integer addition is associative, so
+the value is the same for any sharding, any device count and a NumPy copy.
+Every weight is odd, so any one-bit flip changes the sum (an even weight, as in
+``i * 2654435761 + 1`` for odd ``i``, misses a flip of the top bit).
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
     width = x.dtype.itemsize
     # 8-byte values become pairs of uint32 words; narrower ones widen to uint32.
     bits = jax.lax.bitcast_convert_type(x, _UINT[min(width, 4)]).astype(jnp.uint32)
-    flat = bits.reshape(-1)
-    weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(flat * weights, dtype=jnp.uint32)
+    # The row-major flat index from one iota per dimension: no reshape, so a sharded
+    # array is weighted where it lies and nothing moves between devices but the sum.
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    for dim in range(bits.ndim):
+        index = index * jnp.uint32(bits.shape[dim]) + jax.lax.broadcasted_iota(
+            jnp.uint32, bits.shape, dim
+        )
+    weights = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(2654435761)  # all odd
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
 _fingerprints = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
