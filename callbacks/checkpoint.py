@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
 
-from .fingerprint import fingerprints, mismatches
+from .fingerprint import FingerprintRestore, FingerprintSave, mismatches, summarize
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
 
@@ -146,10 +146,14 @@ class OrbaxCheckpoint(Callback):
         self.restore = restore
         self.report = report
         self.state_key = f"OrbaxCheckpoint[{self.directory}]"
-        #: The step restored by the last ``fit``, or ``None``.
+        #: The step restored by the first ``fit``, or ``None``.
         self.restored_step: int | None = None
+        #: The layouts the restored arrays arrived in (this trainer's, read straight in).
+        self.restored_layouts: list[Any] = []
+        self._fitted = False
+        self._last_saved: tuple[int, jax.Array] | None = None
         self._manager: ocp.CheckpointManager | None = None
-        self._seen: Logs = {}
+        self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preempt_requested = False
         self._previous_handler: Any = None
 
@@ -196,6 +200,7 @@ class OrbaxCheckpoint(Callback):
 
     def save(self, step: int, *, force: bool = False) -> bool:
         """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved)."""
+        self._check_last_saved()
         if not self._savable(step):
             return False
         trainer = self.trainer
@@ -208,20 +213,33 @@ class OrbaxCheckpoint(Callback):
         iterator = trainer.train_iterator
         if _has_position(iterator):
             items["data"] = grain.checkpoint.CheckpointSave(iterator)
-        metric = self._seen.get(self.monitor) if self.monitor else None
+        summary = summarize({"state": state, "train_metrics": trainer.train_metrics})
+        items["fingerprints"] = FingerprintSave(summary)
+        self._last_saved = (step, summary["finite"])
+        logged = self._seen.get(self.monitor) if self.monitor else None
+        metric = logged[1] if logged is not None and logged[0] == step else None
         return bool(
             self.manager.save(
                 step,
                 args=ocp.args.Composite(**items),
                 metrics={self.monitor: metric} if metric is not None else None,
-                custom_metadata={
-                    "fingerprints": fingerprints(
-                        {"state": state, "train_metrics": trainer.train_metrics}
-                    )
-                },
                 force=force,
             )
         )
+
+    def _check_last_saved(self) -> None:
+        """A saved state that turned out non-finite (a finite loss, NaN gradients) is
+        moved aside as soon as that is known, so it never stays the latest step."""
+        if self._last_saved is None:
+            return
+        step, finite = self._last_saved
+        self._last_saved = None
+        if not bool(np.asarray(finite.addressable_data(0))):
+            self.manager.wait_until_finished()
+            self._set_aside(
+                self.manager, step, f"checkpoint step {step} holds non-finite values",
+                label="nonfinite",
+            )  # fmt: skip
 
     def _meta(self, step: int) -> dict[str, Any]:
         trainer = self.trainer
@@ -272,17 +290,23 @@ class OrbaxCheckpoint(Callback):
         """Restores the ``restore`` choice into the trainer; the step restored, or None."""
         manager, candidates, fall_back = self._candidates()
         for step in candidates:
+            damaged: DamagedCheckpoint | None = None
             try:
-                self._restore_step(manager, step)
-            except DamagedCheckpoint as damaged:
-                if not fall_back:
-                    raise
-                self._set_aside(manager, step, damaged)
-                continue
-            return step
+                saved = self._read_step(manager, step)
+            except DamagedCheckpoint as error:
+                damaged = error
+            # Every process must take the same branch: one that read damage makes all skip.
+            damaged = _agree_on_damage(damaged, step, manager.directory)
+            if damaged is None:
+                self._apply(manager, step, saved)
+                return step
+            if not fall_back:
+                raise damaged
+            self._set_aside(manager, step, damaged)
         return None
 
-    def _restore_step(self, manager: ocp.CheckpointManager, step: int) -> None:
+    def _read_step(self, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+        """The step's items, read into this trainer's layout and checked; nothing applied."""
         path = Path(manager.directory) / str(step)
         if not (path / "commit_success.txt").exists():
             raise DamagedCheckpoint(
@@ -294,29 +318,41 @@ class OrbaxCheckpoint(Callback):
             trainer.empty_metrics(), jax.tree.map(lambda x: x.sharding, trainer.train_metrics)
         )
         try:
-            saved = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target_state),
-                    train_metrics=ocp.args.StandardRestore(target_metrics),
-                    meta=ocp.args.JsonRestore(),
-                ),
+            saved = dict(
+                manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target_state),
+                        train_metrics=ocp.args.StandardRestore(target_metrics),
+                        meta=ocp.args.JsonRestore(),
+                        fingerprints=FingerprintRestore(),
+                    ),
+                )
             )
-            expected = manager.metadata(step).custom_metadata["fingerprints"]
         except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
                 f"{str(error)[:300]})"
             ) from error
+        record = saved["fingerprints"]
+        if not record["finite"]:
+            raise DamagedCheckpoint(
+                f"checkpoint step {step} at {path} holds non-finite values (the run diverged "
+                "before it was saved)"
+            )
         bad = mismatches(
-            expected, {"state": saved["state"], "train_metrics": saved["train_metrics"]}
+            record["leaves"], {"state": saved["state"], "train_metrics": saved["train_metrics"]}
         )
         if bad:
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
                 f"the fingerprints saved with them ({', '.join(bad[:5])})"
             )
-        meta = saved["meta"]
+        return saved
+
+    def _apply(self, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]) -> None:
+        trainer, meta = self.trainer, saved["meta"]
+        self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
         trainer.state = saved["state"]
         trainer.train_metrics = saved["train_metrics"]
         trainer.train_metric_steps = int(meta["train_metric_steps"])
@@ -340,19 +376,37 @@ class OrbaxCheckpoint(Callback):
         )
         return True
 
-    def _set_aside(self, manager: ocp.CheckpointManager, step: int, why: Exception) -> None:
+    def _set_aside_later_than(self, step: int) -> None:
+        """After restoring an older step (best, or by number), the later steps are moved
+        aside so new saves from here are not refused; nothing is deleted."""
+        for later in [s for s in self.steps() if s > step]:
+            self._set_aside(
+                self.manager, later, f"step {later} is later than restored step {step}",
+                label=f"after-{step}", warn=False,
+            )  # fmt: skip
+
+    def _set_aside(
+        self,
+        manager: ocp.CheckpointManager,
+        step: int,
+        why: Exception | str,
+        *,
+        label: str = "damaged",
+        warn: bool = True,
+    ) -> None:
         path = Path(manager.directory) / str(step)
-        aside = path.with_name(f"{step}.damaged")
+        aside = path.with_name(f"{step}.{label}")
         suffix = 1
         while aside.exists():
-            aside, suffix = path.with_name(f"{step}.damaged-{suffix}"), suffix + 1
+            aside, suffix = path.with_name(f"{step}.{label}-{suffix}"), suffix + 1
         if jax.process_index() == 0:
             path.rename(aside)  # kept for inspection: nothing is deleted automatically
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         manager.reload()
-        message = f"{why}; moved to {aside} and restoring an earlier step."
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
+        if warn:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         if self.report is not None:
             self.report(message)
 
@@ -377,17 +431,25 @@ class OrbaxCheckpoint(Callback):
             return bool(self.manager.reached_preemption(step))
         return self._preempt_requested
 
+    def _note(self, logs: Logs) -> None:
+        for key, value in logs.items():
+            self._seen[key] = (self.trainer.step, value)
+
     # -- hooks ------------------------------------------------------------------------------
     @override
     def on_fit_start(self, logs: Logs) -> None:
         self._seen, self._preempt_requested = {}, False
-        self.restored_step = None
-        if self.restore is not None:
+        if self.restore is not None and not self._fitted:
+            # Only the first fit resumes: a later fit of this trainer goes on from where
+            # the previous one left its state, as it would without checkpoints.
             self.restored_step = self.restore_into_trainer()
             if self.restored_step is not None and self.report is not None:
                 self.report(
                     f"resuming from checkpoint step {self.restored_step} in {self.directory}"
                 )
+            if self.restored_step is not None:
+                self._set_aside_later_than(self.restored_step)
+        self._fitted = True
         latest = self.manager.latest_step()
         if latest is not None and latest > self.trainer.step:
             raise ValueError(
@@ -399,11 +461,11 @@ class OrbaxCheckpoint(Callback):
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        self._seen.update(logs)
+        self._note(logs)
 
     @override
     def on_test_end(self, logs: Logs) -> None:
-        self._seen.update(logs)
+        self._note(logs)
 
     @override
     def on_step_end(self, step: int) -> None:
@@ -423,13 +485,14 @@ class OrbaxCheckpoint(Callback):
 
     @override
     def on_train_end(self, logs: Logs) -> None:
-        self._seen.update(logs)
+        self._note(logs)
 
     @override
     def on_fit_end(self, logs: Logs) -> None:
         try:
             self.save(self.trainer.step)  # the final state (a no-op if just saved)
             self.manager.wait_until_finished()
+            self._check_last_saved()
         finally:
             self._stop_listening()
 
@@ -450,3 +513,18 @@ def _targets(tree: Any, shardings: Any) -> Any:
             for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
         ],
     )
+
+
+def _agree_on_damage(
+    damaged: DamagedCheckpoint | None, step: int, directory: Any
+) -> DamagedCheckpoint | None:
+    """With several processes, damage seen by any one of them counts for all of them."""
+    if jax.process_count() == 1:
+        return damaged
+    flags = multihost_utils.process_allgather(np.array(damaged is not None))
+    if damaged is None and np.any(flags):
+        damaged = DamagedCheckpoint(
+            f"checkpoint step {step} at {Path(directory) / str(step)} cannot be read by "
+            f"processes {np.flatnonzero(flags).tolist()}"
+        )
+    return damaged

@@ -12,11 +12,13 @@ Every weight is odd, so any one-bit flip changes the sum (an even weight, as in
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from nnx_spmd_trainer.sharding import path_str
 
@@ -45,6 +47,17 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    checks = [jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+
+def _host_int(x: Any) -> int:
+    # A replicated result: this process's copy is the value, on one process or many.
+    return int(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
+
+
 def fingerprints(tree: Any) -> dict[str, int]:
     """``{leaf path: fingerprint}`` for every array leaf of ``tree`` (one small transfer).
 
@@ -52,9 +65,51 @@ def fingerprints(tree: Any) -> dict[str, int]:
     ...     {"w": jnp.arange(3, dtype=jnp.float32)})
     True
     """
+    return _resolve(summarize(tree))["leaves"]
+
+
+def summarize(tree: Any) -> dict[str, Any]:
+    """Fingerprints and whether every float leaf is finite, dispatched to the devices and
+    not waited for: ``{"leaves": {path: scalar}, "finite": scalar}`` of ``jax.Array`` s."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
-    values = jax.device_get(_fingerprints(list(leaves)))
-    return {path_str(p): int(np.asarray(v)) for p, v in zip(paths, values, strict=True)}
+    values = _fingerprints(list(leaves))
+    return {
+        "leaves": {path_str(p): v for p, v in zip(paths, values, strict=True)},
+        "finite": _all_finite(list(leaves)),
+    }
+
+
+def _resolve(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summarize``'s device scalars as JSON: waits for them to be computed."""
+    return {
+        "leaves": {path: _host_int(v) for path, v in summary["leaves"].items()},
+        "finite": bool(_host_int(summary["finite"])),
+    }
+
+
+class FingerprintHandler(ocp.JsonCheckpointHandler):
+    """Writes a ``summarize`` result as JSON in Orbax's background commit: the device
+    computation overlaps training instead of blocking the save."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(filename="fingerprints.json", **kwargs)
+
+    async def _save_fn(self, x: Any, directory: Any) -> None:
+        await super()._save_fn(_resolve(x), directory)
+
+
+@ocp.args.register_with_handler(FingerprintHandler, for_save=True)
+@dataclasses.dataclass
+class FingerprintSave(ocp.args.CheckpointArgs):
+    """A checkpoint item: ``summarize(tree)``, written once the devices computed it."""
+
+    item: dict[str, Any]
+
+
+@ocp.args.register_with_handler(FingerprintHandler, for_restore=True)
+@dataclasses.dataclass
+class FingerprintRestore(ocp.args.CheckpointArgs):
+    """Reads a ``FingerprintSave`` item back as ``{"leaves": {path: int}, "finite": bool}``."""
 
 
 def mismatches(expected: dict[str, int], tree: Any) -> list[str]:

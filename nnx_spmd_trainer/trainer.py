@@ -368,17 +368,25 @@ class Trainer:
                         stacklevel=2,
                     )
                     break
+                if self.preempted:  # mid-epoch: the resumed run ends this epoch, not us
+                    break
                 self.callbacks.on_epoch_end(epoch, self._epoch_logs())
             self._in_flight.drain()
-            if eval_data is not None and self._last_eval_step != self.step and not self.preempted:
-                self._evaluate(eval_data)
-            self.callbacks.on_train_end(self.flush_train_metrics())
+            if self.preempted:
+                # The saved accumulators carry the steps since the last log point; a
+                # partial average logged here would be a point the resumed run never has.
+                self.callbacks.on_train_end({})
+            else:
+                if eval_data is not None and self._last_eval_step != self.step:
+                    self._evaluate(eval_data)
+                self.callbacks.on_train_end(self.flush_train_metrics())
             self.callbacks.on_fit_end({})
         except BaseException as error:
             self._abort(error)
             raise
         finally:
             self.eval_every_n_steps = None
+            self._resume_at = None  # a resume point is for this fit only
         return self.history
 
     def resume_data_at(
@@ -404,6 +412,8 @@ class Trainer:
             self._in_flight.drain()
         self._in_flight.clear()
         self.train_iterator = None
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.train_metrics)):
+            self.reset_metrics("train")  # donated to the failed step
         if any(array.is_deleted() for array in self._live.arrays()):
             error.add_note(
                 f"nnx_spmd_trainer: the step after step {self._host_step} failed on the "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -162,8 +163,10 @@ def test_a_checkpoint_restores_under_another_strategy_and_device_count(
     )
     with pytest.warns(UserWarning, match="first 4 batches are read and discarded"):
         moved.fit(batches, max_steps=8)  # the same data: the first 4 batches were trained on
-    shardings, state = restored[0]
-    assert shardings == jax.tree.leaves(moved.state_shardings)  # read into the new layout
+    _, state = restored[0]
+    checkpoint = next(c for c in moved.callbacks if isinstance(c, OrbaxCheckpoint))
+    # Orbax delivered every leaf already in the new layout: no whole copy on one device.
+    assert checkpoint.restored_layouts == jax.tree.leaves(moved.state_shardings)
     for (path, want), got in zip(
         jax.tree_util.tree_flatten_with_path(saved)[0], jax.tree.leaves(state), strict=True
     ):
@@ -299,8 +302,51 @@ def test_best_steps_are_kept_and_restored_by_the_monitored_value(tmp_path):
     checkpoint = OrbaxCheckpoint(
         tmp_path, save_every_n_steps=1, keep=1, monitor="score", keep_best=1
     )
-    trainer_for(callbacks=[FakeMetric(), checkpoint], model=Net).fit(make_batches(5), max_steps=5)
+    batches = make_batches(6)
+    first = trainer_for(callbacks=[FakeMetric(), checkpoint], model=Net)
+    first.fit(batches[:2], max_steps=2)
+    at_2 = params(first)
+    first.fit(batches[2:5], max_steps=5)
     assert checkpoint.steps() == [2, 5]  # the best, and the latest
-    best = OrbaxCheckpoint(tmp_path, monitor="score", restore="best")
-    best.set_trainer(trainer_for(model=Net))
-    assert best.restore_into_trainer() == 2
+
+    best = OrbaxCheckpoint(tmp_path, monitor="score", restore="best", save_every_n_steps=1)
+    again = trainer_for(callbacks=[best], model=Net)
+    again.fit(batches, max_steps=2)  # restores step 2; nothing left to train
+    assert best.restored_step == 2 and again.step == 2
+    assert_bitwise(params(again), at_2)
+    assert (tmp_path / "5.after-2").is_dir()  # set aside, so saves from step 2 go on
+    again.fit(batches, max_steps=3)
+    assert best.steps() == [2, 3]
+
+
+def test_only_the_first_fit_resumes(tmp_path):
+    batches = make_batches(8)
+    plain = trainer_for(model=Net)
+    plain.fit(batches[:4], max_steps=4)
+    plain.fit(batches[4:], max_steps=8)
+    with_checkpoints = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path)], model=Net)
+    with_checkpoints.fit(batches[:4], max_steps=4)
+    with_checkpoints.fit(batches[4:], max_steps=8)  # goes on; does not re-seek its data
+    assert_bitwise(params(with_checkpoints), params(plain))
+
+
+def test_a_state_made_non_finite_by_its_update_is_set_aside(tmp_path):
+    def loss(model, batch):
+        value, aux = classification_loss(model, batch)
+        # Finite value, NaN gradient when poisoned: sqrt'(0) is infinite.
+        kernel = model.l3.kernel.get_value()
+        return value + 0.0 * jnp.sqrt(jnp.sum(kernel * 0.0) + 1.0 - batch["poison"].mean()), aux
+
+    batches = [dict(b, poison=np.zeros(16, np.float32)) for b in make_batches(8)]
+    batches[3]["poison"][:] = 1.0  # step 4: finite loss, NaN parameters after its update
+    trainer = Trainer(
+        lambda r: Net(r), optax.adamw(1e-2), strategy=FSDP_TP, loss_fn=loss,
+        callbacks=[TerminateOnNaN(), OrbaxCheckpoint(tmp_path, save_every_n_steps=2)],
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="non-finite values"):
+        trainer.fit(batches, max_steps=8)
+    assert OrbaxCheckpoint(tmp_path).steps() == [2]
+    assert (tmp_path / "4.nonfinite").is_dir()
+    again = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path)], model=Net)
+    again.fit(batches[:2], max_steps=2)
+    assert again.step == 2 and all(np.isfinite(v).all() for v in params(again).values())

@@ -65,10 +65,11 @@ def start_and_stop(workdir: Path, sig: int, after_step: int) -> subprocess.Popen
     return proc
 
 
-def losses(workdir: Path) -> dict[int, str]:
-    """Each step's training loss as written (the exact decimal the run printed)."""
+def losses(workdir: Path) -> list[tuple[int, str]]:
+    """Every training-loss row, in file order, as written (the exact decimal printed):
+    a row the killed run logged past its checkpoint would show up twice."""
     with (workdir / "metrics.csv").open(newline="") as f:
-        return {int(r["step"]): r["train/loss"] for r in csv.DictReader(f) if r["train/loss"]}
+        return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
 
 
 def exported(workdir: Path) -> dict[str, np.ndarray]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
 import ml_collections
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
@@ -148,6 +149,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     if not config.resume:
         set_old_checkpoints_aside(workdir)
+        if jax.process_count() > 1:  # the others look for checkpoints only after the move
+            multihost_utils.sync_global_devices("old checkpoints set aside")
     trainer = Trainer(
         task.model,
         tasks.make_optimizer(config),
