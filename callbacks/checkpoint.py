@@ -26,7 +26,13 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
 
-from .fingerprint import FingerprintRestore, FingerprintSave, mismatches, summarize
+from .fingerprint import (
+    FingerprintRestore,
+    FingerprintSave,
+    PendingSummary,
+    mismatches,
+    summarize,
+)
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
 
@@ -76,8 +82,8 @@ class OrbaxCheckpoint(Callback):
       reading and discarding the batches already trained on (with a warning);
     * ``meta`` (JSON): step, epoch, batches into the epoch, every callback's
       ``state_dict`` by ``state_key``, library versions, strategy, mesh, config;
-    * in the step's Orbax metadata, a fingerprint of every leaf (computed on the
-      devices), checked on restore.
+    * ``fingerprints``: a fingerprint of every leaf and whether all are finite,
+      computed on the devices and written in the background, checked on restore.
 
     Saving blocks training only while the arrays are copied off the devices;
     the write goes on in the background and is waited for at the end of
@@ -90,7 +96,10 @@ class OrbaxCheckpoint(Callback):
     shardings, so a checkpoint written under one strategy or device count
     restores under another. A damaged, truncated or unfinished latest step is
     reported with its step and path and moved aside to ``<step>.damaged``
-    (never deleted), and the newest good step is used.
+    (never deleted), and the newest good step is used; so is a step whose
+    state turned out non-finite (``<step>.nonfinite``). Only the first ``fit``
+    of this callback restores; restoring an older step than the latest moves
+    the later ones aside (``<step>.after-<restored>``).
 
     On SIGTERM (a preemption) it finishes the current step, saves, waits for
     the write, and stops training; ``fit`` runs ``on_train_end`` and returns
@@ -213,19 +222,29 @@ class OrbaxCheckpoint(Callback):
         iterator = trainer.train_iterator
         if _has_position(iterator):
             items["data"] = grain.checkpoint.CheckpointSave(iterator)
-        summary = summarize({"state": state, "train_metrics": trainer.train_metrics})
-        items["fingerprints"] = FingerprintSave(summary)
-        self._last_saved = (step, summary["finite"])
+        pending = PendingSummary()
+        items["fingerprints"] = FingerprintSave(pending)
         logged = self._seen.get(self.monitor) if self.monitor else None
         metric = logged[1] if logged is not None and logged[0] == step else None
-        return bool(
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(**items),
-                metrics={self.monitor: metric} if metric is not None else None,
-                force=force,
-            )
+
+        def summarize_state() -> None:
+            summary = summarize({"state": state, "train_metrics": trainer.train_metrics})
+            pending.set(summary)
+            self._last_saved = (step, summary["finite"])
+
+        if not self.async_save:  # save returns once written: the summary must be there
+            summarize_state()
+        saved = self.manager.save(
+            step,
+            args=ocp.args.Composite(**items),
+            metrics={self.monitor: metric} if metric is not None else None,
+            force=force,
         )
+        if self.async_save:
+            # Dispatched after Orbax's copy to the host, so the devices compute the
+            # fingerprints while the write goes on; the write waits for them, not training.
+            summarize_state()
+        return bool(saved)
 
     def _check_last_saved(self) -> None:
         """A saved state that turned out non-finite (a finite loss, NaN gradients) is

@@ -13,6 +13,7 @@ Every weight is odd, so any one-bit flip changes the sum (an even weight, as in
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import jax
@@ -87,6 +88,24 @@ def _resolve(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class PendingSummary:
+    """A ``summarize`` result handed to Orbax before it exists: the saver sets it right
+    after ``save`` returns, and the background write waits for it."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._summary: dict[str, Any] = {}
+
+    def set(self, summary: dict[str, Any]) -> None:
+        self._summary = summary
+        self._ready.set()
+
+    def get(self, timeout: float = 600.0) -> dict[str, Any]:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the checkpoint's fingerprints were never computed")
+        return self._summary
+
+
 class FingerprintHandler(ocp.JsonCheckpointHandler):
     """Writes a ``summarize`` result as JSON in Orbax's background commit: the device
     computation overlaps training instead of blocking the save."""
@@ -95,15 +114,17 @@ class FingerprintHandler(ocp.JsonCheckpointHandler):
         super().__init__(filename="fingerprints.json", **kwargs)
 
     async def _save_fn(self, x: Any, directory: Any) -> None:
-        await super()._save_fn(_resolve(x), directory)
+        summary = x.get() if isinstance(x, PendingSummary) else x
+        await super()._save_fn(_resolve(summary), directory)
 
 
 @ocp.args.register_with_handler(FingerprintHandler, for_save=True)
 @dataclasses.dataclass
 class FingerprintSave(ocp.args.CheckpointArgs):
-    """A checkpoint item: ``summarize(tree)``, written once the devices computed it."""
+    """A checkpoint item: ``summarize(tree)`` (or a ``PendingSummary`` of it), written
+    once the devices computed it."""
 
-    item: dict[str, Any]
+    item: Any
 
 
 @ocp.args.register_with_handler(FingerprintHandler, for_restore=True)
