@@ -25,6 +25,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
+from nnx_spmd_trainer.sharding import path_str
 
 from .fingerprint import (
     FingerprintRestore,
@@ -146,6 +147,10 @@ class OrbaxCheckpoint(Callback):
         if (keep_best is not None or restore == "best") and monitor is None:
             raise ValueError("keep_best and restore='best' need monitor='<a logs key>'.")
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(
+                f"OrbaxCheckpoint directory {self.directory} is a file; give a directory."
+            )
         self.save_every_n_steps = save_every_n_steps
         self.keep = keep
         self.monitor = monitor
@@ -327,6 +332,12 @@ class OrbaxCheckpoint(Callback):
     def _read_step(self, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
         """The step's items, read into this trainer's layout and checked; nothing applied."""
         path = Path(manager.directory) / str(step)
+        if not path.is_dir():
+            found = sorted(manager.all_steps())
+            raise FileNotFoundError(
+                f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
+            )
+        self._check_same_model(path, step)
         if not (path / "commit_success.txt").exists():
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} has no commit marker: it was not finished"
@@ -368,6 +379,31 @@ class OrbaxCheckpoint(Callback):
                 f"the fingerprints saved with them ({', '.join(bad[:5])})"
             )
         return saved
+
+    def _check_same_model(self, path: Path, step: int) -> None:
+        """A checkpoint of another model or optimizer is the user's mix-up, not damage:
+        an error that names the leaves, and the step is left where it is."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(path / "state")  # type: ignore[arg-type]
+        except Exception:  # unreadable metadata: reading the step reports it as damage
+            return
+        tree = getattr(saved, "tree", saved)
+        theirs = {
+            path_str(p): (tuple(x.shape), str(x.dtype))
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
+        ours = {
+            path_str(p): (tuple(x.shape), str(x.dtype))
+            for p, x in jax.tree_util.tree_flatten_with_path(self.trainer.state)[0]
+        }
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        if differ:
+            shown = ", ".join(f"{k}: saved {theirs.get(k)}, here {ours.get(k)}" for k in differ[:4])
+            raise ValueError(
+                f"checkpoint step {step} at {path} was written for another model or optimizer "
+                f"({len(differ)} leaves differ: {shown}). Restore it into the model it was "
+                "saved from, or use another directory (or restore=None)."
+            )
 
     def _apply(self, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]) -> None:
         trainer, meta = self.trainer, saved["meta"]

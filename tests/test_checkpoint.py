@@ -350,3 +350,19 @@ def test_a_state_made_non_finite_by_its_update_is_set_aside(tmp_path):
     again = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path)], model=Net)
     again.fit(batches[:2], max_steps=2)
     assert again.step == 2 and all(np.isfinite(v).all() for v in params(again).values())
+
+
+def test_a_checkpoint_of_another_model_is_an_error_and_stays_where_it_is(tmp_path):
+    trainer_for(callbacks=[OrbaxCheckpoint(tmp_path)], model=Net).fit(make_batches(2), max_steps=2)
+
+    class Wider(Net):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            super().__init__(rngs, hidden=64)
+
+    other = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path)], model=Wider)
+    with pytest.raises(ValueError, match=r"written for another model .*model/l1/kernel"):
+        other.fit(make_batches(2), max_steps=2)
+    assert OrbaxCheckpoint(tmp_path).steps() == [2]  # not mistaken for damage
+    missing = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path, restore=7)], model=Net)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step 7 .*steps there: \[2\]"):
+        missing.fit(make_batches(2), max_steps=2)
