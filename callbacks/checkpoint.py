@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -343,7 +344,7 @@ class OrbaxCheckpoint(Callback):
                 f"checkpoint step {step} at {path} has no commit marker: it was not finished"
             )
         trainer = self.trainer
-        target_state = _targets(trainer.state, trainer.state_shardings)
+        target_state = _targets(trainer.state, trainer.state_leaf_shardings)
         target_metrics = _targets(
             trainer.empty_metrics(), jax.tree.map(lambda x: x.sharding, trainer.train_metrics)
         )
@@ -393,7 +394,7 @@ class OrbaxCheckpoint(Callback):
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         }
         ours = {
-            path_str(p): (tuple(x.shape), str(x.dtype))
+            path_str(p): _as_stored(x)
             for p, x in jax.tree_util.tree_flatten_with_path(self.trainer.state)[0]
         }
         differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
@@ -556,6 +557,13 @@ class OrbaxCheckpoint(Callback):
         self._stop_listening()
         if self._manager is not None:
             self._manager.wait_until_finished()  # a save in flight completes; nothing half-done
+
+
+def _as_stored(x: Any) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype as Orbax records them: a typed PRNG key as its uint32 key data."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.eval_shape(jax.random.key_data, x)
+    return tuple(x.shape), str(x.dtype)
 
 
 def _targets(tree: Any, shardings: Any) -> Any:

@@ -63,8 +63,15 @@ def model_builder(
     strategy: Strategy,
     mesh: Mesh,
     seed: int,
+    wrt: nnx.filterlib.Filter = nnx.Param,
 ) -> ShardedInit:
-    """A ShardedInit for a model factory, or for an already-built module."""
+    """A ShardedInit for a model factory, or for an already-built module.
+
+    ``wrt`` filters what the optimizer trains (``nnx.Optimizer(..., wrt=wrt)``).
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        hint = " (call it: optax.adam(1e-3))" if callable(tx) else ""
+        raise TypeError(f"optimizer must be an optax GradientTransformation, got {tx!r}{hint}.")
 
     def with_optimizer(module: nnx.Module) -> dict[str, Any]:
         if not isinstance(module, nnx.Module):
@@ -74,7 +81,7 @@ def model_builder(
             )
         # Extra-args support: the step passes value=loss, which plateau schedules and line
         # searches read and every other transformation ignores.
-        optimizer = nnx.Optimizer(module, optax.with_extra_args_support(tx), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(module, optax.with_extra_args_support(tx), wrt=wrt)
         return {"model": module, "optimizer": optimizer}
 
     if isinstance(model, nnx.Module):
@@ -115,7 +122,11 @@ class LiveState:
         """Re-reads the structure (the user may have replaced a submodule or a Variable)."""
         self.graphdef, state = nnx.split(self.objects)
         self.treedef = jax.tree.structure(state)
-        self.variables: list[nnx.Variable[Any]] = jax.tree.leaves(state, is_leaf=_is_variable)
+        # The Variables holding an array, in leaf order; one holding optax's empty
+        # MaskedNode has no leaf (its structure lives in treedef).
+        self.variables: list[nnx.Variable[Any]] = [
+            v for v in jax.tree.leaves(state, is_leaf=_is_variable) if jax.tree.leaves(v)
+        ]
 
     def arrays(self) -> list[jax.Array]:
         return [variable.get_raw_value() for variable in self.variables]
@@ -127,6 +138,21 @@ class LiveState:
 
     def as_state(self) -> nnx.State:
         return jax.tree.unflatten(self.treedef, self.arrays())
+
+
+def leaf_shardings(shardings: Any, state: Any) -> list[Any]:
+    """One sharding per array leaf of ``state``, from one per Variable.
+
+    A Variable may hold several arrays, or none (optax's ``MaskedNode`` for a
+    parameter a transformation skips): its sharding is repeated, or dropped.
+    """
+    per_variable = jax.tree.map(
+        lambda sharding, variable: [sharding] * len(jax.tree.leaves(variable)),
+        shardings,
+        state,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return jax.tree.leaves(per_variable, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def sharding_table(state: Any) -> list[dict[str, Any]]:

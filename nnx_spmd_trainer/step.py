@@ -52,12 +52,14 @@ def make_train_step(
     *,
     grad_accum_steps: int = 1,
     batch_sharding: Any = None,
+    wrt: nnx.filterlib.Filter = nnx.Param,
 ) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array]]:
     """``(state, metrics, batch) -> (state, metrics, loss)`` over ``{"model", "optimizer"}`` state.
 
     With ``grad_accum_steps=k`` the batch is cut into k microbatches scanned in
     one compiled step; gradients are averaged, so the update equals one step
-    on the whole batch when the loss is a mean over examples.
+    on the whole batch when the loss is a mean over examples. Gradients are
+    taken with respect to the ``wrt`` variables only; the rest stays as it is.
     """
 
     def train_step(
@@ -66,14 +68,14 @@ def make_train_step(
         objects = nnx.merge(graphdef, state)
         model, optimizer = objects["model"], objects["optimizer"]
         model.train()
-        model_def, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
 
         def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
             module = nnx.merge(
                 model_def, params, rest, copy=True
             )  # fresh vars: dropout mutates RNG counts
             loss, aux = loss_fn(module, batch)
-            return loss, (aux, nnx.state(module, nnx.Not(nnx.Param)))
+            return loss, (aux, nnx.state(module, nnx.Not(wrt)))
 
         grad_fn = jax.value_and_grad(compute, has_aux=True)
         if grad_accum_steps == 1:

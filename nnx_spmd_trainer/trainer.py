@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
-from nnx_spmd_trainer.state import LiveState, ModelFactory, model_builder
+from nnx_spmd_trainer.state import LiveState, ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
@@ -57,6 +57,8 @@ class Trainer:
       max_steps_in_flight: dispatched steps allowed to run ahead of the host.
       log_every_n_steps: training metrics reach ``logs`` every n steps (also at
         each epoch end and at the end of ``fit``); a ``MetricsLogger(n)`` asks the same.
+      wrt: an NNX filter of what trains (default every ``nnx.Param``); the other
+        parameters stay bit-identical, weight decay included.
       devices: the devices the mesh spans; default all of ``jax.devices()``.
       config: the run's configuration, for callbacks that record it.
 
@@ -92,6 +94,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         max_steps_in_flight: int = 2,
         log_every_n_steps: int | None = None,
+        wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
         config: Any = None,
     ) -> None:
@@ -116,7 +119,8 @@ class Trainer:
         if log_every_n_steps is not None:
             self.request_log_every(log_every_n_steps)
 
-        self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed)
+        self.wrt = wrt
+        self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
         self._live = LiveState(nnx.merge(self.init.graphdef, self.init()))
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
         self.epoch = 0
@@ -192,6 +196,11 @@ class Trainer:
     def state_shardings(self) -> nnx.State:
         """The NamedSharding of every state leaf, as the strategy answered."""
         return self.init.shardings
+
+    @property
+    def state_leaf_shardings(self) -> list[NamedSharding]:
+        """The sharding of each array leaf of ``state``, in ``jax.tree.leaves`` order."""
+        return leaf_shardings(self.init.shardings, self._live.as_state())
 
     @property
     def step(self) -> int:
@@ -275,13 +284,14 @@ class Trainer:
         if key in self._compiled:
             return self._compiled[key]
         replicated = NamedSharding(self.mesh, P())
-        state_shardings = jax.tree.leaves(self.init.shardings)
+        state_shardings = self.state_leaf_shardings
         if kind == "train":
             fn = step.make_train_step(
                 live.graphdef,
                 self.loss_fn,
                 grad_accum_steps=self.grad_accum_steps,
                 batch_sharding=batch_sharding,
+                wrt=self.wrt,
             )
             out: Any = (state_shardings, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)

@@ -166,7 +166,7 @@ def test_a_checkpoint_restores_under_another_strategy_and_device_count(
     _, state = restored[0]
     checkpoint = next(c for c in moved.callbacks if isinstance(c, OrbaxCheckpoint))
     # Orbax delivered every leaf already in the new layout: no whole copy on one device.
-    assert checkpoint.restored_layouts == jax.tree.leaves(moved.state_shardings)
+    assert checkpoint.restored_layouts == moved.state_leaf_shardings
     for (path, want), got in zip(
         jax.tree_util.tree_flatten_with_path(saved)[0], jax.tree.leaves(state), strict=True
     ):

@@ -121,7 +121,10 @@ class Strategy(abc.ABC):
         path: str = "",
     ) -> P:
         """The spec of one abstract state leaf, from its metadata, shape and the rules."""
-        shape = tuple(variable.get_value().shape)
+        value = variable.get_value()
+        if not hasattr(value, "shape"):  # a leafless placeholder (optax's MaskedNode)
+            return P()
+        shape = tuple(value.shape)
         metadata = variable.get_metadata()
         resolve = functools.partial(
             sh.resolve_spec,
