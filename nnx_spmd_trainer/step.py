@@ -22,13 +22,33 @@ LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Any
 
 
+def checked_loss(output: Any, name: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(loss, aux)`` as the step needs it, or a TypeError saying what came back instead.
+
+    Runs while jax traces the step, so a wrong return is reported before any
+    state is donated.
+    """
+    if not isinstance(output, tuple) or len(output) != 2:
+        raise TypeError(
+            f"{name} must return (loss, aux): a scalar loss and a dict of arrays for the "
+            f"metrics (use {{}} for none); it returned {type(output).__name__} {output!r:.120}."
+        )
+    loss, aux = output
+    if not isinstance(aux, dict):
+        raise TypeError(
+            f"{name} must return (loss, aux) with aux a dict of arrays; aux is {aux!r:.120}."
+        )
+    if getattr(loss, "shape", None) != ():
+        raise TypeError(
+            f"{name} must return a scalar loss; it has shape {getattr(loss, 'shape', None)}. "
+            "Reduce it over the batch, e.g. losses.mean()."
+        )
+    return loss, aux
+
+
 def _merge_metrics(
     metrics: clu_metrics.Collection, loss: jax.Array, aux: dict[str, jax.Array]
 ) -> clu_metrics.Collection:
-    if not isinstance(aux, dict):
-        raise TypeError(
-            f"loss_fn must return (loss, aux) with aux a dict of arrays; aux is {aux!r}."
-        )
     return metrics.merge(type(metrics).single_from_model_output(loss=loss, **aux))
 
 
@@ -74,7 +94,7 @@ def make_train_step(
             module = nnx.merge(
                 model_def, params, rest, copy=True
             )  # fresh vars: dropout mutates RNG counts
-            loss, aux = loss_fn(module, batch)
+            loss, aux = checked_loss(loss_fn(module, batch))
             return loss, (aux, nnx.state(module, nnx.Not(wrt)))
 
         grad_fn = jax.value_and_grad(compute, has_aux=True)
@@ -112,7 +132,7 @@ def make_eval_step(
     ) -> clu_metrics.Collection:
         model = nnx.merge(graphdef, state)["model"]
         model.eval()
-        loss, aux = eval_fn(model, batch)
+        loss, aux = checked_loss(eval_fn(model, batch), "eval_fn")
         return _merge_metrics(metrics, loss, aux)
 
     return eval_step

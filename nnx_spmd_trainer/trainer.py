@@ -28,6 +28,28 @@ from nnx_spmd_trainer.strategies import DataParallel, Strategy
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
 
 
+def _batch_layout(batch: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        jax.tree_util.keystr(path): (tuple(np.shape(x)), str(getattr(x, "dtype", "?")))
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+    }
+
+
+def _note_batch_change(error: Exception, step: int, previous: Any, batch: Any) -> None:
+    """Says so on ``error`` when step ``step`` failed on a batch unlike the one before."""
+    if previous is None:
+        return
+    before, now = _batch_layout(previous), _batch_layout(batch)
+    if before == now:
+        return
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    shown = "; ".join(f"{k or '<root>'}: {before.get(k)} -> {now.get(k)}" for k in changed[:4])
+    error.add_note(
+        f"nnx_spmd_trainer: step {step} got a batch unlike the previous one ({shown}). "
+        "Every batch needs the same keys; a new shape or dtype traces the step again."
+    )
+
+
 class DataPosition(NamedTuple):
     """Where a resumed run continues: the epoch, the batches of it already trained on."""
 
@@ -362,6 +384,13 @@ class Trainer:
         try:
             self.callbacks.on_fit_start({})  # may restore state and resume_data_at(...)
             self.callbacks.on_train_begin({})
+            if max_steps is not None and self.step >= max_steps:
+                warnings.warn(
+                    f"fit(max_steps={max_steps}) trains no step: the trainer is already at "
+                    f"step {self.step}, and max_steps is the global step to stop at. Pass "
+                    f"max_steps={self.step} + n to train n more steps.",
+                    stacklevel=2,
+                )
             first = self._resume_at.epoch if self._resume_at else 0
             for epoch in itertools.count(first) if epochs is None else range(first, epochs):
                 if self._done(max_steps):
@@ -371,10 +400,12 @@ class Trainer:
                 if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
                     if epoch == first:
                         raise ValueError("train_data yielded no batches.")
+                    asked = f"epochs={epochs}" if epochs is not None else f"max_steps={max_steps}"
                     warnings.warn(
-                        f"train_data was exhausted at step {self.step} before "
-                        f"max_steps={max_steps}; pass a re-iterable dataset (not a one-shot "
-                        "iterator) to run several epochs.",
+                        f"train_data was exhausted at step {self.step}, in epoch {epoch} of "
+                        f"{asked}: it is a one-shot iterator, so only {epoch} epoch(s) ran. "
+                        "Pass a re-iterable dataset (a list, a grain.MapDataset) to run "
+                        "several epochs.",
                         stacklevel=2,
                     )
                     break
@@ -493,9 +524,13 @@ class Trainer:
             self._train_step = self._compile("train", batch)
             self._train_structure = structure
         count = self.step  # before dispatch: afterwards the counter is a future array
-        arrays, self.train_metrics, loss = self._train_step(
-            self._live.arrays(), self.train_metrics, batch
-        )
+        try:
+            arrays, self.train_metrics, loss = self._train_step(
+                self._live.arrays(), self.train_metrics, batch
+            )
+        except Exception as error:
+            _note_batch_change(error, count + 1, self.last_batch, batch)
+            raise
         self._live.write(arrays)
         self._host_step = count + 1  # the step's optimizer.update counted one update
         self.last_loss, self.last_batch = loss, batch

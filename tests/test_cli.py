@@ -192,3 +192,43 @@ def test_every_config_runs_two_steps(name, tmp_path):
     assert result.history.steps["train/loss"][-1] == 2
     assert np.isfinite(result.eval_loss) and result.baseline > 0
     assert Path(tmp_path / "metrics.csv").exists()
+
+
+# -- help and configuration errors ---------------------------------------------------------
+def test_help_lists_the_flags_the_shipped_configs_and_the_keys_and_exits_0(tmp_path):
+    proc = _cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for text in [
+        "--config=NAME|FILE",
+        "--workdir=DIR",
+        "--export=DIR",
+        "--config.max_steps=300",
+        "--config.gpt.embed_dim=",
+        "--config.resume=True",
+        ", ".join(CONFIG_NAMES),
+    ]:
+        assert text in proc.stdout, text  # fmt: skip
+    mlp = _cli("--config=mlp", "--help", cwd=tmp_path)
+    assert "--config.mlp.hidden_dim=" in mlp.stdout and "gpt" not in mlp.stdout.split("Keys")[1]
+
+
+def test_a_config_name_resolves_to_a_file_never_to_a_folder(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlp").mkdir()  # a folder named like a shipped config
+    assert cli.normalize_argv(["prog", "--config=mlp"])[1] == f"--config={cli.CONFIGS_DIR}/mlp.py"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config=nope"], "neither a config file nor a shipped config (cnn, default"),
+        (["--config.strategy=fsdp=3"], "does not fit the 8 available devices"),
+        (["--config.strategy=pipeline=2"], "Unknown strategy member 'pipeline'"),
+    ],
+)
+def test_configuration_errors_are_one_line_and_exit_2(tmp_path, args, message):
+    proc = _cli(*args, f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()[-1:]
+    assert line.startswith("nnx-spmd-train: error:") and message in line
+    assert "Traceback" not in proc.stderr

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
 import ml_collections
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 from nnx_spmd_trainer import Callback, History, Trainer, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.export import check_export_path, export_params
+from nnx_spmd_trainer.sharding import ShardingError
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 #: The shipped configs, wherever the install put them (package-dir mapping of configs/).
@@ -205,9 +207,11 @@ def _embedded(value: str) -> str:
     path, colon, rest = value.partition(":")  # config_flags passes "file.py:arg" on to get_config
     name = Path(path).name.removesuffix(".py")
     embedded = CONFIGS_DIR / f"{name}.py"
-    if not Path(path).exists() and embedded.exists() and not name.startswith("_"):
+    if Path(path).is_file():  # a file of the user's wins; a folder of that name does not
+        return value
+    if embedded.exists() and not name.startswith("_"):
         return f"{embedded}{colon}{rest}"
-    return value
+    _fail(f"--config={value} is neither a config file nor a shipped config ({_shipped()}).")
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
@@ -244,6 +248,57 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(1)
 
 
+def _shipped() -> str:
+    return ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.py") if not p.stem.startswith("_")))
+
+
+def _fail(message: str) -> NoReturn:
+    """A configuration error: one line on stderr, exit status 2 (as argparse does)."""
+    sys.stderr.write(f"nnx-spmd-train: error: {message}\n")
+    sys.exit(2)
+
+
+def _config_keys(config_file: str) -> list[str]:
+    """``key = default`` for every key of the config in ``config_file``."""
+    spec = importlib.util.spec_from_file_location("_config_for_help", config_file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def flat(prefix: str, node: Any) -> list[str]:
+        if isinstance(node, dict):
+            return [line for key, value in node.items() for line in flat(f"{prefix}{key}.", value)]
+        return [f"  --config.{prefix[:-1]}={node!r}"]
+
+    return flat("", module.get_config().to_dict())
+
+
+def usage(argv: Sequence[str]) -> str:
+    """``--help``: the flags, the shipped configs and the keys of the chosen config."""
+    config_file = next(a.removeprefix("--config=") for a in argv if a.startswith("--config="))
+    config_file = config_file.partition(":")[0]
+    return "\n".join(
+        [
+            "usage: nnx-spmd-train [--config=NAME|FILE] [--config.KEY=VALUE ...] "
+            "[--workdir=DIR] [--export=DIR]",
+            "",
+            "Trains the model a config describes on every device (8 simulated CPU devices",
+            "when there is no accelerator); running it again resumes from --workdir.",
+            "",
+            f"  --config=NAME|FILE  a shipped config ({_shipped()}) or a config file;",
+            "                      default: default (a small GPT on pydoc text)",
+            "  --workdir=DIR       logs, TensorBoard events and checkpoints "
+            "(default: runs/<config name>)",
+            "  --export=DIR        write the trained parameters as a plain Orbax checkpoint",
+            "  --helpfull          every flag, the libraries' too",
+            "",
+            f"Keys of {Path(config_file).name}, with their values (override any with "
+            "--config.KEY=VALUE):",
+            *_config_keys(config_file),
+        ]
+    )
+
+
 def _main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -255,7 +310,10 @@ def _main(argv: Sequence[str]) -> int:
     simulate_host_devices(config.num_devices)
     if flags.FLAGS.export:
         check_export_path(flags.FLAGS.export)  # refuse an occupied path before training
-    result = run(config, workdir)
+    try:
+        result = run(config, workdir)
+    except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
+        _fail(str(error))
     if flags.FLAGS.export and not (result.trainer and result.trainer.preempted):
         assert result.trainer is not None
         path = export_params(result.trainer.model, flags.FLAGS.export)
@@ -273,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     Call it once per process (absl parses flags once).
     """
     argv = normalize_argv(sys.argv if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(usage(argv))
+        sys.exit(0)
     config_flags.DEFINE_config_file(
         "config",
         default=None,  # normalize_argv always names one

@@ -27,6 +27,11 @@ Metrics = clu_metrics.Collection.create(
 )
 
 
+class ConfigError(ValueError):
+    """A config that cannot run (a bad strategy string, model, batch size): the CLI prints
+    its message as one line and exits 2."""
+
+
 def parse_strategy(spec: str) -> Strategy:
     """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
 
@@ -51,18 +56,20 @@ def parse_strategy(spec: str) -> Strategy:
         name, _, size = part.replace(":", "=").partition("=")
         kind = kinds.get(name.strip().lower())
         if kind is None:
-            raise ValueError(
+            raise ConfigError(
                 f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
                 "data (or dp), fsdp, model (or tp), e.g. 'fsdp=4,model=2'."
             )
         try:
             members.append(kind(int(size) if size.strip() else -1))
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"Size {size!r} of {name.strip()!r} in strategy {spec!r} is not an integer."
             ) from None
     if not members:
-        raise ValueError(f"Strategy {spec!r} names no member; use e.g. 'data' or 'fsdp=4,model=2'.")
+        raise ConfigError(
+            f"Strategy {spec!r} names no member; use e.g. 'data' or 'fsdp=4,model=2'."
+        )
     return members[0] if len(members) == 1 else Hybrid(*members)
 
 
@@ -134,9 +141,9 @@ def build_task(config: ml_collections.ConfigDict, *, shard: tuple[int, int] = (0
     """
     name = config.model
     if name not in TASKS:
-        raise ValueError(f"config.model={name!r} is not one of {', '.join(map(repr, TASKS))}.")
+        raise ConfigError(f"config.model={name!r} is not one of {', '.join(map(repr, TASKS))}.")
     if name not in config:
-        raise ValueError(
+        raise ConfigError(
             f"config.model={name!r} needs a config.{name} block with its sizes; "
             f"start from a config in configs/ whose model is {name!r}."
         )
@@ -146,7 +153,7 @@ def build_task(config: ml_collections.ConfigDict, *, shard: tuple[int, int] = (0
 def _rows(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> int:
     """This process's rows of each global batch."""
     if config.batch_size % shard[1]:
-        raise ValueError(
+        raise ConfigError(
             f"config.batch_size={config.batch_size} cannot be split into {shard[1]} equal "
             f"per-process parts (the processes feed {shard[1]} distinct row sets); use a "
             f"multiple of {shard[1]}."
