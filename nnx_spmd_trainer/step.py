@@ -66,20 +66,64 @@ def microbatches(batch: Batch, k: int, sharding: Any) -> Batch:
     return jax.tree.map(split, batch, sharding)
 
 
-def make_train_step(
-    graphdef: nnx.GraphDef[Any],
+def compute_gradients(
+    model: nnx.Module,
+    batch: Batch,
     loss_fn: LossFn,
     *,
+    wrt: nnx.filterlib.Filter = nnx.Param,
     grad_accum_steps: int = 1,
     batch_sharding: Any = None,
-    wrt: nnx.filterlib.Filter = nnx.Param,
+) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
+    """``(loss, aux, grads)`` of ``loss_fn`` on ``batch``, gradients for the ``wrt`` variables.
+
+    Inside a traced step. The model's other state (dropout RNG counts, batch
+    statistics) is updated in place. With ``grad_accum_steps=k`` the batch is
+    cut into k microbatches scanned in one compiled step (no data moves);
+    gradients and losses are averaged, so they equal one pass over the whole
+    batch when the loss is a mean over examples, and ``aux`` is the
+    microbatches' values joined back into batch rows (a scalar per microbatch
+    stays a vector of k).
+    """
+    model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+
+    def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
+        module = nnx.merge(model_def, params, rest, copy=True)  # fresh vars: dropout mutates
+        loss, aux = checked_loss(loss_fn(module, batch))
+        return loss, (aux, nnx.state(module, nnx.Not(wrt)))
+
+    grad_fn = jax.value_and_grad(compute, has_aux=True)
+    if grad_accum_steps == 1:
+        (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
+    else:
+
+        def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, Any]:
+            grad_sum, rest, loss_sum = carry
+            (loss, (aux, rest)), grads = grad_fn(params, rest, microbatch)
+            return (jax.tree.map(jnp.add, grad_sum, grads), rest, loss_sum + loss), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, rest, jnp.zeros((), jnp.float32))
+        mbs = microbatches(batch, grad_accum_steps, batch_sharding)
+        (grads, rest, loss), auxes = jax.lax.scan(accumulate, init, mbs)
+        grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+        loss = loss / grad_accum_steps
+        aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a, auxes)
+    nnx.update(model, rest)
+    return loss, aux, grads
+
+
+TrainStepFn = Callable[[nnx.Module, nnx.Optimizer[Any], Batch], tuple[jax.Array, dict[str, Any]]]
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef[Any], train_step_fn: TrainStepFn
 ) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array]]:
     """``(state, metrics, batch) -> (state, metrics, loss)`` over ``{"model", "optimizer"}`` state.
 
-    With ``grad_accum_steps=k`` the batch is cut into k microbatches scanned in
-    one compiled step; gradients are averaged, so the update equals one step
-    on the whole batch when the loss is a mean over examples. Gradients are
-    taken with respect to the ``wrt`` variables only; the rest stays as it is.
+    ``train_step_fn(model, optimizer, batch) -> (loss, aux)`` does the work on
+    the merged objects (``Trainer.train_step``); the metrics are fed its
+    ``loss`` and ``aux``.
     """
 
     def train_step(
@@ -88,36 +132,8 @@ def make_train_step(
         objects = nnx.merge(graphdef, state)
         model, optimizer = objects["model"], objects["optimizer"]
         model.train()
-        model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
-
-        def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
-            module = nnx.merge(
-                model_def, params, rest, copy=True
-            )  # fresh vars: dropout mutates RNG counts
-            loss, aux = checked_loss(loss_fn(module, batch))
-            return loss, (aux, nnx.state(module, nnx.Not(wrt)))
-
-        grad_fn = jax.value_and_grad(compute, has_aux=True)
-        if grad_accum_steps == 1:
-            (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
-            metrics = _merge_metrics(metrics, loss, aux)
-        else:
-
-            def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, None]:
-                grad_sum, rest, metrics, loss_sum = carry
-                (loss, (aux, rest)), grads = grad_fn(params, rest, microbatch)
-                grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-                return (grad_sum, rest, _merge_metrics(metrics, loss, aux), loss_sum + loss), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            init = (zeros, rest, metrics, jnp.zeros((), jnp.float32))
-            mbs = microbatches(batch, grad_accum_steps, batch_sharding)
-            (grads, rest, metrics, loss), _ = jax.lax.scan(accumulate, init, mbs)
-            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
-            loss = loss / grad_accum_steps
-        nnx.update(model, rest)
-        optimizer.update(model, grads, value=loss)  # plateau schedules, line searches
-        return nnx.state(objects), metrics, loss
+        loss, aux = checked_loss(train_step_fn(model, optimizer, batch), "train_step")
+        return nnx.state(objects), _merge_metrics(metrics, loss, aux), loss
 
     return train_step
 

@@ -23,6 +23,7 @@ from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.state import LiveState, ModelFactory, leaf_shardings, model_builder
+from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
@@ -249,6 +250,42 @@ class Trainer:
         assert self._loss_fn is not None
         return self._loss_fn(model, batch)
 
+    def train_step(
+        self, model: nnx.Module, optimizer: nnx.Optimizer[nnx.Module], batch: Any
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One training step, run inside the compiled step: returns ``(loss, aux)``.
+
+        The default takes the gradients of ``loss_fn`` (``compute_gradients``)
+        and updates the parameters with them. Override it to read or change
+        the gradients, add a loss, or update twice; gradient accumulation,
+        the on-device metrics (fed ``loss`` and ``aux``) and the strategy's
+        shardings keep working::
+
+            class ClipByMyRule(Trainer):
+                def train_step(self, model, optimizer, batch):
+                    loss, aux, grads = self.compute_gradients(model, batch)
+                    grads = jax.tree.map(lambda g: jnp.clip(g, -0.1, 0.1), grads)
+                    optimizer.update(model, grads, value=loss)
+                    return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
+        """
+        loss, aux, grads = self.compute_gradients(model, batch)
+        optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
+        return loss, aux
+
+    def compute_gradients(
+        self, model: nnx.Module, batch: Any, loss_fn: LossFn | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
+        """``(loss, aux, grads)`` of ``loss_fn`` (default ``self.loss_fn``) on ``batch``,
+        with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches."""
+        return step.compute_gradients(
+            model,
+            batch,
+            loss_fn or self.loss_fn,
+            wrt=self.wrt,
+            grad_accum_steps=self.grad_accum_steps,
+            batch_sharding=self.strategy.batch_sharding(batch, self.mesh),
+        )
+
     def eval_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Evaluation loss and metrics inputs; defaults to ``loss_fn``."""
         return (self._eval_fn or self.loss_fn)(model, batch)
@@ -308,13 +345,7 @@ class Trainer:
         replicated = NamedSharding(self.mesh, P())
         state_shardings = self.state_leaf_shardings
         if kind == "train":
-            fn = step.make_train_step(
-                live.graphdef,
-                self.loss_fn,
-                grad_accum_steps=self.grad_accum_steps,
-                batch_sharding=batch_sharding,
-                wrt=self.wrt,
-            )
+            fn = step.make_train_step(live.graphdef, self.train_step)
             out: Any = (state_shardings, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)
         else:
