@@ -7,18 +7,14 @@ import importlib.metadata
 import json
 import math
 import os
-import signal
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -26,8 +22,13 @@ from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
-from nnx_spmd_trainer.sharding import path_str
 
+from .checkpoint_checks import (
+    DamagedCheckpoint,
+    agree_on_damage,
+    check_same_model,
+    restore_targets,
+)
 from .fingerprint import (
     FingerprintRestore,
     FingerprintSave,
@@ -35,12 +36,9 @@ from .fingerprint import (
     mismatches,
     summarize,
 )
+from .preemption import PreemptionNotice
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
-
-
-class DamagedCheckpoint(Exception):
-    """A checkpoint step that cannot be trusted; the message names its step and path."""
 
 
 @functools.cache
@@ -169,8 +167,7 @@ class OrbaxCheckpoint(Callback):
         self._last_saved: tuple[int, jax.Array] | None = None
         self._manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
-        self._preempt_requested = False
-        self._previous_handler: Any = None
+        self._preemption = PreemptionNotice()
 
     # -- the manager -------------------------------------------------------------------
     @property
@@ -321,7 +318,7 @@ class OrbaxCheckpoint(Callback):
             except DamagedCheckpoint as error:
                 damaged = error
             # Every process must take the same branch: one that read damage makes all skip.
-            damaged = _agree_on_damage(damaged, step, manager.directory)
+            damaged = agree_on_damage(damaged, step, manager.directory)
             if damaged is None:
                 self._apply(manager, step, saved)
                 return step
@@ -338,14 +335,14 @@ class OrbaxCheckpoint(Callback):
             raise FileNotFoundError(
                 f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
             )
-        self._check_same_model(path, step)
+        check_same_model(path, step, self.trainer.state)
         if not (path / "commit_success.txt").exists():
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} has no commit marker: it was not finished"
             )
         trainer = self.trainer
-        target_state = _targets(trainer.state, trainer.state_leaf_shardings)
-        target_metrics = _targets(
+        target_state = restore_targets(trainer.state, trainer.state_leaf_shardings)
+        target_metrics = restore_targets(
             trainer.empty_metrics(), jax.tree.map(lambda x: x.sharding, trainer.train_metrics)
         )
         try:
@@ -380,31 +377,6 @@ class OrbaxCheckpoint(Callback):
                 f"the fingerprints saved with them ({', '.join(bad[:5])})"
             )
         return saved
-
-    def _check_same_model(self, path: Path, step: int) -> None:
-        """A checkpoint of another model or optimizer is the user's mix-up, not damage:
-        an error that names the leaves, and the step is left where it is."""
-        try:
-            saved = ocp.StandardCheckpointHandler().metadata(path / "state")  # type: ignore[arg-type]
-        except Exception:  # unreadable metadata: reading the step reports it as damage
-            return
-        tree = getattr(saved, "tree", saved)
-        theirs = {
-            path_str(p): (tuple(x.shape), str(x.dtype))
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        }
-        ours = {
-            path_str(p): _as_stored(x)
-            for p, x in jax.tree_util.tree_flatten_with_path(self.trainer.state)[0]
-        }
-        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        if differ:
-            shown = ", ".join(f"{k}: saved {theirs.get(k)}, here {ours.get(k)}" for k in differ[:4])
-            raise ValueError(
-                f"checkpoint step {step} at {path} was written for another model or optimizer "
-                f"({len(differ)} leaves differ: {shown}). Restore it into the model it was "
-                "saved from, or use another directory (or restore=None)."
-            )
 
     def _apply(self, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]) -> None:
         trainer, meta = self.trainer, saved["meta"]
@@ -466,27 +438,6 @@ class OrbaxCheckpoint(Callback):
         if self.report is not None:
             self.report(message)
 
-    # -- preemption ----------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        del signum, frame
-        self._preempt_requested = True
-
-    def _listen_for_preemption(self) -> None:
-        # After jax.distributed.initialize a Python handler would replace XLA's
-        # preemption notifier: several processes use the sync point instead.
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _stop_listening(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
-
-    def _preempted(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            return bool(self.manager.reached_preemption(step))
-        return self._preempt_requested
-
     def _note(self, logs: Logs) -> None:
         for key, value in logs.items():
             self._seen[key] = (self.trainer.step, value)
@@ -494,7 +445,7 @@ class OrbaxCheckpoint(Callback):
     # -- hooks ------------------------------------------------------------------------------
     @override
     def on_fit_start(self, logs: Logs) -> None:
-        self._seen, self._preempt_requested = {}, False
+        self._seen = {}
         if self.restore is not None and not self._fitted:
             # Only the first fit resumes: a later fit of this trainer goes on from where
             # the previous one left its state, as it would without checkpoints.
@@ -513,7 +464,7 @@ class OrbaxCheckpoint(Callback):
                 f"this run's step {self.trainer.step}, and new steps there would be refused. "
                 "Resume them (restore='latest') or save this run in another directory."
             )
-        self._listen_for_preemption()
+        self._preemption.listen()
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
@@ -526,7 +477,7 @@ class OrbaxCheckpoint(Callback):
     @override
     def on_step_end(self, step: int) -> None:
         # Everything about this step (its logs, its evaluation) is in the callbacks' states.
-        if self._preempted(step):
+        if self._preemption.reached(step, self.manager):
             self._save_for_preemption(step)
         elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
             self.save(step)
@@ -550,44 +501,10 @@ class OrbaxCheckpoint(Callback):
             self.manager.wait_until_finished()
             self._check_last_saved()
         finally:
-            self._stop_listening()
+            self._preemption.stop()
 
     @override
     def on_exception(self, error: BaseException) -> None:
-        self._stop_listening()
+        self._preemption.stop()
         if self._manager is not None:
             self._manager.wait_until_finished()  # a save in flight completes; nothing half-done
-
-
-def _as_stored(x: Any) -> tuple[tuple[int, ...], str]:
-    """Shape and dtype as Orbax records them: a typed PRNG key as its uint32 key data."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.eval_shape(jax.random.key_data, x)
-    return tuple(x.shape), str(x.dtype)
-
-
-def _targets(tree: Any, shardings: Any) -> Any:
-    """Restore targets: each leaf's shape and dtype, laid out as this trainer lays it out."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-        ],
-    )
-
-
-def _agree_on_damage(
-    damaged: DamagedCheckpoint | None, step: int, directory: Any
-) -> DamagedCheckpoint | None:
-    """With several processes, damage seen by any one of them counts for all of them."""
-    if jax.process_count() == 1:
-        return damaged
-    flags = multihost_utils.process_allgather(np.array(damaged is not None))
-    if damaged is None and np.any(flags):
-        damaged = DamagedCheckpoint(
-            f"checkpoint step {step} at {Path(directory) / str(step)} cannot be read by "
-            f"processes {np.flatnonzero(flags).tolist()}"
-        )
-    return damaged

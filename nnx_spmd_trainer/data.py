@@ -1,10 +1,12 @@
-"""Batch placement and the bound on steps in flight."""
+"""Batches: placement, the bound on steps in flight, and a resumed run's data position."""
 
 from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -103,3 +105,57 @@ class InFlight:
     def clear(self) -> None:
         """Forgets the pending steps without waiting (after a failure)."""
         self._pending.clear()
+
+
+# -- changing batches and resuming a data position --------------------------------------
+def _batch_layout(batch: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        jax.tree_util.keystr(path): (tuple(np.shape(x)), str(getattr(x, "dtype", "?")))
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+    }
+
+
+def note_batch_change(error: Exception, step: int, previous: Any, batch: Any) -> None:
+    """Says so on ``error`` when step ``step`` failed on a batch unlike the one before."""
+    if previous is None:
+        return
+    before, now = _batch_layout(previous), _batch_layout(batch)
+    if before == now:
+        return
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    shown = "; ".join(f"{k or '<root>'}: {before.get(k)} -> {now.get(k)}" for k in changed[:4])
+    error.add_note(
+        f"nnx_spmd_trainer: step {step} got a batch unlike the previous one ({shown}). "
+        "Every batch needs the same keys; a new shape or dtype traces the step again."
+    )
+
+
+class DataPosition(NamedTuple):
+    """Where a resumed run continues: the epoch, the batches of it already trained on."""
+
+    epoch: int
+    batches: int
+    restore_iterator: Callable[[Iterator[Any]], bool] | None = None
+
+
+def seek(iterator: Iterator[Any], position: DataPosition) -> int:
+    """Moves a new epoch's iterator to a resumed run's position; the batches it skipped."""
+    if position.batches == 0:
+        return 0
+    if position.restore_iterator is not None and position.restore_iterator(iterator):
+        return position.batches
+    warnings.warn(
+        f"Resuming epoch {position.epoch} at batch {position.batches}: train_data has no "
+        f"restorable position, so its first {position.batches} batches are read and "
+        "discarded (exact, but it costs their loading time). A Grain dataset "
+        "(grain.MapDataset / IterDataset / DataLoader) resumes without reading them.",
+        stacklevel=4,
+    )
+    for skipped in range(position.batches):
+        if next(iterator, None) is None:
+            raise ValueError(
+                f"train_data ended after {skipped} batches while skipping to batch "
+                f"{position.batches} of epoch {position.epoch}: it is not the data the "
+                "checkpoint was trained on."
+            )
+    return position.batches

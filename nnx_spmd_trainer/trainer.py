@@ -9,7 +9,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,36 +27,6 @@ from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
-
-
-def _batch_layout(batch: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {
-        jax.tree_util.keystr(path): (tuple(np.shape(x)), str(getattr(x, "dtype", "?")))
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-    }
-
-
-def _note_batch_change(error: Exception, step: int, previous: Any, batch: Any) -> None:
-    """Says so on ``error`` when step ``step`` failed on a batch unlike the one before."""
-    if previous is None:
-        return
-    before, now = _batch_layout(previous), _batch_layout(batch)
-    if before == now:
-        return
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    shown = "; ".join(f"{k or '<root>'}: {before.get(k)} -> {now.get(k)}" for k in changed[:4])
-    error.add_note(
-        f"nnx_spmd_trainer: step {step} got a batch unlike the previous one ({shown}). "
-        "Every batch needs the same keys; a new shape or dtype traces the step again."
-    )
-
-
-class DataPosition(NamedTuple):
-    """Where a resumed run continues: the epoch, the batches of it already trained on."""
-
-    epoch: int
-    batches: int
-    restore_iterator: Callable[[Iterator[Any]], bool] | None = None
 
 
 class Trainer:
@@ -152,7 +122,7 @@ class Trainer:
         self.eval_every_n_steps: int | None = None
         #: Set by a callback that saved for a preemption; fit then ends without its final eval.
         self.preempted = False
-        self._resume_at: DataPosition | None = None
+        self._resume_at: data.DataPosition | None = None
         self.stop_training = False
         self.train_metrics = self.empty_metrics()
         self.eval_metrics = self.empty_metrics()
@@ -476,7 +446,7 @@ class Trainer:
         warning: exact, but it costs their loading time. A checkpoint callback
         calls this from ``on_fit_start``.
         """
-        self._resume_at = DataPosition(epoch, batches, restore_iterator)
+        self._resume_at = data.DataPosition(epoch, batches, restore_iterator)
 
     def _abort(self, error: BaseException) -> None:
         """The exception path of ``fit``: settle the devices, tell the callbacks."""
@@ -506,7 +476,7 @@ class Trainer:
         self.train_iterator = iter(train_data)
         self.batches_in_epoch = 0
         if self._resume_at is not None:
-            self._seek(self.train_iterator, self._resume_at)
+            self.batches_in_epoch = data.seek(self.train_iterator, self._resume_at)
             self._resume_at = None
         with jax.set_mesh(self.mesh):
             # One batch at a time: the iterator's position is exactly the steps taken.
@@ -527,28 +497,6 @@ class Trainer:
                     break
         return self.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
 
-    def _seek(self, iterator: Iterator[Any], position: DataPosition) -> None:
-        """Moves a new epoch's iterator to a resumed run's position."""
-        self.batches_in_epoch = position.batches
-        if position.batches == 0:
-            return
-        if position.restore_iterator is not None and position.restore_iterator(iterator):
-            return
-        warnings.warn(
-            f"Resuming epoch {position.epoch} at batch {position.batches}: train_data has no "
-            f"restorable position, so its first {position.batches} batches are read and "
-            "discarded (exact, but it costs their loading time). A Grain dataset "
-            "(grain.MapDataset / IterDataset / DataLoader) resumes without reading them.",
-            stacklevel=3,
-        )
-        for skipped in range(position.batches):
-            if next(iterator, None) is None:
-                raise ValueError(
-                    f"train_data ended after {skipped} batches while skipping to batch "
-                    f"{position.batches} of epoch {position.epoch}: it is not the data the "
-                    "checkpoint was trained on."
-                )
-
     def _train_one(self, batch: Any) -> None:
         structure = jax.tree.structure(batch)
         if self._train_step is None or structure != self._train_structure:
@@ -560,7 +508,7 @@ class Trainer:
                 self._live.arrays(), self.train_metrics, batch
             )
         except Exception as error:
-            _note_batch_change(error, count + 1, self.last_batch, batch)
+            data.note_batch_change(error, count + 1, self.last_batch, batch)
             raise
         self._live.write(arrays)
         self._host_step = count + 1  # the step's optimizer.update counted one update

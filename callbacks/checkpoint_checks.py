@@ -1,0 +1,75 @@
+"""Reading one checkpoint step safely: restore targets, model match, damage agreed on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from nnx_spmd_trainer.sharding import path_str
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint step that cannot be trusted; the message names its step and path."""
+
+
+def restore_targets(tree: Any, shardings: Any) -> Any:
+    """Restore targets: each leaf's shape and dtype, laid out as this trainer lays it out."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
+        ],
+    )
+
+
+def _as_stored(x: Any) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype as Orbax records them: a typed PRNG key as its uint32 key data."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.eval_shape(jax.random.key_data, x)
+    return tuple(x.shape), str(x.dtype)
+
+
+def check_same_model(path: Path, step: int, state: Any) -> None:
+    """A checkpoint of another model or optimizer is the user's mix-up, not damage:
+    a ValueError that names the leaves, and the step is left where it is."""
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(path / "state")  # type: ignore[arg-type]
+    except Exception:  # unreadable metadata: reading the step reports it as damage
+        return
+    tree = getattr(saved, "tree", saved)
+    theirs = {
+        path_str(p): (tuple(x.shape), str(x.dtype))
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    ours = {path_str(p): _as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: saved {theirs.get(k)}, here {ours.get(k)}" for k in differ[:4])
+        raise ValueError(
+            f"checkpoint step {step} at {path} was written for another model or optimizer "
+            f"({len(differ)} leaves differ: {shown}). Restore it into the model it was "
+            "saved from, or use another directory (or restore=None)."
+        )
+
+
+def agree_on_damage(
+    damaged: DamagedCheckpoint | None, step: int, directory: Any
+) -> DamagedCheckpoint | None:
+    """With several processes, damage seen by any one of them counts for all of them."""
+    if jax.process_count() == 1:
+        return damaged
+    flags = multihost_utils.process_allgather(np.array(damaged is not None))
+    if damaged is None and np.any(flags):
+        damaged = DamagedCheckpoint(
+            f"checkpoint step {step} at {Path(directory) / str(step)} cannot be read by "
+            f"processes {np.flatnonzero(flags).tolist()}"
+        )
+    return damaged
