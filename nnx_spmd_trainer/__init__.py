@@ -4,6 +4,7 @@ from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Lo
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import sharding_table
+from nnx_spmd_trainer.step import masked_mean
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
@@ -30,5 +31,6 @@ __all__ = [
     "DataShard",
     "HOOKS",
     "export_params",
+    "masked_mean",
     "sharding_table",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -54,10 +54,49 @@ def check_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: in
             raise ShardingError(
                 f"{where}: a global batch of {global_rows} rows cannot be split over the batch "
                 f"axes {sharding.spec} of mesh {dict(sharding.mesh.shape)} ({parts} parts"
-                f"{accum}). Use a batch_size divisible by {parts * divisor}."
+                f"{accum}). Use a batch_size divisible by {parts * divisor}, or pad the "
+                "batch with Trainer.padded (a 'mask' marks the padding)."
             )
 
     jax.tree_util.tree_map_with_path(check, batch, shardings)
+
+
+def rows_multiple(shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> int:
+    """The number a process's batch rows must be a multiple of to take ``shardings``."""
+    parts = [
+        math.prod(s.mesh.shape[a] for a in spec_axes(s.spec)) * divisor
+        for s in jax.tree.leaves(shardings)
+    ]
+    needed = math.lcm(*parts) if parts else 1
+    return needed // math.gcd(needed, data_shards)
+
+
+def pad_batch(batch: Any, multiple: int) -> Any:
+    """``batch`` (a dict of arrays) with its rows padded up to a multiple of ``multiple``,
+    and a ``"mask"`` that is 1 on its rows and 0 on the padding.
+
+    Padding repeats the last row, so every value stays one the model can take
+    (no ``log(0)``); the mask keeps the padding out of the metrics and, through
+    ``masked_mean``, out of the loss. A batch that already has a mask keeps it,
+    padded with 0.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"Only a dict batch can be padded (it carries the 'mask'); got a "
+            f"{type(batch).__name__}. Yield dicts, or batches whose rows divide {multiple}."
+        )
+    rows = len(jax.tree.leaves(batch)[0])
+    mask = np.asarray(batch.get("mask", np.ones(rows, np.float32)))
+    missing = -rows % multiple
+    if not missing:
+        return {**batch, "mask": mask}
+
+    def pad(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        return np.concatenate([x, np.repeat(x[-1:], missing, axis=0)])
+
+    padded = jax.tree.map(pad, {k: v for k, v in batch.items() if k != "mask"})
+    return {**padded, "mask": np.concatenate([mask, np.zeros(missing, mask.dtype)])}
 
 
 def _is_global(x: Any) -> bool:

@@ -8,7 +8,7 @@ step, eval for the eval step), so the live module is never flipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -46,10 +46,45 @@ def checked_loss(output: Any, name: str = "loss_fn") -> tuple[jax.Array, dict[st
     return loss, aux
 
 
+def batch_mask(batch: Batch) -> jax.Array:
+    """Which rows of ``batch`` are real examples: its ``"mask"`` (padding is 0), or all ones."""
+    if isinstance(batch, Mapping) and "mask" in batch:
+        return jnp.asarray(batch["mask"])
+    return jnp.ones(jax.tree.leaves(batch)[0].shape[:1], jnp.float32)
+
+
+def masked_mean(values: jax.Array, batch: Batch) -> jax.Array:
+    """The mean of per-example ``values`` (leading dimension: the batch rows) over the
+    batch's real examples, leaving out the rows ``batch["mask"]`` marks as padding.
+
+    Use it in a ``loss_fn`` so a padded batch (an eval set's last one, or
+    ``Trainer.padded``) gives the loss of its real examples alone.
+    """
+    mask = batch_mask(batch).astype(bool)
+    mask = mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
+    mask = jnp.broadcast_to(mask, values.shape)
+    total = jnp.where(mask, values, 0).sum(dtype=jnp.float32)
+    return total / jnp.maximum(mask.sum(), 1)
+
+
+def _as_fp32(x: Any) -> Any:
+    x = jnp.asarray(x)
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def _merge_metrics(
-    metrics: clu_metrics.Collection, loss: jax.Array, aux: dict[str, jax.Array]
+    metrics: clu_metrics.Collection, loss: jax.Array, aux: dict[str, jax.Array], batch: Batch
 ) -> clu_metrics.Collection:
-    return metrics.merge(type(metrics).single_from_model_output(loss=loss, **aux))
+    """Adds one batch to the metrics, weighted by its real examples.
+
+    The loss is fed once per example row (and ``mask`` with it), so an average
+    over steps is the per-example average whatever the batch sizes; per-example
+    ``aux`` values are masked by CLU through the same ``mask``. Accumulated in fp32.
+    """
+    mask = batch_mask(batch)
+    outputs = {"mask": mask, **jax.tree.map(_as_fp32, aux)}
+    outputs["loss"] = jnp.broadcast_to(_as_fp32(loss), mask.shape[:1])
+    return metrics.merge(type(metrics).single_from_model_output(**outputs))
 
 
 def microbatches(batch: Batch, k: int, sharding: Any) -> Batch:
@@ -81,7 +116,8 @@ def compute_gradients(
     statistics) is updated in place. With ``grad_accum_steps=k`` the batch is
     cut into k microbatches scanned in one compiled step (no data moves);
     gradients and losses are averaged, so they equal one pass over the whole
-    batch when the loss is a mean over examples, and ``aux`` is the
+    batch when the loss is a mean over examples (weighted by each microbatch's
+    real examples when the batch has a ``"mask"``), and ``aux`` is the
     microbatches' values joined back into batch rows (a scalar per microbatch
     stays a vector of k).
     """
@@ -97,17 +133,23 @@ def compute_gradients(
         (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
     else:
 
+        masked = isinstance(batch, Mapping) and "mask" in batch
+
         def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, Any]:
-            grad_sum, rest, loss_sum = carry
+            grad_sum, rest, loss_sum, weight_sum = carry
             (loss, (aux, rest)), grads = grad_fn(params, rest, microbatch)
-            return (jax.tree.map(jnp.add, grad_sum, grads), rest, loss_sum + loss), aux
+            # A padded batch's microbatches count by their real examples; others equally.
+            weight = batch_mask(microbatch).sum(dtype=jnp.float32) if masked else 1.0
+            grad_sum = jax.tree.map(lambda s, g: (s + g * weight).astype(s.dtype), grad_sum, grads)
+            return (grad_sum, rest, loss_sum + loss * weight, weight_sum + weight), aux
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (zeros, rest, jnp.zeros((), jnp.float32))
+        init = (zeros, rest, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         mbs = microbatches(batch, grad_accum_steps, batch_sharding)
-        (grads, rest, loss), auxes = jax.lax.scan(accumulate, init, mbs)
-        grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
-        loss = loss / grad_accum_steps
+        (grads, rest, loss, weight), auxes = jax.lax.scan(accumulate, init, mbs)
+        weight = jnp.maximum(weight, 1.0) if masked else grad_accum_steps
+        grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
+        loss = loss / weight
         aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a, auxes)
     nnx.update(model, rest)
     return loss, aux, grads
@@ -133,7 +175,7 @@ def make_train_step(
         model, optimizer = objects["model"], objects["optimizer"]
         model.train()
         loss, aux = checked_loss(train_step_fn(model, optimizer, batch), "train_step")
-        return nnx.state(objects), _merge_metrics(metrics, loss, aux), loss
+        return nnx.state(objects), _merge_metrics(metrics, loss, aux, batch), loss
 
     return train_step
 
@@ -149,7 +191,7 @@ def make_eval_step(
         model = nnx.merge(graphdef, state)["model"]
         model.eval()
         loss, aux = checked_loss(eval_fn(model, batch), "eval_fn")
-        return _merge_metrics(metrics, loss, aux)
+        return _merge_metrics(metrics, loss, aux, batch)
 
     return eval_step
 

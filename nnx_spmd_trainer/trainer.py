@@ -7,7 +7,7 @@ import itertools
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +345,30 @@ class Trainer:
             self._placements[key] = shardings
         return data.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
+    def padded(self, batch: Any, *, divisor: int | None = None) -> Any:
+        """``batch`` (a dict) with rows padded to a count the mesh can split, and a
+        ``"mask"`` marking the padding (``data.pad_batch``).
+
+        Evaluation pads a batch that needs it by itself; for training, ask for it:
+        ``trainer.fit(map(trainer.padded, data))`` or ``dataset.map(trainer.padded)``.
+        The metrics leave the padding out; the loss does when it averages with
+        ``masked_mean(per_example_losses, batch)``. ``divisor`` defaults to
+        ``grad_accum_steps``.
+        """
+        divisor = self.grad_accum_steps if divisor is None else divisor
+        shardings = self.strategy.batch_sharding(batch, self.mesh)
+        multiple = data.rows_multiple(shardings, divisor=divisor, data_shards=self.data_shard.count)
+        return data.pad_batch(batch, multiple)
+
+    def _eval_batch(self, batch: Any) -> Any:
+        """An eval batch as is, or padded and masked if its rows do not split."""
+        leaves = jax.tree.leaves(batch)
+        if not isinstance(batch, Mapping) or not leaves or not np.shape(leaves[0]):
+            return batch  # placement names what is wrong
+        shardings = self.strategy.batch_sharding(batch, self.mesh)
+        multiple = data.rows_multiple(shardings, data_shards=self.data_shard.count)
+        return batch if len(leaves[0]) % multiple == 0 else data.pad_batch(batch, multiple)
+
     def lower_train_step(self, batch: Any) -> Any:
         """``jax.jit(...).lower`` of the train step on ``batch``, for memory/cost analysis."""
         placed = self.place(batch, divisor=self.grad_accum_steps)
@@ -536,7 +560,7 @@ class Trainer:
         eval_step, structure = None, None
         with jax.set_mesh(self.mesh):
             for batches, host_batch in enumerate(eval_data, start=1):
-                batch = self.place(host_batch)
+                batch = self.place(self._eval_batch(host_batch))
                 self.callbacks.on_test_batch_begin(batches, {})
                 if eval_step is None or jax.tree.structure(batch) != structure:
                     eval_step = self._compile("eval", batch)

@@ -82,8 +82,15 @@ def test_loss_fn_is_mean_next_token_cross_entropy():
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = -np.take_along_axis(log_probs, batch["targets"][..., None], -1).mean()
     assert float(loss) == pytest.approx(expected, rel=1e-5)
-    assert set(aux) == {"accuracy"} and aux["accuracy"].shape == ()
-    assert 0.0 <= float(aux["accuracy"]) <= 1.0
+    # Per-token correctness, for the metrics to average per token (not per batch).
+    assert set(aux) == {"accuracy"}
+    np.testing.assert_array_equal(aux["accuracy"], logits.argmax(-1) == batch["targets"])
+
+    # Padding rows marked by a mask leave the loss: the mean over the real rows alone.
+    padded = {**batch, "mask": np.array([1, 1, 1, 0], np.float32)}
+    masked_loss, _ = nnx.jit(gpt.loss_fn)(model, padded)
+    real = -np.take_along_axis(log_probs, batch["targets"][..., None], -1)[:3].mean()
+    assert float(masked_loss) == pytest.approx(real, rel=1e-5)
 
 
 def test_gpt_params_are_sharded_under_fsdp_x_tensor_parallel():

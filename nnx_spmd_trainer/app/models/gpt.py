@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
+from nnx_spmd_trainer.step import masked_mean
 
 __all__ = ["GPT", "TransformerBlock", "causal_attention_mask", "loss_fn"]
 
@@ -172,12 +173,12 @@ class GPT(nnx.Module):
 def loss_fn(
     model: nnx.Module, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``.
+    """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``,
+    over the real sequences (a padded batch's ``mask``).
 
-    ``aux`` holds the token accuracy, a scalar, for a metrics collection to average.
+    ``aux`` holds each token's correctness, averaged per token by the metrics.
     """
     logits = model(batch["inputs"]).astype(jnp.float32)
     targets = batch["targets"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    accuracy = (jnp.argmax(logits, axis=-1) == targets).mean()
-    return loss, {"accuracy": accuracy}
+    loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), batch)
+    return loss, {"accuracy": jnp.argmax(logits, axis=-1) == targets}

@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
+from nnx_spmd_trainer.step import masked_mean
 
 __all__ = ["CNN", "MLP", "loss_fn"]
 
@@ -102,8 +103,9 @@ class CNN(nnx.Module):
 def loss_fn(
     model: nnx.Module, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean softmax cross entropy of ``batch["labels"]``; ``aux`` holds the accuracy."""
+    """Mean softmax cross entropy of ``batch["labels"]`` over the real examples (a padded
+    batch's ``mask``); ``aux`` holds each example's correctness, averaged by the metrics."""
     logits = model(batch["inputs"]).astype(jnp.float32)
     labels = batch["labels"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return loss, {"accuracy": (jnp.argmax(logits, axis=-1) == labels).mean()}
+    loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels), batch)
+    return loss, {"accuracy": jnp.argmax(logits, axis=-1) == labels}
