@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summary
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, Trainer, sharding_table
@@ -69,21 +70,26 @@ class TensorBoard(Callback):
     """Writes what a run needs to be read later in TensorBoard, on process 0 only.
 
     * scalars: every value that reaches ``logs`` (``train/...``, ``eval/...``,
-      ``lr``), at the global step it belongs to;
+      ``lr``, the ``epoch``, the global norms ``train/grad_norm``,
+      ``train/update_norm`` and ``train/param_norm``, ``perf/compile_time_s``
+      and, where the backend reports it, ``perf/device_memory_gb``), at the
+      global step it belongs to;
     * ``perf/step_time_s``, ``perf/steps_per_s``, ``perf/examples_per_s`` and,
       for token batches, ``perf/tokens_per_s`` at each log point of training
-      metrics: host wall time between log points, evaluation time excluded,
-      never a per-step sync (the first point includes compiling the step).
+      metrics: host wall time between log points, evaluation and compile time
+      excluded, never a per-step sync.
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
       or ``trainer.last_batch`` (shapes only);
       without either, only the step rates are written;
     * at the start: the run config (``trainer.config``) and the sharding
       table of the whole state, parameters and optimizer state (path, shape,
-      spec, bytes per device, and the total each device holds) as text;
+      spec, bytes per device, and the total each device holds) as text, and
+      the parameter count as ``model/parameters``;
     * every ``histogram_every_n_steps`` steps: histograms of the parameters;
-    * at the end: hparams (flattened config and the last value of each
-      metric) in the ``hparams`` sub-run; then the writer is closed. It is
-      closed too (without hparams) when ``fit`` fails.
+    * at the end: hparams (the flattened config, and the run's scalars as
+      their metrics) in the run itself, so TensorBoard's HParams tab lists the
+      run once; then the writer is closed. It is closed too (without hparams)
+      when ``fit`` fails.
 
     Example::
 
@@ -114,6 +120,7 @@ class TensorBoard(Callback):
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
         self._timer = Throughput()
+        self._compile_seconds = 0.0
         self._last: dict[str, float] = {}
         self._purge_step: int | None = None
 
@@ -141,6 +148,9 @@ class TensorBoard(Callback):
     def _write_throughput(self, logs: Logs, step: int) -> None:
         if not any(key.startswith("train/") for key in logs):
             return
+        compiled = self.trainer.report.compile_seconds
+        self._timer.exclude(compiled - self._compile_seconds)  # a compile is not a step
+        self._compile_seconds = compiled
         seconds = self._timer.seconds_per_step(step)
         if seconds is None or seconds <= 0 or (writer := self.writer) is None:
             return
@@ -183,12 +193,17 @@ class TensorBoard(Callback):
         hparams = {k: _hparam_value(v) for k, v in flatten_config(self.trainer.config).items()}
         metrics = {k: v for k, v in self._last.items() if math.isfinite(v)}
         if hparams and metrics:
-            writer.add_hparams(hparams, metrics, name="hparams", global_step=self.trainer.step)
+            # Into this run's own event file (add_hparams would start a second run that
+            # repeats the scalars); the metrics are the scalars already written here.
+            file_writer = writer._get_file_writer()
+            for summary in hparams_summary(hparams, metrics):
+                file_writer.add_summary(summary, self.trainer.step)
 
     # -- hooks -------------------------------------------------------------------------
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
+        self._compile_seconds = self.trainer.report.compile_seconds
         self._purge_step = self.trainer.step + 1 if self.trainer.step else None
         if (writer := self.writer) is None:
             return
@@ -196,6 +211,8 @@ class TensorBoard(Callback):
             self._write_config(writer, self.trainer.step)
         if self.write_sharding:
             self._write_sharding(writer, self.trainer.step)
+        parameters = sum(x.size for x in jax.tree.leaves(nnx.state(self.trainer.model, nnx.Param)))
+        writer.add_scalar("model/parameters", parameters, self.trainer.step)
         writer.flush()
 
     @override

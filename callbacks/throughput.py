@@ -63,6 +63,10 @@ class Throughput:
             self._time += time.perf_counter() - self._paused_at
             self._paused_at = None
 
+    def exclude(self, seconds: float) -> None:
+        """Leaves ``seconds`` (a compile) out of the current interval."""
+        self._time += seconds
+
     def seconds_per_step(self, step: int) -> float | None:
         """Average since the last call (or ``start``), then restarts from ``step``."""
         now = time.perf_counter() if self._paused_at is None else self._paused_at

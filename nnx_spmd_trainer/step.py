@@ -122,11 +122,13 @@ def compute_gradients(
     stays a vector of k).
     """
     model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+    # What a forward pass sows (nnx.Intermediate) is the loss's to read, not carried state.
+    carried = nnx.Not(nnx.Any(wrt, nnx.Intermediate))
 
     def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
         module = nnx.merge(model_def, params, rest, copy=True)  # fresh vars: dropout mutates
         loss, aux = checked_loss(loss_fn(module, batch))
-        return loss, (aux, nnx.state(module, nnx.Not(wrt)))
+        return loss, (aux, nnx.state(module, carried))
 
     grad_fn = jax.value_and_grad(compute, has_aux=True)
     if grad_accum_steps == 1:
@@ -158,24 +160,47 @@ def compute_gradients(
 TrainStepFn = Callable[[nnx.Module, nnx.Optimizer[Any], Batch], tuple[jax.Array, dict[str, Any]]]
 
 
+def global_norm(leaves: list[jax.Array]) -> jax.Array:
+    """The fp32 L2 norm of all ``leaves`` together."""
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
+    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
+
+
 def make_train_step(
-    graphdef: nnx.GraphDef[Any], train_step_fn: TrainStepFn
-) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array]]:
-    """``(state, metrics, batch) -> (state, metrics, loss)`` over ``{"model", "optimizer"}`` state.
+    graphdef: nnx.GraphDef[Any],
+    train_step_fn: TrainStepFn,
+    *,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+    norms: bool = True,
+) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array, dict[str, jax.Array]]]:
+    """``(state, metrics, batch) -> (state, metrics, loss, norms)`` over
+    ``{"model", "optimizer"}`` state.
 
     ``train_step_fn(model, optimizer, batch) -> (loss, aux)`` does the work on
     the merged objects (``Trainer.train_step``); the metrics are fed its
-    ``loss`` and ``aux``.
+    ``loss`` and ``aux``. With ``norms``, ``norms`` holds the global norms of
+    the ``wrt`` parameters after the step, of the step's change to them, and
+    ``aux["grad_norm"]`` when the step returns it; they stay on the devices.
     """
 
     def train_step(
         state: nnx.State, metrics: clu_metrics.Collection, batch: Batch
-    ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array]:
+    ) -> tuple[nnx.State, clu_metrics.Collection, jax.Array, dict[str, jax.Array]]:
         objects = nnx.merge(graphdef, state)
         model, optimizer = objects["model"], objects["optimizer"]
         model.train()
+        before = jax.tree.leaves(nnx.state(model, wrt))
         loss, aux = checked_loss(train_step_fn(model, optimizer, batch), "train_step")
-        return nnx.state(objects), _merge_metrics(metrics, loss, aux, batch), loss
+        found: dict[str, jax.Array] = {}
+        if norms:
+            after = jax.tree.leaves(nnx.state(model, wrt))
+            found["param_norm"] = global_norm(after)
+            found["update_norm"] = global_norm([a - b for a, b in zip(after, before, strict=True)])
+            if "grad_norm" in aux:
+                found["grad_norm"] = _as_fp32(aux["grad_norm"])
+        # Sown intermediates are not carried: the state keeps its structure step to step.
+        carried = nnx.state(objects, nnx.Not(nnx.Intermediate))
+        return carried, _merge_metrics(metrics, loss, aux, batch), loss, found
 
     return train_step
 

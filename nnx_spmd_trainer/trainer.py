@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.report import StepReport, metric_logs
 from nnx_spmd_trainer.state import LiveState, ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
@@ -53,6 +54,9 @@ class Trainer:
       wrt: an NNX filter of what trains (default every ``nnx.Param``); the other
         parameters stay bit-identical, weight decay included.
       devices: the devices the mesh spans; default all of ``jax.devices()``.
+      track_norms: compute, in each step, the global norms of the gradients (when
+        ``train_step`` returns ``aux["grad_norm"]``, as the default does), of the
+        parameters and of their update; read only at log points (``train/..._norm``).
       config: the run's configuration, for callbacks that record it.
 
     Attributes:
@@ -89,6 +93,7 @@ class Trainer:
         log_every_n_steps: int | None = None,
         wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
+        track_norms: bool = True,
         config: Any = None,
     ) -> None:
         if loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
@@ -113,6 +118,9 @@ class Trainer:
             self.request_log_every(log_every_n_steps)
 
         self.wrt = wrt
+        self.track_norms = track_norms
+        self.report = StepReport(self.mesh.local_devices)
+        self._warned_metrics: set[str] = set()
         self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
         self._live = LiveState(nnx.merge(self.init.graphdef, self.init()))
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
@@ -240,7 +248,7 @@ class Trainer:
         """
         loss, aux, grads = self.compute_gradients(model, batch)
         optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
-        return loss, aux
+        return loss, {**aux, "grad_norm": optax.tree.norm(grads)} if self.track_norms else aux
 
     def compute_gradients(
         self, model: nnx.Module, batch: Any, loss_fn: LossFn | None = None
@@ -274,13 +282,7 @@ class Trainer:
         collection = self.train_metrics if split == "train" else self.eval_metrics
         if split == "train" and self.train_metric_steps == 0:
             return {}
-        local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), collection)
-        values = {}
-        for name, value in local.compute().items():
-            value = np.asarray(value)
-            if value.size == 1:
-                values[f"{split}/{name}"] = float(value)
-        return values
+        return metric_logs(collection, split, self._warned_metrics)
 
     def reset_metrics(self, split: str = "train") -> None:
         if split == "train":
@@ -290,8 +292,11 @@ class Trainer:
             self.eval_metrics = self.empty_metrics()
 
     def flush_train_metrics(self) -> Logs:
-        """Computes and resets the training metrics: ``{"train/loss": ...}``."""
+        """Computes and resets the training metrics: ``{"train/loss": ...}``, with the
+        last step's norms, compile time and device memory (``StepReport``) and the epoch."""
         logs = self.compute_metrics("train")
+        if logs:
+            logs.update(self.report.read(), epoch=float(self.epoch))
         self.reset_metrics("train")
         return logs
 
@@ -315,8 +320,10 @@ class Trainer:
         replicated = NamedSharding(self.mesh, P())
         state_shardings = self.state_leaf_shardings
         if kind == "train":
-            fn = step.make_train_step(live.graphdef, self.train_step)
-            out: Any = (state_shardings, replicated, replicated)
+            fn = step.make_train_step(
+                live.graphdef, self.train_step, wrt=self.wrt, norms=self.track_norms
+            )
+            out: Any = (state_shardings, replicated, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)
         else:
             fn = step.make_eval_step(live.graphdef, self.eval_fn)
@@ -523,14 +530,18 @@ class Trainer:
 
     def _train_one(self, batch: Any) -> None:
         structure = jax.tree.structure(batch)
+        known = len(self._compiled)
         if self._train_step is None or structure != self._train_structure:
             self._train_step = self._compile("train", batch)
             self._train_structure = structure
         count = self.step  # before dispatch: afterwards the counter is a future array
+        # A new step traces and compiles in its first call (dispatch is asynchronous).
+        timing = self.report.compiling() if len(self._compiled) > known else contextlib.nullcontext()
         try:
-            arrays, self.train_metrics, loss = self._train_step(
-                self._live.arrays(), self.train_metrics, batch
-            )
+            with timing:
+                arrays, self.train_metrics, loss, self.report.norms = self._train_step(
+                    self._live.arrays(), self.train_metrics, batch
+                )
         except Exception as error:
             data.note_batch_change(error, count + 1, self.last_batch, batch)
             raise

@@ -64,11 +64,11 @@ def make_trainer(
     trainer_cls: type[Trainer] = Trainer,
     **kwargs: Any,
 ) -> Trainer:
+    kwargs.setdefault("metrics", Metrics)
     return trainer_cls(
         lambda rngs: Linear(rngs),
         tx if tx is not None else optax.sgd(0.1),
         loss_fn=loss_fn,
-        metrics=Metrics,
         callbacks=callbacks,
         **kwargs,
     )

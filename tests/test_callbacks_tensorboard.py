@@ -1,15 +1,25 @@
 """TensorBoard: event files read back with TensorBoard's own reader."""
 
+import flax
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
+from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_callbacks_helpers import make_batches, make_trainer, np_sgd, params_np
+from test_callbacks_helpers import (
+    CLASSES,
+    DIN,
+    make_batches,
+    make_trainer,
+    np_sgd,
+    params_np,
+)
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid
 from nnx_spmd_trainer.callbacks import LearningRateMonitor, MetricsLogger, TensorBoard
@@ -82,10 +92,11 @@ def test_scalars_config_sharding_histograms_and_hparams(tmp_path):
         assert h.sum_squares == pytest.approx((kernel**2).sum(), rel=1e-5)
     assert histograms[0].histogram_value.max != pytest.approx(histograms[1].histogram_value.max)
 
-    hparams = _read(tmp_path / "hparams")
-    assert "_hparams_/session_start_info" in hparams.summary_metadata
-    (final_loss,) = hparams.Scalars("train/loss")
-    assert final_loss.value == pytest.approx(history.history["train/loss"][-1], rel=1e-6)
+    # hparams live in the run itself (no second run repeating the scalars), their
+    # metrics being the run's own scalars.
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert "_hparams_/session_start_info" in acc.summary_metadata
+    assert "_hparams_/experiment" in acc.summary_metadata
 
 
 def test_sharding_table_reports_the_fsdp_shard_per_device():
@@ -149,3 +160,77 @@ def test_tokens_per_second_from_the_batch_shapes(tmp_path):
     np.testing.assert_allclose([e.value for e in acc.Scalars("perf/tokens_per_s")],
                                np.multiply(steps_per_s, 80), rtol=1e-5)  # fmt: skip
     assert not (tmp_path / "hparams").exists()
+
+
+@flax.struct.dataclass
+class LabelCounts(clu_metrics.Metric):
+    """A vector metric: how many examples of each class (one scalar per index in the logs)."""
+
+    counts: jax.Array
+
+    @classmethod
+    def empty(cls):
+        return cls(jnp.zeros(CLASSES))
+
+    @classmethod
+    def from_model_output(cls, labels, **_):
+        return cls(jnp.bincount(labels, length=CLASSES).astype(jnp.float32))
+
+    def merge(self, other):
+        return type(self)(self.counts + other.counts)
+
+    def compute(self):
+        return self.counts
+
+
+@flax.struct.dataclass
+class Pairs(LabelCounts):
+    """A 3 x 3 metric: too big to log as scalars, so named in a warning once."""
+
+    @classmethod
+    def empty(cls):
+        return cls(jnp.zeros((CLASSES, CLASSES)))
+
+    @classmethod
+    def from_model_output(cls, labels, **_):
+        return cls(jnp.zeros((CLASSES, CLASSES)).at[labels, labels].add(1))
+
+
+def test_norms_compile_time_epoch_parameters_and_vector_metrics(tmp_path):
+    metrics = clu_metrics.Collection.create(
+        loss=clu_metrics.Average.from_output("loss"), labels=LabelCounts, pairs=Pairs
+    )
+    trainer = make_trainer([MetricsLogger(2), TensorBoard(tmp_path)], metrics=metrics)
+    initial = params_np(trainer)
+    batches = make_batches(4)
+    with pytest.warns(UserWarning, match=r"Metric train/pairs has shape \(3, 3\)") as caught:
+        trainer.fit(batches, max_steps=4)
+    assert sum("train/pairs" in str(w.message) for w in caught) == 1  # once, not per log point
+
+    acc = _read(tmp_path)
+    reference = [initial, *np_sgd(*initial, batches, lr=0.1)]
+
+    def norm(*arrays):
+        return float(np.sqrt(sum((a**2).sum() for a in arrays)))
+
+    for step in (2, 4):  # the norms of the log step itself, against NumPy SGD
+        (params, before) = reference[step], reference[step - 1]
+        update = norm(*(a - b for a, b in zip(params, before, strict=True)))
+        want = {"param_norm": norm(*params), "update_norm": update, "grad_norm": update / 0.1}
+        for name, value in want.items():
+            (event,) = [e for e in acc.Scalars(f"train/{name}") if e.step == step]
+            assert event.value == pytest.approx(value, rel=1e-4), (name, step)
+
+    for step, pair in ((2, batches[:2]), (4, batches[2:])):
+        counts = np.bincount(np.concatenate([b["y"] for b in pair]), minlength=CLASSES)
+        for label in range(CLASSES):
+            (event,) = [e for e in acc.Scalars(f"train/labels/{label}") if e.step == step]
+            assert event.value == counts[label]
+
+    (compiled,) = acc.Scalars("perf/compile_time_s")  # one compile, reported once
+    assert compiled.step == 2 and compiled.value > 0
+    assert [(e.step, e.value) for e in acc.Scalars("epoch")] == [(2, 0.0), (4, 0.0)]
+    (parameters,) = acc.Scalars("model/parameters")
+    assert parameters.value == DIN * CLASSES + CLASSES
+    reports_memory = jax.devices()[0].memory_stats() is not None
+    assert ("perf/device_memory_gb" in acc.Tags()["scalars"]) == reports_memory

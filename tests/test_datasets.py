@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from nnx_spmd_trainer.app import datasets
+from nnx_spmd_trainer.app.datasets.base import index_batches
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +166,11 @@ def test_images_encode_the_class_in_the_bar_orientation():
 def test_index_batches_rejects_a_bad_shard():
     with pytest.raises(ValueError, match="shard"):
         datasets.index_batches(10, 2, lambda i: {"i": i}, shard=(2, 2))
+
+
+def test_index_batches_reshuffle_each_epoch_and_cover_every_example():
+    pipeline = index_batches(12, 4, lambda i: {"i": i}, seed=3, repeat=True)
+    epochs = np.concatenate([pipeline[k]["i"] for k in range(9)]).reshape(3, 12)
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(12))
+    assert len({tuple(epoch) for epoch in epochs}) == 3  # a new permutation each epoch

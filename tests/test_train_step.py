@@ -59,3 +59,44 @@ def test_an_overridden_step_equals_the_same_rule_in_plain_optax(strategy, accumu
     )
     expected = 0.5 * float(optax.tree.norm(grads))
     assert history.history["train/grad_norm"][0] == pytest.approx(expected, rel=1e-4)
+
+
+class Sowing(nnx.Module):
+    """Sows its hidden activations (nnx.Intermediate), as Flax's auxiliary-loss examples do."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.net = Net(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        out = self.net(x)
+        self.sow(nnx.Intermediate, "logits", out)
+        return out
+
+
+def activation_penalty_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+    loss, aux = classification_loss(model, batch)
+    (sown,) = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))  # the loss reads them
+    return loss + 0.01 * (sown**2).mean(), aux
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), Hybrid(FSDP(4), TensorParallel(2))])
+@pytest.mark.filterwarnings("ignore:Using .Module.sow:DeprecationWarning")
+def test_a_model_that_sows_intermediates_trains(strategy):
+    batches = make_batches(3)
+    trainer = Trainer(Sowing, optax.adam(1e-2), strategy=strategy, loss_fn=activation_penalty_loss)
+    trainer.fit(batches, max_steps=3)
+    params, _ = train_reference(Sowing, optax.adam(1e-2), batches, activation_penalty_loss)
+    assert_params_match(trainer, params)
+
+
+@pytest.mark.filterwarnings("ignore:Using .Module.sow:DeprecationWarning")
+def test_intermediates_a_loss_leaves_in_the_module_are_not_carried():
+    batches = make_batches(3)
+    trainer = Trainer(Sowing, optax.adam(1e-2), loss_fn=classification_loss)  # never pops
+    leaves = len(trainer._live.arrays())
+    trainer.fit(batches, max_steps=3)
+    trainer.evaluate(batches)
+    assert len(trainer._live.arrays()) == leaves
+    assert not nnx.state(trainer.model, nnx.Intermediate)
+    params, _ = train_reference(Sowing, optax.adam(1e-2), batches)
+    assert_params_match(trainer, params)
