@@ -134,7 +134,6 @@ def compute_gradients(
     if grad_accum_steps == 1:
         (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
     else:
-
         masked = isinstance(batch, Mapping) and "mask" in batch
 
         def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, Any]:

@@ -536,7 +536,9 @@ class Trainer:
             self._train_structure = structure
         count = self.step  # before dispatch: afterwards the counter is a future array
         # A new step traces and compiles in its first call (dispatch is asynchronous).
-        timing = self.report.compiling() if len(self._compiled) > known else contextlib.nullcontext()
+        timing = (
+            self.report.compiling() if len(self._compiled) > known else contextlib.nullcontext()
+        )
         try:
             with timing:
                 arrays, self.train_metrics, loss, self.report.norms = self._train_step(

@@ -1,4 +1,4 @@
-"""Losses and metrics are averaged over examples, and batches of any size work (padded and masked)."""
+"""Losses and metrics are averaged over examples; batches of any size work (padded, masked)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from toy_models import Net, RecordLosses, assert_params_match, make_batches, train_reference
 
-from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, ShardingError, TensorParallel, Trainer
-from nnx_spmd_trainer import masked_mean
+from nnx_spmd_trainer import (
+    FSDP,
+    DataParallel,
+    Hybrid,
+    ShardingError,
+    TensorParallel,
+    Trainer,
+    masked_mean,
+)
 from nnx_spmd_trainer.data import pad_batch
 
 
