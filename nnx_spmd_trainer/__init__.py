@@ -1,5 +1,6 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
+from nnx_spmd_trainer import distributed
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
@@ -30,6 +31,7 @@ __all__ = [
     "AxisStrategy",
     "DataShard",
     "HOOKS",
+    "distributed",
     "export_params",
     "masked_mean",
     "sharding_table",

@@ -21,6 +21,11 @@ Logs = dict[str, float]
 MAX_INDEXED = 64
 
 
+def is_step_report(key: str) -> bool:
+    """Whether a logs key is one ``StepReport`` adds (norms, perf, epoch), not a metric."""
+    return key == "epoch" or key.startswith("perf/") or key.endswith("_norm")
+
+
 def metric_logs(collection: clu_metrics.Collection, split: str, warned: set[str]) -> Logs:
     """``{"split/name": float}`` of a computed metrics collection.
 

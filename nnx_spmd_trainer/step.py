@@ -68,8 +68,10 @@ def masked_mean(values: jax.Array, batch: Batch) -> jax.Array:
 
 
 def _as_fp32(x: Any) -> Any:
+    """Floats (bf16 included) and booleans (per-example correctness) as fp32; others as given."""
     x = jnp.asarray(x)
-    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    averaged = jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.bool_
+    return x.astype(jnp.float32) if averaged else x
 
 
 def _merge_metrics(

@@ -51,7 +51,15 @@ def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices(
     )
     # Nothing reaches logs on the steps where no flush is due.
     assert [step for step, logs in seen.items() if logs] == [2, 4, 6]
-    assert set(seen[2]) == {"train/loss", "train/accuracy"}
+    # The metrics, and what every log point reports with them (the compile, once).
+    report = {"train/grad_norm", "train/update_norm", "train/param_norm", "epoch"}
+    assert set(seen[2]) - {"perf/device_memory_gb"} == {
+        "train/loss",
+        "train/accuracy",
+        "perf/compile_time_s",
+        *report,
+    }
+    assert set(seen[4]) - {"perf/device_memory_gb"} == {"train/loss", "train/accuracy", *report}
 
 
 def test_flush_covers_only_the_steps_since_the_last_one_and_the_end_flushes_the_rest():

@@ -11,6 +11,12 @@ under ``--workdir`` (default ``runs/<config name>``).
 
 Without an accelerator, ``config.num_devices`` CPU devices are simulated
 (``--xla_force_host_platform_device_count``) unless ``XLA_FLAGS`` already sets a count.
+
+``--num_processes=N`` runs the job as N processes on this machine
+(``distributed.Launch``: JAX's distributed runtime on 127.0.0.1, the devices
+split between them, each output line prefixed with its process index); on a
+cluster, start one process per host and JAX's cluster detection joins them,
+or name ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Callback, History, Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Callback, History, Trainer, callbacks, distributed  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.export import check_export_path, export_params
 from nnx_spmd_trainer.sharding import ShardingError
@@ -198,7 +204,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
 
 
 def _say(line: str) -> None:
-    tqdm.write(line, file=sys.stdout)  # does not tear a progress bar on a terminal
+    """A line of the run's report, from process 0 only."""
+    if jax.process_index() == 0:
+        tqdm.write(line, file=sys.stdout)  # does not tear a progress bar on a terminal
 
 
 # -- command line -------------------------------------------------------------------------
@@ -307,7 +315,13 @@ def _main(argv: Sequence[str]) -> int:
     config = flags.FLAGS.config
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     workdir = flags.FLAGS.workdir or os.path.join("runs", Path(config_path).stem)
-    simulate_host_devices(config.num_devices)
+    processes = int(os.environ.get(distributed.NUM_PROCESSES, flags.FLAGS.num_processes))
+    simulate_host_devices(max(1, config.num_devices // processes))  # this process's share
+    distributed.initialize(
+        flags.FLAGS.coordinator_address,
+        flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None,
+        flags.FLAGS.process_id,
+    )
     if flags.FLAGS.export:
         check_export_path(flags.FLAGS.export)  # refuse an occupied path before training
     try:
@@ -325,6 +339,19 @@ def _main(argv: Sequence[str]) -> int:
     return 0
 
 
+def local_launch(argv: Sequence[str]) -> distributed.Launch | None:
+    """``--num_processes=N`` with no coordinator: N processes of this command, here."""
+    values = dict(a.removeprefix("--").split("=", 1) for a in argv[1:] if "=" in a)
+    processes = int(values.get("num_processes", "1"))
+    if processes == 1 or "coordinator_address" in values or distributed.PROCESS_ID in os.environ:
+        return None
+    rest = [a for a in argv[1:] if not a.startswith("--num_processes=")]
+    try:
+        return distributed.Launch([sys.executable, "-m", "nnx_spmd_trainer", *rest], processes)
+    except ValueError as error:
+        _fail(str(error))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The console entry point: parses flags (absl) and runs; exits non-zero on failure.
 
@@ -334,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "--help" in argv or "-h" in argv:
         print(usage(argv))
         sys.exit(0)
+    if (launch := local_launch(argv)) is not None:
+        sys.exit(launch.run())
     config_flags.DEFINE_config_file(
         "config",
         default=None,  # normalize_argv always names one
@@ -346,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags.DEFINE_string(
         "export", None, "Write the trained parameters here as a plain Orbax checkpoint."
     )
+    flags.DEFINE_integer("num_processes", 1, "Processes of the job (alone: launched here).")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
+    flags.DEFINE_integer("process_id", None, "This process's index (with coordinator_address).")
     app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 

@@ -1,0 +1,238 @@
+"""Several processes on JAX's own runtime: joining it, and a local launcher for development.
+
+A process joins ``jax.distributed`` only when it is one of several: named
+explicitly (arguments, or the ``NNX_SPMD_*`` variables the launcher sets) or
+found by JAX's cluster detection (SLURM, Open MPI, Kubernetes, Cloud TPU).
+A single process never initialises it: once initialised, every CPU
+collective goes through gloo, even with one process (PITFALLS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import IO, Any
+
+import jax
+
+COORDINATOR = "NNX_SPMD_COORDINATOR"
+NUM_PROCESSES = "NNX_SPMD_NUM_PROCESSES"
+PROCESS_ID = "NNX_SPMD_PROCESS_ID"
+HOST_DEVICES = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+#: A loopback coordinator is a development run: a dead peer is noticed within seconds.
+LOCAL_TIMEOUTS = {
+    "initialization_timeout": 60,
+    "heartbeat_timeout_seconds": 10,
+    "shutdown_timeout_seconds": 30,
+}
+
+
+def _cluster_processes() -> int:
+    """How many processes JAX's cluster detection finds (1 when it finds no cluster)."""
+    try:
+        from jax._src import clusters  # the detection jax.distributed.initialize() runs
+    except ImportError:  # pragma: no cover - moved in a future JAX
+        return 1
+    for cluster in clusters.ClusterEnv._cluster_types:
+        with contextlib.suppress(Exception):
+            if cluster.is_env_present():
+                return int(cluster.get_process_count())
+    return 1
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Joins JAX's distributed runtime if this is one of several processes; returns whether.
+
+    Arguments win over the ``NNX_SPMD_*`` variables; without either, JAX's
+    own cluster detection decides (and fills in all three). Call it before
+    anything uses a JAX device.
+    """
+    coordinator_address = coordinator_address or os.environ.get(COORDINATOR)
+    if num_processes is None and NUM_PROCESSES in os.environ:
+        num_processes = int(os.environ[NUM_PROCESSES])
+    if process_id is None and PROCESS_ID in os.environ:
+        process_id = int(os.environ[PROCESS_ID])
+    explicit = coordinator_address is not None or num_processes is not None
+    if not explicit and _cluster_processes() == 1:
+        return False
+    if explicit and num_processes == 1:
+        return False
+    if explicit and (coordinator_address is None or num_processes is None or process_id is None):
+        raise ValueError(
+            "Several processes need all of coordinator_address, num_processes and process_id "
+            f"(got {coordinator_address!r}, {num_processes!r}, {process_id!r})."
+        )
+    options: dict[str, Any] = {}
+    if coordinator_address and coordinator_address.startswith("127.0.0.1:"):
+        # Listen on loopback only, and notice a dead peer within seconds.
+        options = {**LOCAL_TIMEOUTS, "coordinator_bind_address": coordinator_address}
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **options)
+    return True
+
+
+# -- the local launcher ------------------------------------------------------------------
+def free_port() -> int:
+    """A port nothing listens on now, on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def split_host_devices(flags: str, num_processes: int) -> str:
+    """``XLA_FLAGS`` with a simulated device count split between ``num_processes``."""
+    found = HOST_DEVICES.search(flags)
+    if found is None:
+        return flags
+    total = int(found.group(1))
+    if total % num_processes:
+        raise ValueError(
+            f"{total} simulated devices (XLA_FLAGS) do not split between {num_processes} "
+            "processes; use a count they divide."
+        )
+    return HOST_DEVICES.sub(
+        f"--xla_force_host_platform_device_count={total // num_processes}", flags
+    )
+
+
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").prctl  # loaded here: a forked child must not dlopen
+    except (OSError, AttributeError):  # not Linux: children outlive a killed launcher
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """In a child, between fork and exec: SIGKILL when the launcher dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _relay(index: int, stream: IO[bytes], out: IO[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        out.write(f"[{index}] {raw.decode(errors='replace')}")
+        out.flush()
+
+
+class Launch:
+    """Runs ``command`` as ``num_processes`` processes of one JAX job on this machine.
+
+    Each child gets the coordinator (127.0.0.1 and a free port), the process
+    count and its index in ``NNX_SPMD_*`` variables, and its share of the
+    simulated devices. Output lines are prefixed with the process index.
+    SIGTERM and SIGINT are forwarded. If a process fails, the others are
+    stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launch fails
+    naming it; if the launcher dies, its children die with it.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        num_processes: int,
+        *,
+        grace_s: float = 20.0,
+        out: IO[str] | None = None,
+    ) -> None:
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
+        self.command = list(command)
+        self.num_processes = num_processes
+        split_host_devices(os.environ.get("XLA_FLAGS", ""), num_processes)  # fails early
+        self.grace_s = grace_s
+        self.out = out or sys.stdout
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def child_env(self, index: int, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                COORDINATOR: f"127.0.0.1:{port}",
+                NUM_PROCESSES: str(self.num_processes),
+                PROCESS_ID: str(index),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if "XLA_FLAGS" in env:
+            env["XLA_FLAGS"] = split_host_devices(env["XLA_FLAGS"], self.num_processes)
+        return env
+
+    def run(self) -> int:
+        """Starts the processes and waits for them; the exit status of the job."""
+        port = free_port()
+        relays = []
+        for index in range(self.num_processes):
+            with warnings.catch_warnings():
+                # JAX warns that fork and threads deadlock; the child only calls prctl and execs.
+                warnings.simplefilter("ignore", RuntimeWarning)
+                child = subprocess.Popen(
+                    self.command,
+                    env=self.child_env(index, port),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, then exec
+                )
+            self.children.append(child)
+            assert child.stdout is not None
+            relay = threading.Thread(target=_relay, args=(index, child.stdout, self.out))
+            relay.start()
+            relays.append(relay)
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            status = self._wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for relay in relays:
+                relay.join(timeout=5)
+        return status
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        del frame
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def _wait(self) -> int:
+        while True:
+            codes = [child.poll() for child in self.children]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                self.out.write(
+                    f"launcher: process {index} of {self.num_processes} exited with status "
+                    f"{code}; stopping the others.\n"
+                )
+                self._stop_all()
+                return code if code and code > 0 else 1
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+
+    def _stop_all(self) -> None:
+        running = [child for child in self.children if child.poll() is None]
+        for child in running:
+            child.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for child in running:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()

@@ -1,0 +1,141 @@
+"""Two JAX processes on 127.0.0.1 (4 simulated devices each) train like one process of 8."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from toy_models import Net, RecordLosses, classification_loss, make_batches
+
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer, distributed
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).parent / "mp_worker.py"
+STRATEGIES = {  # as mp_worker.py has them
+    "dp": lambda: DataParallel(),
+    "fsdp": lambda: FSDP(min_size=1),
+    "fsdp_x_tp": lambda: Hybrid(FSDP(4, min_size=1), TensorParallel(2)),
+    "tp8": lambda: TensorParallel(),
+}
+
+
+def one_process(name: str) -> tuple[dict[str, np.ndarray], list[float]]:
+    recorder = RecordLosses()
+    trainer = Trainer(
+        Net,
+        optax.adam(1e-2),
+        strategy=STRATEGIES[name](),
+        loss_fn=classification_loss,
+        callbacks=[recorder],
+    )
+    trainer.fit(make_batches(4), max_steps=4)
+    params = jax.device_get(nnx.state(trainer.model, nnx.Param))
+    flat = {
+        "/".join(map(str, path)): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    return flat, recorder.losses
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> np.lib.npyio.NpzFile:
+    out = tmp_path_factory.mktemp("mp") / "results.npz"
+    log = io.StringIO()
+    status = distributed.Launch([sys.executable, str(WORKER), str(out)], 2, out=log).run()
+    assert status == 0, log.getvalue()[-4000:]
+    lines = log.getvalue().splitlines()
+    assert any(line.startswith("[0] ") for line in lines) or not lines
+    return np.load(out)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_two_processes_match_one_process_of_eight_devices(two_processes, name):
+    params, losses = one_process(name)
+    np.testing.assert_allclose(two_processes[f"{name}/losses"], losses, rtol=1e-5)
+    for key, value in params.items():
+        np.testing.assert_allclose(
+            two_processes[f"{name}/params/{key}"], value, rtol=1e-4, atol=1e-5, err_msg=key
+        )
+    # Over 8 devices the model axis spans both processes: both feed the whole batch.
+    expected_shards = {"tp8": 1}.get(name, 2)
+    assert int(two_processes[f"{name}/shard"][1]) == expected_shards
+
+
+def test_launcher_stops_the_others_and_names_the_failed_process(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['NNX_SPMD_PROCESS_ID'] == '1':\n"
+        "    print('process 1 fails', flush=True); sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
+    log = io.StringIO()
+    start = time.monotonic()
+    status = distributed.Launch([sys.executable, str(script)], 2, grace_s=5, out=log).run()
+    assert status == 3
+    assert time.monotonic() - start < 30  # the sleeper was stopped, not waited for
+    assert "[1] process 1 fails" in log.getvalue()
+    assert "process 1 of 2 exited with status 3; stopping the others" in log.getvalue()
+
+
+def test_launched_processes_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL to the launcher (nothing of it runs) still ends its children."""
+    pids = tmp_path / "pids"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, time\n"
+        f"open({str(pids)!r} + os.environ['NNX_SPMD_PROCESS_ID'], 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    code = (
+        "import sys; from nnx_spmd_trainer.distributed import Launch; "
+        f"sys.exit(Launch([sys.executable, {str(script)!r}], 2).run())"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pids{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.2)
+    children = [int((tmp_path / f"pids{i}").read_text()) for i in range(2)]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a child outlived its launcher"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not reaped (its parent was the killed launcher).
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_split_host_devices_and_its_error():
+    flags = "--foo --xla_force_host_platform_device_count=8"
+    assert distributed.split_host_devices(flags, 2).endswith("device_count=4")
+    with pytest.raises(ValueError, match="8 simulated devices .* do not split between 3"):
+        distributed.split_host_devices(flags, 3)
+
+
+def test_a_single_process_never_joins_the_runtime(monkeypatch):
+    for name in (distributed.COORDINATOR, distributed.NUM_PROCESSES, distributed.PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.initialize() is False
+    assert distributed.initialize("127.0.0.1:1234", 1, 0) is False
+    with pytest.raises(ValueError, match="need all of coordinator_address"):
+        distributed.initialize("127.0.0.1:1234", 2)
