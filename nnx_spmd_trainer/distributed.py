@@ -127,7 +127,10 @@ def _die_with_parent() -> None:
 
 def _relay(index: int, stream: IO[bytes], out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
-        out.write(f"[{index}] {raw.decode(errors='replace')}")
+        line = raw.decode(errors="replace")
+        if "connected peer ranks" in line:  # gloo's note for each collective group it forms
+            continue
+        out.write(f"[{index}] {line}")
         out.flush()
 
 

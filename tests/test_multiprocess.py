@@ -139,3 +139,43 @@ def test_a_single_process_never_joins_the_runtime(monkeypatch):
     assert distributed.initialize("127.0.0.1:1234", 1, 0) is False
     with pytest.raises(ValueError, match="need all of coordinator_address"):
         distributed.initialize("127.0.0.1:1234", 2)
+
+
+SMALL_GPT = [
+    "--config.max_steps=3",
+    "--config.batch_size=16",
+    "--config.log_every_n_steps=1",
+    "--config.max_eval_batches=2",
+    "--config.gpt.seq_len=16",
+    "--config.gpt.embed_dim=32",
+    "--config.gpt.ff_dim=64",
+    "--config.gpt.num_layers=1",
+]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_spmd_trainer", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _final(stdout: str) -> tuple[str, float]:
+    (line,) = [line for line in stdout.splitlines() if "final after" in line]
+    return line, float(line.split("eval loss ")[1].split()[0])
+
+
+@pytest.mark.parametrize("config", ["default", "tp"])  # fsdp x model, and model over all 8
+def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
+    one = _cli(f"--config={config}", "--workdir=one", *SMALL_GPT, cwd=tmp_path)
+    two = _cli(f"--config={config}", "--workdir=two", "--num_processes=2", *SMALL_GPT, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    line_one, loss_one = _final(one.stdout)
+    line_two, loss_two = _final(two.stdout)
+    assert line_two.startswith("[0] final after 3 steps: eval loss")  # process 0 reports
+    assert loss_two == pytest.approx(loss_one, abs=2e-4)
+    assert "on 8 cpu devices" in two.stdout  # 4 in each process, 8 in the job
+    assert not [line for line in two.stdout.splitlines() if line.startswith("[1] step")]
+    assert (tmp_path / "two" / "metrics.csv").exists()
