@@ -387,7 +387,7 @@ class OrbaxCheckpoint(Callback):
         trainer.callbacks.load_state_dict(meta["callbacks"])
         restore_data = None
         if meta["data"] == "grain":
-            restore_data = lambda iterator: self._restore_iterator(manager, step, iterator)  # noqa: E731
+            restore_data = lambda iterator: self._restore_iterator(manager, step, iterator, meta)  # noqa: E731
         trainer.resume_data_at(
             epoch=int(meta["epoch"]),
             batches=int(meta["batches_in_epoch"]),
@@ -395,10 +395,19 @@ class OrbaxCheckpoint(Callback):
         )
 
     def _restore_iterator(
-        self, manager: ocp.CheckpointManager, step: int, iterator: Iterator[Any]
+        self, manager: ocp.CheckpointManager, step: int, iterator: Iterator[Any], meta: dict
     ) -> bool:
         if not _has_position(iterator):
             return False  # the data given now is not a Grain pipeline: skip batches instead
+        if int(meta.get("num_processes", 1)) != jax.process_count():
+            # Grain saved one state file per process of the old count. A MapDataset
+            # iterator's state is its index in batches, and every process of a
+            # per-process pipeline (rows[i::n], batched to global/n) is at the same
+            # index at a step, whatever n: set it from the run's own position.
+            if set(iterator.get_state()) != {"next_index"}:
+                return False  # another kind of pipeline: skip batches instead
+            iterator.set_state({"next_index": int(meta["batches_in_epoch"])})
+            return True
         manager.restore(
             step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
         )

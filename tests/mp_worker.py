@@ -1,6 +1,7 @@
 """One process of a multi-process run started by the tests (``distributed.Launch``).
 
-    python tests/mp_worker.py OUT.npz
+    python tests/mp_worker.py OUT.npz [STRATEGY ...]
+    python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS   (grain_resume.py)
 
 Joins the job from the launcher's variables, trains ``Net`` under every
 strategy of ``STRATEGIES`` on the same global batches (this process feeding
@@ -65,7 +66,12 @@ def train(name: str) -> dict[str, np.ndarray]:
 if __name__ == "__main__":
     assert jax.process_count() == 2 and jax.local_device_count() == 4, jax.devices()
     results: dict[str, np.ndarray] = {}
-    for name in sys.argv[2:] or STRATEGIES:
-        results.update(train(name))
+    if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS
+        from grain_resume import train_grain
+
+        results = train_grain(Path(sys.argv[3]), int(sys.argv[4]))
+    else:
+        for name in sys.argv[2:] or STRATEGIES:
+            results.update(train(name))
     if jax.process_index() == 0:
         np.savez(sys.argv[1], **results)

@@ -179,3 +179,39 @@ def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
     assert "on 8 cpu devices" in two.stdout  # 4 in each process, 8 in the job
     assert not [line for line in two.stdout.splitlines() if line.startswith("[1] step")]
     assert (tmp_path / "two" / "metrics.csv").exists()
+
+
+def _two_process_grain(tmp_path: Path, checkpoints: Path, max_steps: int) -> dict:
+    out = tmp_path / f"grain-{max_steps}.npz"
+    log = io.StringIO()
+    command = [sys.executable, str(WORKER), str(out), "--grain", str(checkpoints), str(max_steps)]
+    assert distributed.Launch(command, 2, out=log).run() == 0, log.getvalue()[-4000:]
+    return dict(np.load(out))
+
+
+def _assert_same_run(resumed: dict, whole: dict, from_step: int) -> None:
+    """The resumed steps took the same rows, losses and parameters as the uninterrupted run."""
+    np.testing.assert_array_equal(resumed["rows"], whole["rows"][from_step:])
+    np.testing.assert_allclose(resumed["losses"], whole["losses"][from_step:], rtol=1e-5)
+    for key in [k for k in whole if k.startswith("params/")]:
+        np.testing.assert_allclose(resumed[key], whole[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_a_checkpoint_moves_between_process_counts_with_its_data_position(tmp_path):
+    from grain_resume import train_grain
+
+    whole = train_grain(tmp_path / "whole", 6)  # one process, uninterrupted
+    assert int(whole["restored_step"]) == -1
+
+    # Written by 2 processes at step 3, resumed by 1.
+    first = _two_process_grain(tmp_path, tmp_path / "by-two", 3)
+    np.testing.assert_array_equal(first["rows"], whole["rows"][:3])
+    resumed = train_grain(tmp_path / "by-two", 6)
+    assert int(resumed["restored_step"]) == 3
+    _assert_same_run(resumed, whole, 3)
+
+    # Written by 1 process at step 3, resumed by 2.
+    train_grain(tmp_path / "by-one", 3)
+    resumed = _two_process_grain(tmp_path, tmp_path / "by-one", 6)
+    assert int(resumed["restored_step"]) == 3
+    _assert_same_run(resumed, whole, 3)

@@ -1,0 +1,75 @@
+"""A Grain run checkpointed in one process count and resumed in another (test_multiprocess).
+
+Run by the test process itself (1 process, 8 devices) and by ``mp_worker.py``
+(2 processes, 4 devices each) alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+from toy_models import Net, classification_loss
+
+from nnx_spmd_trainer import Callback, DataParallel, Trainer
+from nnx_spmd_trainer.app.datasets.base import index_batches
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
+GLOBAL_BATCH, EXAMPLES = 16, 96
+rng = np.random.default_rng(7)
+X = rng.normal(size=(EXAMPLES, 16)).astype(np.float32)
+Y = rng.integers(0, 8, EXAMPLES).astype(np.int32)
+
+
+class RecordBatches(Callback):
+    """Each step's loss and its global batch's rows (sorted: the order inside a global batch
+    depends on how many processes feed it; the rows do not)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.rows: list[np.ndarray] = []
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        x = multihost_utils.process_allgather(self.trainer.last_batch["x"], tiled=True)
+        self.rows.append(np.sort(np.asarray(x), axis=0))
+        self.losses.append(float(np.asarray(self.trainer.last_loss.addressable_data(0))))
+
+
+def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
+    """Trains to ``max_steps`` on a per-process Grain pipeline, saving every 3 steps and
+    resuming from ``checkpoints`` if it holds any; what happened, as host arrays."""
+    recorder = RecordBatches()
+    checkpoint = OrbaxCheckpoint(checkpoints, save_every_n_steps=3)
+    trainer = Trainer(
+        Net,
+        optax.adam(1e-2),
+        strategy=DataParallel(),
+        loss_fn=classification_loss,
+        callbacks=[checkpoint, recorder],
+    )
+    index, count = trainer.data_shard
+    pipeline = index_batches(
+        EXAMPLES,
+        GLOBAL_BATCH // count,
+        lambda i: {"x": X[i], "y": Y[i]},
+        seed=0,
+        repeat=True,
+        shard=(index, count),
+    )
+    trainer.fit(iter(pipeline), max_steps=max_steps)
+    params = multihost_utils.process_allgather(nnx.state(trainer.model, nnx.Param), tiled=True)
+    return {
+        "restored_step": np.array(
+            -1 if checkpoint.restored_step is None else checkpoint.restored_step
+        ),
+        "losses": np.asarray(recorder.losses),
+        "rows": np.asarray(recorder.rows),
+        **{
+            "params/" + "/".join(map(str, path)): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        },
+    }
