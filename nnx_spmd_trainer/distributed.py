@@ -218,9 +218,14 @@ class Launch:
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 index, code = failed[0]
+                how = (
+                    f"was killed by {signal.Signals(-code).name}"
+                    if code < 0
+                    else (f"exited with status {code}")
+                )
                 self.out.write(
-                    f"launcher: process {index} of {self.num_processes} exited with status "
-                    f"{code}; stopping the others.\n"
+                    f"launcher: process {index} of {self.num_processes} {how}; "
+                    "stopping the others.\n"
                 )
                 self._stop_all()
                 return code if code and code > 0 else 1

@@ -215,3 +215,69 @@ def test_a_checkpoint_moves_between_process_counts_with_its_data_position(tmp_pa
     resumed = _two_process_grain(tmp_path, tmp_path / "by-one", 6)
     assert int(resumed["restored_step"]) == 3
     _assert_same_run(resumed, whole, 3)
+
+
+# -- signals to one process of a launched CLI job -------------------------------------------
+def _children(launcher: subprocess.Popen) -> dict[int, int]:
+    """``{process index: pid}`` of a launcher's children, from /proc."""
+    pids = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    found = {}
+    for pid in map(int, pids):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        index = [e for e in environ if e.startswith(b"NNX_SPMD_PROCESS_ID=")]
+        found[int(index[0].split(b"=")[1])] = pid
+    return found
+
+
+def _start_and_signal_process_1(workdir: Path, sig: int, after_step: int):
+    from test_checkpoint_cli import command, environment
+
+    launcher = subprocess.Popen(
+        command(workdir, "--num_processes=2"), env=environment(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    marker = workdir / "checkpoints" / str(after_step) / "commit_success.txt"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None, "the job ended before it could be stopped"
+    children = _children(launcher)
+    os.kill(children[1], sig)
+    start = time.monotonic()
+    output, _ = launcher.communicate(timeout=300)
+    return launcher.returncode, output, time.monotonic() - start, children
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_bitwise(tmp_path):
+    from test_checkpoint_cli import assert_same_run, command, environment
+
+    whole = tmp_path / "whole"
+    proc = subprocess.run(
+        command(whole, "--num_processes=2"), env=environment(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+    workdir = tmp_path / "run"
+    status, output, _, _ = _start_and_signal_process_1(workdir, signal.SIGTERM, after_step=8)
+    assert status == 0, output[-4000:]
+    step = int(output.split("[0] stopped by SIGTERM after step ")[1].split(",")[0])
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == step  # both processes saved the step they agreed on
+    again = subprocess.run(
+        command(workdir, "--num_processes=2"), env=environment(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert f"resuming from checkpoint step {step}" in again.stdout
+    assert_same_run(workdir, whole)
+
+
+def test_sigkill_to_one_of_two_processes_ends_the_launch_naming_it(tmp_path):
+    status, output, seconds, children = _start_and_signal_process_1(
+        tmp_path / "run", signal.SIGKILL, after_step=4
+    )
+    assert status != 0
+    assert "launcher: process 1 of 2 was killed by SIGKILL; stopping the others" in output
+    assert seconds < 60
+    assert not any(_alive(pid) for pid in children.values())
