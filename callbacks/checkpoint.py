@@ -22,6 +22,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
+from nnx_spmd_trainer.prefetch import has_position
 
 from .checkpoint_checks import (
     DamagedCheckpoint,
@@ -59,13 +60,6 @@ def _jsonable(config: Any) -> Any:
     if hasattr(config, "to_json_best_effort"):  # ml_collections.ConfigDict
         return json.loads(config.to_json_best_effort())
     return json.loads(json.dumps(config, default=repr))
-
-
-def _has_position(iterator: Any) -> bool:
-    """Grain iterators (and anything like them) can save and set their position."""
-    return callable(getattr(iterator, "get_state", None)) and callable(
-        getattr(iterator, "set_state", None)
-    )
 
 
 class OrbaxCheckpoint(Callback):
@@ -223,8 +217,8 @@ class OrbaxCheckpoint(Callback):
             "meta": ocp.args.JsonSave(self._meta(step)),
         }
         iterator = trainer.train_iterator
-        if _has_position(iterator):
-            items["data"] = grain.checkpoint.CheckpointSave(iterator)
+        if has_position(iterator):  # where the next step's batch starts, even read ahead
+            items["data"] = grain.checkpoint.CheckpointSave(trainer.train_position())
         pending = PendingSummary()
         items["fingerprints"] = FingerprintSave(pending)
         logged = self._seen.get(self.monitor) if self.monitor else None
@@ -270,7 +264,7 @@ class OrbaxCheckpoint(Callback):
             "epoch": trainer.epoch,
             "batches_in_epoch": trainer.batches_in_epoch,
             "train_metric_steps": trainer.train_metric_steps,
-            "data": "grain" if _has_position(trainer.train_iterator) else "skip",
+            "data": "grain" if has_position(trainer.train_iterator) else "skip",
             "monitor": {self.monitor: self._seen.get(self.monitor)} if self.monitor else {},
             "callbacks": trainer.callbacks.state_dict(),
             "versions": _versions(),
@@ -397,7 +391,7 @@ class OrbaxCheckpoint(Callback):
     def _restore_iterator(
         self, manager: ocp.CheckpointManager, step: int, iterator: Iterator[Any], meta: dict
     ) -> bool:
-        if not _has_position(iterator):
+        if not has_position(iterator):
             return False  # the data given now is not a Grain pipeline: skip batches instead
         if int(meta.get("num_processes", 1)) != jax.process_count():
             # Grain saved one state file per process of the old count. A MapDataset

@@ -64,37 +64,54 @@ def device_memory_gb(devices: Sequence[jax.Device]) -> float | None:
 
 
 class StepReport:
-    """The last step's norms (left on the devices) and the compile time since the last read."""
+    """The last step's norms (left on the devices), and host times since the last read:
+    compiling, evaluating, and waiting for training batches."""
 
     def __init__(self, devices: Sequence[jax.Device]) -> None:
         self.devices = list(devices)
         self.norms: dict[str, jax.Array] = {}
-        #: Seconds spent tracing and compiling train steps, over the trainer's life.
-        self.compile_seconds = 0.0
-        self._compile_reported = 0.0
+        #: Seconds over the trainer's life: tracing and compiling train steps, evaluating,
+        #: and the training loop waiting for its next batch (``Prefetch``).
+        self.seconds = {"compile": 0.0, "eval": 0.0, "data_wait": 0.0}
+        self.restart()
 
-    def compiling(self) -> _Timer:
-        """``with report.compiling(): first_call()`` adds its time to ``compile_seconds``."""
-        return _Timer(self)
+    def restart(self) -> None:
+        """The next read covers the time from now (a ``fit`` starts)."""
+        self._read_at, self._seconds_read = time.perf_counter(), dict(self.seconds)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.seconds["compile"]
+
+    def timing(self, what: str) -> _Timer:
+        """``with report.timing("compile"): ...`` adds the block's time to ``seconds[what]``."""
+        return _Timer(self.seconds, what)
 
     def read(self) -> Logs:
-        """``train/{grad,update,param}_norm`` of the last step, ``perf/compile_time_s``
-        when a step was compiled since the last read, and ``perf/device_memory_gb``."""
+        """``train/{grad,update,param}_norm`` of the last step; ``perf/compile_time_s`` when
+        a step was compiled since the last read; ``perf/data_wait_fraction``, the share
+        of the training time since then (compiling and evaluating left out) spent
+        waiting for batches; and ``perf/device_memory_gb``."""
         logs = {f"train/{k}": float(v) for k, v in jax.device_get(self.norms).items()}
-        if self.compile_seconds > self._compile_reported:
-            logs["perf/compile_time_s"] = self.compile_seconds - self._compile_reported
-            self._compile_reported = self.compile_seconds
+        now = time.perf_counter()
+        spent = {k: v - self._seconds_read[k] for k, v in self.seconds.items()}
+        if spent["compile"] > 0:
+            logs["perf/compile_time_s"] = spent["compile"]
+        training = now - self._read_at - spent["compile"] - spent["eval"]
+        if training > 0:
+            logs["perf/data_wait_fraction"] = min(spent["data_wait"] / training, 1.0)
+        self._read_at, self._seconds_read = now, dict(self.seconds)
         if (memory := device_memory_gb(self.devices)) is not None:
             logs["perf/device_memory_gb"] = memory
         return logs
 
 
 class _Timer:
-    def __init__(self, report: StepReport) -> None:
-        self.report = report
+    def __init__(self, seconds: dict[str, float], what: str) -> None:
+        self.seconds, self.what = seconds, what
 
     def __enter__(self) -> None:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        self.report.compile_seconds += time.perf_counter() - self.start
+        self.seconds[self.what] += time.perf_counter() - self.start

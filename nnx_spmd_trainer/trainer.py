@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.prefetch import Prefetch, has_position
 from nnx_spmd_trainer.report import StepReport, metric_logs
 from nnx_spmd_trainer.state import LiveState, ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.step import LossFn
@@ -57,6 +58,10 @@ class Trainer:
       track_norms: compute, in each step, the global norms of the gradients (when
         ``train_step`` returns ``aux["grad_norm"]``, as the default does), of the
         parameters and of their update; read only at log points (``train/..._norm``).
+      prefetch: training batches placed on the devices ahead of the steps, by a
+        background thread (0: each is placed when its step starts). The data
+        position a checkpoint saves stays exact; a one-shot iterator without
+        ``get_state`` is never read ahead.
       config: the run's configuration, for callbacks that record it.
 
     Attributes:
@@ -94,6 +99,7 @@ class Trainer:
         wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
         track_norms: bool = True,
+        prefetch: int = 2,
         config: Any = None,
     ) -> None:
         if loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
@@ -119,6 +125,8 @@ class Trainer:
 
         self.wrt = wrt
         self.track_norms = track_norms
+        self.prefetch = prefetch
+        self._batches: Prefetch | None = None
         self.report = StepReport(self.mesh.local_devices)
         self._warned_metrics: set[str] = set()
         self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
@@ -413,6 +421,7 @@ class Trainer:
         self._train_step = None  # compiled on the first batch of each fit
         self._last_eval_step = -1
         self._live.refresh()  # the user may have changed the model between fits
+        self.report.restart()
         try:
             self.callbacks.on_fit_start({})  # may restore state and resume_data_at(...)
             self.callbacks.on_train_begin({})
@@ -484,7 +493,7 @@ class Trainer:
         with contextlib.suppress(Exception):  # a failed device step raises again here
             self._in_flight.drain()
         self._in_flight.clear()
-        self.train_iterator = None
+        self.train_iterator = self._batches = None
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.train_metrics)):
             self.reset_metrics("train")  # donated to the failed step
         if any(array.is_deleted() for array in self._live.arrays()):
@@ -504,29 +513,49 @@ class Trainer:
     ) -> int:
         """One pass over ``train_data`` (or until done); returns the batches of the epoch
         taken, those a resumed run had taken before included."""
-        self.train_iterator = iter(train_data)
+        self.train_iterator = iterator = iter(train_data)
         self.batches_in_epoch = 0
         if self._resume_at is not None:
-            self.batches_in_epoch = data.seek(self.train_iterator, self._resume_at)
+            self.batches_in_epoch = data.seek(iterator, self._resume_at)
             self._resume_at = None
-        with jax.set_mesh(self.mesh):
-            # One batch at a time: the iterator's position is exactly the steps taken.
-            for host_batch in self.train_iterator:
-                self.batches_in_epoch += 1
-                batch = self.place(host_batch, divisor=self.grad_accum_steps)
-                # Hooks get the steps done so far at begin, and the new count at end.
-                self.callbacks.on_train_batch_begin(self.step, {})
-                self._train_one(batch)
-                logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
-                self.callbacks.on_train_batch_end(self.step, logs)
-                if eval_every_n_steps and self.step % eval_every_n_steps == 0:
-                    assert eval_data is not None
-                    self._evaluate(eval_data)
-                    self._last_eval_step = self.step
-                self.callbacks.on_step_end(self.step)
-                if self._done(max_steps):
-                    break
+        # A one-shot iterator with no position cannot be set back after running ahead.
+        ahead = self.prefetch if iterator is not train_data or has_position(iterator) else 0
+        self._batches = Prefetch(
+            iterator,
+            lambda b: self.place(b, divisor=self.grad_accum_steps),
+            ahead,
+            waiting=lambda: self.report.timing("data_wait"),
+        )
+        try:
+            with jax.set_mesh(self.mesh):
+                self._train_batches(eval_data, max_steps, eval_every_n_steps)
+        finally:
+            self._batches.close()  # the iterator is left exactly after the last step's batch
         return self.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
+
+    def _train_batches(
+        self, eval_data: Iterable[Any] | None, max_steps: int | None, eval_every_n_steps: int | None
+    ) -> None:
+        for _, batch in self._batches:
+            self.batches_in_epoch += 1
+            # Hooks get the steps done so far at begin, and the new count at end.
+            self.callbacks.on_train_batch_begin(self.step, {})
+            self._train_one(batch)
+            logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
+            self.callbacks.on_train_batch_end(self.step, logs)
+            if eval_every_n_steps and self.step % eval_every_n_steps == 0:
+                assert eval_data is not None
+                self._evaluate(eval_data)
+                self._last_eval_step = self.step
+            self.callbacks.on_step_end(self.step)
+            if self._done(max_steps):
+                break
+
+    def train_position(self) -> Any:
+        """The position of the next training batch, for ``grain.checkpoint.CheckpointSave``:
+        the Grain iterator itself, or, while batches are prefetched ahead of it, a
+        ``Position`` recorded after the last batch a step took."""
+        return self._batches.position() if self._batches else self.train_iterator
 
     def _train_one(self, batch: Any) -> None:
         structure = jax.tree.structure(batch)
@@ -537,7 +566,9 @@ class Trainer:
         count = self.step  # before dispatch: afterwards the counter is a future array
         # A new step traces and compiles in its first call (dispatch is asynchronous).
         timing = (
-            self.report.compiling() if len(self._compiled) > known else contextlib.nullcontext()
+            self.report.timing("compile")
+            if len(self._compiled) > known
+            else contextlib.nullcontext()
         )
         try:
             with timing:
@@ -566,6 +597,10 @@ class Trainer:
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
+        with self.report.timing("eval"):
+            return self._evaluate_timed(eval_data)
+
+    def _evaluate_timed(self, eval_data: Iterable[Any]) -> Logs:
         arrays = self._live.arrays()
         self.reset_metrics("eval")
         self.callbacks.on_test_begin({})

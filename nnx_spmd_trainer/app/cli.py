@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
 import ml_collections
+import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
@@ -200,6 +201,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
         f"{accuracy:.3f}); {verdict} the {splits.baseline_name} {splits.baseline:.4f} "
         f"by {splits.baseline - result.eval_loss:+.4f} nats"
     )
+    if waits := history.history.get("perf/data_wait_fraction"):
+        _say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
     return result
 
 

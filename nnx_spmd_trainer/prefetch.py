@@ -1,0 +1,137 @@
+"""Batches placed on the devices ahead of the steps, with the data position kept exact.
+
+A background thread takes host batches from the epoch's iterator and places
+them (``Trainer.place``) while the current step runs. The iterator then runs
+ahead of training, so the position a checkpoint saves is the one recorded
+after the last batch a step *took*, and closing the prefetch sets the
+iterator back to it: nothing is skipped or taken twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grain
+
+_END = object()
+
+
+def has_position(iterator: Any) -> bool:
+    """Grain iterators (and anything like them) can save and set their position."""
+    return callable(getattr(iterator, "get_state", None)) and callable(
+        getattr(iterator, "set_state", None)
+    )
+
+
+class Position(grain.DatasetIterator):
+    """A saved position standing in for its iterator in ``grain.checkpoint.CheckpointSave``."""
+
+    def __init__(self, state: Any) -> None:  # no parents: it is never iterated
+        self.state = state
+
+    def __next__(self) -> Any:
+        raise TypeError("A Position is a saved data position, not an iterator.")
+
+    def get_state(self) -> Any:
+        return self.state
+
+    def set_state(self, state: Any) -> None:
+        self.state = state
+
+
+class _BytesPosition:
+    """The same for iterators whose state is bytes (``grain.DataLoader``'s)."""
+
+    def __init__(self, state: bytes) -> None:
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return self.state
+
+    def set_state(self, state: bytes) -> None:
+        self.state = state
+
+
+class Prefetch:
+    """``(host_batch, placed_batch)`` pairs from ``iterator``, ``depth`` placed ahead.
+
+    With ``depth=0`` nothing runs ahead: each batch is taken and placed when
+    asked for. ``waiting()`` is a context manager around each wait for a batch
+    (taking, and placing when not ahead): the trainer times it.
+    """
+
+    def __init__(
+        self,
+        iterator: Iterator[Any],
+        place: Callable[[Any], Any],
+        depth: int,
+        *,
+        waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.iterator, self.place, self.depth, self.waiting = iterator, place, depth, waiting
+        self.positioned = has_position(iterator)
+        self._position = iterator.get_state() if self.positioned and depth else None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth:
+            self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True)
+            self._thread.start()
+
+    def __iter__(self) -> Prefetch:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        with self.waiting():
+            if self._thread is None:
+                host = next(self.iterator)
+                return host, self.place(host)
+            item = self._queue.get()
+        if item is _END:
+            self._queue.put(_END)  # asked again, it ends again
+            raise StopIteration
+        host, placed, state, error = item
+        if error is not None:
+            raise error
+        self._position = state
+        return host, placed
+
+    def position(self) -> Any:
+        """What ``grain.checkpoint.CheckpointSave`` saves: where the next step's batch starts."""
+        if self._thread is None:
+            return self.iterator
+        state = self._position
+        return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
+
+    def close(self) -> None:
+        """Stops taking batches and sets the iterator back to the last batch a step took."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        if self.positioned:
+            self.iterator.set_state(self._position)
+
+    def _fill(self) -> None:
+        try:
+            for host in self.iterator:
+                state = self.iterator.get_state() if self.positioned else None
+                if not self._put((host, self.place(host), state, None)):
+                    return
+        except Exception as error:  # raised to the loop when it reaches this batch
+            self._put((None, None, None, error))
+            return
+        self._put(_END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
