@@ -3,6 +3,7 @@
 from nnx_spmd_trainer import distributed
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.pipeline import grain_pipeline
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import sharding_table
 from nnx_spmd_trainer.step import masked_mean
@@ -33,6 +34,7 @@ __all__ = [
     "HOOKS",
     "distributed",
     "export_params",
+    "grain_pipeline",
     "masked_mean",
     "sharding_table",
 ]

@@ -42,6 +42,9 @@ class Position(grain.DatasetIterator):
     def set_state(self, state: Any) -> None:
         self.state = state
 
+    def close(self) -> None:
+        """Nothing to release (a DatasetIterator closes its parents here)."""
+
 
 class _BytesPosition:
     """The same for iterators whose state is bytes (``grain.DataLoader``'s)."""

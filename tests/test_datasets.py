@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from nnx_spmd_trainer import grain_pipeline
 from nnx_spmd_trainer.app import datasets
 from nnx_spmd_trainer.app.datasets.base import index_batches
 
@@ -174,3 +175,15 @@ def test_index_batches_reshuffle_each_epoch_and_cover_every_example():
     for epoch in epochs:
         assert sorted(epoch) == list(range(12))
     assert len({tuple(epoch) for epoch in epochs}) == 3  # a new permutation each epoch
+
+
+def test_grain_pipeline_splits_each_global_batch_between_the_processes():
+    whole = grain_pipeline(48, 8, (0, 1), seed=1)
+    halves = [grain_pipeline(48, 8, (i, 2), seed=1) for i in range(2)]
+    for step in range(12):  # two epochs: the same examples per step, whatever the count
+        both = np.concatenate([half[step] for half in halves])
+        assert len(halves[0][step]) == 4 and sorted(whole[step]) == sorted(both)
+    with pytest.raises(ValueError, match="cannot be split between the 3 processes"):
+        grain_pipeline(48, 8, (0, 3))
+    records = grain_pipeline(["a", "b", "c", "d"], 2, seed=None, repeat=False, map_fn=str.upper)
+    assert [list(batch) for batch in records] == [["A", "B"], ["C", "D"]]

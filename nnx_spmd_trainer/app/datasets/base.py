@@ -9,6 +9,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from nnx_spmd_trainer.pipeline import grain_pipeline
+
 __all__ = ["Splits", "index_batches"]
 
 Batch = dict[str, np.ndarray]
@@ -42,7 +44,8 @@ def index_batches(
     repeat: bool = False,
     shard: tuple[int, int] = (0, 1),
 ) -> grain.MapDataset[Any]:
-    """A Grain pipeline over example indices: shuffle, repeat, shard, batch, gather.
+    """A Grain pipeline over example indices: shuffle, repeat, shard, batch, gather
+    (``grain_pipeline`` from this process's batch size).
 
     Indices are batched first and ``gather`` turns a batch of indices into
     arrays in one vectorised call, instead of one Python call per example.
@@ -58,15 +61,6 @@ def index_batches(
       shard: ``(index, count)``: this process reads every ``count``-th
         example starting at ``index``.
     """
-    index, count = shard
-    if not 0 <= index < count:
-        raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}.")
-    dataset = grain.MapDataset.range(num_examples)
-    if seed is not None:
-        dataset = dataset.shuffle(seed=seed)
-    if repeat:
-        # after the shuffle, so each epoch gets its own permutation
-        dataset = dataset.repeat(None)
-    if count > 1:
-        dataset = dataset[index::count]
-    return dataset.batch(batch_size, drop_remainder=True).map(gather)
+    return grain_pipeline(
+        num_examples, batch_size * shard[1], shard, seed=seed, repeat=repeat, batch_fn=gather
+    )
