@@ -8,6 +8,12 @@ left". One member gives that strategy, several give a Hybrid::
     "data"                     DataParallel over every device
     "fsdp=4,model=2"           Hybrid(FSDP(4), TensorParallel(2))
     "data=2,fsdp=2,model=2"    Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
+    "fsdp=-1,model=2"          the default job: beside a -1, a size is a wish that
+                               shrinks to fit (model=1 on one device), and the -1
+                               member takes the rest (fsdp=4 on 8 devices)
+
+``compute_dtype`` ("float32" or "bfloat16") is the models' compute dtype; the
+parameters and optimizer state stay float32, and the metrics accumulate in float32.
 """
 
 import ml_collections
@@ -23,6 +29,7 @@ def training_config() -> ml_collections.ConfigDict:
     config.max_steps = 300
     config.batch_size = 32  # global: split over the data-parallel axes
     config.grad_accum_steps = 1
+    config.compute_dtype = "float32"  # "bfloat16": mixed precision, fp32 master weights
     config.max_steps_in_flight = 2
     # AdamW, linear warmup then cosine decay to end_lr_fraction * learning_rate
     config.learning_rate = 3e-3

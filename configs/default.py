@@ -12,13 +12,14 @@ from nnx_spmd_trainer.configs import _base
 def get_config() -> ml_collections.ConfigDict:
     config = _base.training_config()
     config.model = "gpt"
-    config.strategy = "fsdp=4,model=2"
+    config.strategy = "fsdp=-1,model=2"  # fsdp=4,model=2 on 8 devices; fits 1, 2, 4 too
     config.gpt = ml_collections.ConfigDict()
     config.gpt.seq_len = 64
     config.gpt.embed_dim = 128
     config.gpt.num_heads = 8  # split over the model axis: divisible by 2, 4 and 8
     config.gpt.ff_dim = 512
     config.gpt.num_layers = 2
+    config.gpt.vocab_size = 0  # 0: the text's characters (padded to a multiple of 8)
     config.gpt.dropout_rate = 0.0
     config.eval_fraction = 0.1  # the end of the text is held out
     return config

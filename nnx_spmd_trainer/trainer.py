@@ -71,6 +71,8 @@ class Trainer:
       batches_in_epoch: batches taken from ``train_iterator`` in this epoch.
       train_iterator: the iterator of the running (or last) epoch over ``train_data``
         (a Grain ``DatasetIterator`` has ``get_state()``), ``None`` before the first.
+        While the epoch runs it is read ahead by the prefetch: ``train_position()``
+        is where the next step's batch starts.
       train_metric_steps: steps accumulated in ``train_metrics`` since the last flush.
       eval_every_n_steps: the running ``fit``'s evaluation interval, else ``None``.
       data_shard: which rows this process feeds (``strategy.data_shard(mesh)``).

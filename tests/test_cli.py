@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -202,6 +203,7 @@ def test_help_lists_the_flags_the_shipped_configs_and_the_keys_and_exits_0(tmp_p
         "--config=NAME|FILE",
         "--workdir=DIR",
         "--export=DIR",
+        "--num_processes=N",
         "--config.max_steps=300",
         "--config.gpt.embed_dim=",
         "--config.resume=True",
@@ -232,3 +234,30 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path, args, message):
     (line,) = proc.stderr.strip().splitlines()[-1:]
     assert line.startswith("nnx-spmd-train: error:") and message in line
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "devices, expected, why",
+    [
+        (8, "fsdp=4,model=2", ""),
+        (4, "fsdp=2,model=2", ""),
+        (2, "fsdp=1,model=2", ""),
+        (1, "fsdp=1,model=1", "model=2 does not fit 1 device, so model=1"),
+    ],
+)
+def test_the_default_layout_fits_any_device_count(devices, expected, why):
+    spec = load("default").strategy
+    assert tasks.fit_to_devices(spec, devices) == (expected, why)
+    strategy = tasks.parse_strategy(expected)
+    assert strategy.make_mesh(jax.devices()[:devices]).size == devices
+
+
+def test_a_layout_without_a_relative_size_is_taken_as_written():
+    assert tasks.fit_to_devices("fsdp=4,model=2", 1) == ("fsdp=4,model=2", "")
+
+
+def test_compute_dtype_is_checked():
+    config = load("default")
+    config.compute_dtype = "bf16"
+    with pytest.raises(tasks.ConfigError, match="use 'float32', 'bfloat16' or 'float16'"):
+        tasks.compute_dtype(config)

@@ -199,3 +199,37 @@ def test_classifier_loss_and_tensor_parallel_layout():
     batch = {"inputs": x, "labels": (x[:, 0] > 0).astype(np.int32)}
     history = trainer.fit([batch] * 30, max_steps=30)
     assert history.history["train/loss"][-1] < np.log(4)
+
+
+def test_causal_attention_equals_numpy():
+    q, k, v = (
+        np.random.default_rng(i).normal(size=(2, 6, 4, 8)).astype(np.float32) for i in range(3)
+    )
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    scores = np.where(np.tril(np.ones((6, 6), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhqk,bkhd->bqhd", weights, v)
+    got = jax.jit(gpt.causal_attention)(q, k, v)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert gpt.attention_implementation(jnp.float32) == "xla"
+    assert gpt.attention_implementation(jnp.bfloat16) == "xla"  # cuDNN only on a GPU
+
+
+def test_a_bf16_gpt_keeps_fp32_parameters_and_close_losses():
+    batch = token_batches(1, batch=4)[0]
+    losses = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = unsharded(
+            lambda rngs, dtype=dtype: GPT(
+                vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
+                num_layers=1, dropout_rate=0.0, rngs=rngs, dtype=dtype,
+            ),
+            nnx.Rngs(0),
+        )  # fmt: skip
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        assert {p.dtype for p in params} == {jnp.dtype(jnp.float32)}  # master weights
+        loss, _ = nnx.jit(gpt.loss_fn)(model, batch)
+        assert loss.dtype == jnp.float32
+        losses[dtype] = float(loss)
+    assert losses[jnp.bfloat16] == pytest.approx(losses[jnp.float32], abs=0.05)

@@ -166,7 +166,10 @@ def _final(stdout: str) -> tuple[str, float]:
     return line, float(line.split("eval loss ")[1].split()[0])
 
 
-@pytest.mark.parametrize("config", ["default", "tp"])  # fsdp x model, and model over all 8
+# The CLI with the two layouts whose data split is not plain data parallel: the default
+# job's fsdp x model, and a model axis over all 8 devices (the public API test above
+# covers DataParallel and FSDP too).
+@pytest.mark.parametrize("config", ["default", "tp"])
 def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
     one = _cli(f"--config={config}", "--workdir=one", *SMALL_GPT, cwd=tmp_path)
     two = _cli(f"--config={config}", "--workdir=two", "--num_processes=2", *SMALL_GPT, cwd=tmp_path)
@@ -179,6 +182,7 @@ def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
     assert "on 8 cpu devices" in two.stdout  # 4 in each process, 8 in the job
     assert not [line for line in two.stdout.splitlines() if line.startswith("[1] step")]
     assert (tmp_path / "two" / "metrics.csv").exists()
+    assert "[0] input: the steps waited for batches" in two.stdout  # the data-wait share
 
 
 def _two_process_grain(tmp_path: Path, checkpoints: Path, max_steps: int) -> dict:

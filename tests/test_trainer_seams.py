@@ -178,7 +178,8 @@ def test_callbacks_read_the_live_grain_iterator_and_the_epoch():
 
     class Watch(Callback):
         def on_train_batch_end(self, step, logs):
-            seen.append((self.trainer.epoch, step, self.trainer.train_iterator.get_state()))
+            # The iterator runs ahead (prefetch); the position of the next batch is this:
+            seen.append((self.trainer.epoch, step, self.trainer.train_position().get_state()))
 
     trainer = net_trainer(callbacks=[Watch()])
     trainer.fit(dataset, epochs=2)
@@ -189,7 +190,8 @@ def test_callbacks_read_the_live_grain_iterator_and_the_epoch():
         for _ in range(step - 4 * epoch):
             next(fresh)
         assert state == fresh.get_state(), step
-    assert trainer.train_iterator.get_state() == seen[-1][2]  # the last epoch's, for saving
+    # Set back to the last step's batch when the epoch's loop ended, for a final save.
+    assert trainer.train_iterator.get_state() == seen[-1][2]
 
 
 # -- hooks and callback state ----------------------------------------------------------------

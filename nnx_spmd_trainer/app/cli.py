@@ -149,7 +149,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     under ``workdir``.
     """
     workdir = Path(workdir)
-    strategy = tasks.parse_strategy(config.strategy)
+    # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
+    spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
+    strategy = tasks.parse_strategy(spec)
     # Which rows this process reads is a question of the layout: the strategy answers it.
     task = tasks.build_task(config, shard=strategy.data_shard(strategy.make_mesh()))
     splits = task.splits
@@ -177,7 +179,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     )
     _say(
         f"{config.model} on {trainer.num_devices} {jax.devices()[0].platform} devices, "
-        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}), {config.max_steps} steps of "
+        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
+        f"{': ' + why if why else ''}), {config.max_steps} steps of "
         f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
         f"workdir {workdir}"
     )
@@ -291,7 +294,7 @@ def usage(argv: Sequence[str]) -> str:
     return "\n".join(
         [
             "usage: nnx-spmd-train [--config=NAME|FILE] [--config.KEY=VALUE ...] "
-            "[--workdir=DIR] [--export=DIR]",
+            "[--workdir=DIR] [--export=DIR] [--num_processes=N]",
             "",
             "Trains the model a config describes on every device (8 simulated CPU devices",
             "when there is no accelerator); running it again resumes from --workdir.",
@@ -301,6 +304,9 @@ def usage(argv: Sequence[str]) -> str:
             "  --workdir=DIR       logs, TensorBoard events and checkpoints "
             "(default: runs/<config name>)",
             "  --export=DIR        write the trained parameters as a plain Orbax checkpoint",
+            "  --num_processes=N   run as N processes of one JAX job on this machine",
+            "                      (on a cluster: one per host, with --coordinator_address",
+            "                      and --process_id, or JAX's cluster detection)",
             "  --helpfull          every flag, the libraries' too",
             "",
             f"Keys of {Path(config_file).name}, with their values (override any with "

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 import optax
 from clu import metrics as clu_metrics
@@ -71,6 +73,49 @@ def parse_strategy(spec: str) -> Strategy:
             f"Strategy {spec!r} names no member; use e.g. 'data' or 'fsdp=4,model=2'."
         )
     return members[0] if len(members) == 1 else Hybrid(*members)
+
+
+def compute_dtype(config: ml_collections.ConfigDict) -> Any:
+    """``config.compute_dtype`` as a JAX dtype: ``float32``, or ``bfloat16``/``float16``
+    for mixed precision (parameters and optimizer state stay float32)."""
+    name = config.get("compute_dtype", "float32")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"config.compute_dtype={name!r}; use 'float32', 'bfloat16' or 'float16'.")
+    return jnp.dtype(name)
+
+
+def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
+    """A strategy spec with a ``-1`` member made to fit ``num_devices``; and why, if changed.
+
+    Sizes given next to a ``-1`` are wishes: each shrinks to the largest size
+    that divides the devices left (``model=2`` on one device becomes
+    ``model=1``), and the ``-1`` member takes the rest. A spec without ``-1``
+    is returned as it is (a mesh that does not fit is then an error).
+
+    >>> fit_to_devices("fsdp=-1,model=2", 8)
+    ('fsdp=4,model=2', '')
+    >>> fit_to_devices("fsdp=-1,model=2", 1)
+    ('fsdp=1,model=1', 'model=2 does not fit 1 device, so model=1')
+    """
+    parts = [p.strip().replace(":", "=").partition("=") for p in spec.split(",") if p.strip()]
+    sizes = [int(size) if size.strip() else -1 for _, _, size in parts]
+    if -1 not in sizes:
+        return spec, ""
+    left, reasons = num_devices, []
+    for i, ((name, _, _), size) in enumerate(zip(parts, sizes, strict=True)):
+        if size > 0:
+            fitted = math.gcd(size, left)
+            if fitted != size:
+                devices = f"{left} device{'s' if left > 1 else ''}"
+                reasons.append(f"{name}={size} does not fit {devices}, so {name}={fitted}")
+            sizes[i], left = fitted, left // fitted
+    for i, size in enumerate(sizes):
+        if size == -1:  # the first -1 takes the devices left, any other gets 1
+            sizes[i], left = left, 1
+    fitted_spec = ",".join(
+        f"{name}={size}" for (name, _, _), size in zip(parts, sizes, strict=True)
+    )
+    return fitted_spec, "; ".join(reasons)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -174,11 +219,19 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
         shard=shard,
     )
     kwargs = {k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")}
+    vocab_size = sizes.get("vocab_size") or tokenizer.vocab_size  # larger: unused rows
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"config.gpt.vocab_size={vocab_size} is smaller than the text's "
+            f"{tokenizer.vocab_size} characters; use 0 (the text's) or more."
+        )
+    dtype = compute_dtype(config)
     return Task(
         lambda rngs: models.GPT(
-            vocab_size=tokenizer.vocab_size,
+            vocab_size=vocab_size,
             dropout_rate=sizes.dropout_rate,
             rngs=rngs,
+            dtype=dtype,
             **kwargs,
         ),
         models.gpt.loss_fn,

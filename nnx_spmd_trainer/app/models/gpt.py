@@ -10,6 +10,12 @@ their input dimension, so each device computes whole heads and a slice of the
 feed-forward layer. The sharded dimensions (``num_heads``, ``ff_dim``, the
 padded vocabulary, and ``embed_dim`` for the layer norms, kept sharded as the
 seed has them) must be divisible by the ``model`` axis size.
+
+Mixed precision: ``dtype`` is the compute dtype (``jnp.bfloat16`` for speed on
+GPUs and TPUs) and ``param_dtype`` the parameters' (fp32 master weights; the
+optimizer state follows the parameters); the logits come back in fp32.
+Attention is ``jax.nn.dot_product_attention`` with a causal mask: cuDNN's
+fused kernel on a GPU computing in bf16/fp16, XLA's everywhere else.
 """
 
 from __future__ import annotations
@@ -22,22 +28,33 @@ from flax import nnx
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.step import masked_mean
 
-__all__ = ["GPT", "TransformerBlock", "causal_attention_mask", "loss_fn"]
+__all__ = ["GPT", "TransformerBlock", "attention_implementation", "causal_attention", "loss_fn"]
 
 
-def _layer_norm(num_features: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         epsilon=1e-6,
         num_features=num_features,
         scale_init=annotated(nnx.initializers.ones_init(), MODEL),
         bias_init=annotated(nnx.initializers.zeros_init(), MODEL),
+        dtype=dtype,
         rngs=rngs,
     )
 
 
-def causal_attention_mask(seq_len: int) -> jax.Array:
-    """``(seq_len, seq_len)`` boolean mask: position i attends to positions <= i."""
-    return jnp.tril(jnp.ones((seq_len, seq_len), dtype=jnp.bool_))
+def attention_implementation(dtype: jnp.dtype) -> str:
+    """cuDNN's fused attention where it runs (a GPU, bf16/fp16), XLA's elsewhere (PITFALLS)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, **_: object) -> jax.Array:
+    """An ``attention_fn`` for ``nnx.MultiHeadAttention``: position i attends to positions
+    <= i, through ``jax.nn.dot_product_attention`` (``[batch, seq, heads, head_dim]``, the
+    heads still split by the ``model`` axis)."""
+    return jax.nn.dot_product_attention(
+        query, key, value, is_causal=True, implementation=attention_implementation(query.dtype)
+    )
 
 
 class TransformerBlock(nnx.Module):
@@ -59,13 +76,19 @@ class TransformerBlock(nnx.Module):
         ff_dim: int,
         dropout_rate: float,
         rngs: nnx.Rngs,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
     ) -> None:
         xavier = nnx.initializers.xavier_uniform()
         zeros = nnx.initializers.zeros_init()
-        self.layer_norm1 = _layer_norm(embed_dim, rngs)
+        precision = {"dtype": dtype, "param_dtype": param_dtype}
+        self.layer_norm1 = _layer_norm(embed_dim, rngs, dtype)
         self.mha = nnx.MultiHeadAttention(
             num_heads=num_heads,
             in_features=embed_dim,
+            attention_fn=causal_attention,
+            **precision,
             # query/key/value kernels are (embed, heads, head_dim): split the heads.
             kernel_init=annotated(xavier, None, MODEL),
             bias_init=annotated(zeros, MODEL),
@@ -76,13 +99,14 @@ class TransformerBlock(nnx.Module):
             rngs=rngs,
         )
         self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
-        self.layer_norm2 = _layer_norm(embed_dim, rngs)
+        self.layer_norm2 = _layer_norm(embed_dim, rngs, dtype)
         self.linear1 = nnx.Linear(
             in_features=embed_dim,
             out_features=ff_dim,
             kernel_init=annotated(xavier, None, MODEL),
             bias_init=annotated(zeros, MODEL),
             rngs=rngs,
+            **precision,
         )
         self.linear2 = nnx.Linear(
             in_features=ff_dim,
@@ -90,16 +114,12 @@ class TransformerBlock(nnx.Module):
             kernel_init=annotated(xavier, MODEL, None),
             bias_init=zeros,
             rngs=rngs,
+            **precision,
         )
         self.dropout2 = nnx.Dropout(dropout_rate, rngs=rngs)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        _, seq_len, _ = inputs.shape
-        attention_output = self.mha(
-            inputs_q=self.layer_norm1(inputs),
-            mask=causal_attention_mask(seq_len),
-            decode=False,
-        )
+        attention_output = self.mha(inputs_q=self.layer_norm1(inputs), decode=False)
         x = inputs + self.dropout1(attention_output)
         mlp_output = self.linear1(self.layer_norm2(x))
         mlp_output = nnx.gelu(mlp_output)
@@ -132,29 +152,40 @@ class GPT(nnx.Module):
         num_layers: int,
         dropout_rate: float,
         rngs: nnx.Rngs,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
     ) -> None:
         embed_init = nnx.initializers.normal(stddev=0.02)
+        precision = {"dtype": dtype, "param_dtype": param_dtype}
         self.seq_len = seq_len
         self.token_embed = nnx.Embed(
-            vocab_size, embed_dim, embedding_init=annotated(embed_init, MODEL, None), rngs=rngs
+            vocab_size,
+            embed_dim,
+            embedding_init=annotated(embed_init, MODEL, None),
+            rngs=rngs,
+            **precision,
         )
         # Small ((seq_len, embed_dim)) and read whole by every device: left to the
         # strategy (replicated, or split by FSDP when large enough).
-        self.pos_embed = nnx.Embed(seq_len, embed_dim, embedding_init=embed_init, rngs=rngs)
+        self.pos_embed = nnx.Embed(
+            seq_len, embed_dim, embedding_init=embed_init, rngs=rngs, **precision
+        )
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
         self.blocks = nnx.List(
             [
-                TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs)
+                TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs, **precision)
                 for _ in range(num_layers)
             ]
         )
-        self.layer_norm = _layer_norm(embed_dim, rngs)
+        self.layer_norm = _layer_norm(embed_dim, rngs, dtype)
         self.head = nnx.Linear(
             embed_dim,
             vocab_size,
             kernel_init=annotated(nnx.initializers.xavier_uniform(), None, MODEL),
             bias_init=annotated(nnx.initializers.zeros_init(), MODEL),
             rngs=rngs,
+            **precision,
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -167,7 +198,7 @@ class GPT(nnx.Module):
         x = self.dropout(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.layer_norm(x))
+        return self.head(self.layer_norm(x)).astype(jnp.float32)
 
 
 def loss_fn(
