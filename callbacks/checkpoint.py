@@ -9,7 +9,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -389,7 +389,7 @@ class OrbaxCheckpoint(Callback):
         )
 
     def _restore_iterator(
-        self, manager: ocp.CheckpointManager, step: int, iterator: Iterator[Any], meta: dict
+        self, manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict
     ) -> bool:
         if not has_position(iterator):
             return False  # the data given now is not a Grain pipeline: skip batches instead

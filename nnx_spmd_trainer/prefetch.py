@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -69,15 +69,16 @@ class Prefetch:
 
     def __init__(
         self,
-        iterator: Iterator[Any],
+        iterator: Any,  # an iterator; with get_state/set_state when positioned
         place: Callable[[Any], Any],
         depth: int,
         *,
         waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
-        self.iterator, self.place, self.depth, self.waiting = iterator, place, depth, waiting
+        self.iterator = iterator
+        self.place, self.depth, self.waiting = place, depth, waiting
         self.positioned = has_position(iterator)
-        self._position = iterator.get_state() if self.positioned and depth else None
+        self._position = self.iterator.get_state() if self.positioned and depth else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

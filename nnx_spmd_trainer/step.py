@@ -150,9 +150,9 @@ def compute_gradients(
         init = (zeros, rest, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         mbs = microbatches(batch, grad_accum_steps, batch_sharding)
         (grads, rest, loss, weight), auxes = jax.lax.scan(accumulate, init, mbs)
-        weight = jnp.maximum(weight, 1.0) if masked else grad_accum_steps
-        grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
-        loss = loss / weight
+        total: Any = jnp.maximum(weight, 1.0) if masked else grad_accum_steps
+        grads = jax.tree.map(lambda g: (g / total).astype(g.dtype), grads)
+        loss = loss / total
         aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a, auxes)
     nnx.update(model, rest)
     return loss, aux, grads

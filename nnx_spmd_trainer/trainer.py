@@ -538,6 +538,7 @@ class Trainer:
     def _train_batches(
         self, eval_data: Iterable[Any] | None, max_steps: int | None, eval_every_n_steps: int | None
     ) -> None:
+        assert self._batches is not None
         for _, batch in self._batches:
             self.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.

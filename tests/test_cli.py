@@ -261,3 +261,20 @@ def test_compute_dtype_is_checked():
     config.compute_dtype = "bf16"
     with pytest.raises(tasks.ConfigError, match="use 'float32', 'bfloat16' or 'float16'"):
         tasks.compute_dtype(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_the_default_job_runs_on_1_2_and_4_devices(tmp_path, devices):
+    proc = _cli(
+        "--workdir=out", "--config.max_steps=3", "--config.batch_size=16",
+        "--config.max_eval_batches=1", "--config.gpt.seq_len=16", "--config.gpt.embed_dim=32",
+        "--config.gpt.ff_dim=64", "--config.gpt.num_layers=1",
+        cwd=tmp_path,
+        env_extra={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"on {devices} cpu devices" in proc.stdout
+    assert "final after 3 steps: eval loss" in proc.stdout
+    if devices == 1:
+        assert "model=2 does not fit 1 device, so model=1" in proc.stdout

@@ -233,3 +233,36 @@ def test_a_bf16_gpt_keeps_fp32_parameters_and_close_losses():
         assert loss.dtype == jnp.float32
         losses[dtype] = float(loss)
     assert losses[jnp.bfloat16] == pytest.approx(losses[jnp.float32], abs=0.05)
+
+
+def test_the_new_attention_equals_the_old_masked_one_in_fp32():
+    """jax.nn.dot_product_attention(is_causal) against Flax's attention with a causal mask
+    (what nnx.MultiHeadAttention computed before)."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))
+    mask = jnp.tril(jnp.ones((16, 16), bool))
+    old = nnx.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(gpt.causal_attention(q, k, v), old, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_bf16_training_tracks_fp32_and_the_step_multiplies_in_bf16():
+    batches = token_batches(100, batch=16)
+    curves = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        trainer = Trainer(
+            lambda rngs, dtype=dtype: GPT(vocab_size=VOCAB, dropout_rate=0.0, rngs=rngs,
+                                          dtype=dtype, **TINY),
+            optax.adamw(3e-3),
+            loss_fn=gpt.loss_fn,
+            log_every_n_steps=10,
+        )  # fmt: skip
+        history = trainer.fit(batches, max_steps=100)
+        curves[dtype] = np.asarray(history.history["train/loss"])
+        params = jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
+        assert {p.dtype for p in params} == {jnp.dtype(jnp.float32)}
+        hlo = trainer.lower_train_step(batches[0]).as_text()
+        matmuls = [line for line in hlo.splitlines() if "dot_general" in line]
+        in_bf16 = [line for line in matmuls if "bf16" in line]
+        assert bool(in_bf16) == (dtype == jnp.bfloat16), matmuls[:3]
+    # Random tokens: both curves fall towards log(16) ~ 2.77; within 0.05 nats of each other.
+    np.testing.assert_allclose(curves[jnp.bfloat16], curves[jnp.float32], atol=0.05)

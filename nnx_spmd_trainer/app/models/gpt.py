@@ -20,6 +20,8 @@ fused kernel on a GPU computing in bf16/fp16, XLA's everywhere else.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,7 +44,7 @@ def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.Laye
     )
 
 
-def attention_implementation(dtype: jnp.dtype) -> str:
+def attention_implementation(dtype: jnp.dtype) -> Literal["cudnn", "xla"]:
     """cuDNN's fused attention where it runs (a GPU, bf16/fp16), XLA's elsewhere (PITFALLS)."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
@@ -82,7 +84,7 @@ class TransformerBlock(nnx.Module):
     ) -> None:
         xavier = nnx.initializers.xavier_uniform()
         zeros = nnx.initializers.zeros_init()
-        precision = {"dtype": dtype, "param_dtype": param_dtype}
+        precision: dict[str, Any] = {"dtype": dtype, "param_dtype": param_dtype}
         self.layer_norm1 = _layer_norm(embed_dim, rngs, dtype)
         self.mha = nnx.MultiHeadAttention(
             num_heads=num_heads,
@@ -157,7 +159,7 @@ class GPT(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
     ) -> None:
         embed_init = nnx.initializers.normal(stddev=0.02)
-        precision = {"dtype": dtype, "param_dtype": param_dtype}
+        precision: dict[str, Any] = {"dtype": dtype, "param_dtype": param_dtype}
         self.seq_len = seq_len
         self.token_embed = nnx.Embed(
             vocab_size,
