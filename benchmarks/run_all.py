@@ -228,7 +228,7 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
     steps, rounds = (20, 2) if quick else (200, 5)
     rows = []
     for work in (mlp_workload(steps), gpt_workload(steps // 10 if not quick else 4, quick)):
-        for name in ("DataParallel", "FSDP"):
+        for name in ("DataParallel",) if quick else ("DataParallel", "FSDP"):
             strategy = STRATEGIES[name]()
             loops = {
                 "floor: hand-written jax.jit": floor_loop(work, strategy),

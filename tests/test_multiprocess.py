@@ -233,11 +233,14 @@ def _children(launcher: subprocess.Popen) -> dict[int, int]:
     return found
 
 
+SHORT = ("--num_processes=2", "--config.max_steps=12")  # after test_checkpoint_cli's SMALL
+
+
 def _start_and_signal_process_1(workdir: Path, sig: int, after_step: int):
     from test_checkpoint_cli import command, environment
 
     launcher = subprocess.Popen(
-        command(workdir, "--num_processes=2"), env=environment(),
+        command(workdir, *SHORT), env=environment(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     marker = workdir / "checkpoints" / str(after_step) / "commit_success.txt"
@@ -257,20 +260,18 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_bitw
 
     whole = tmp_path / "whole"
     proc = subprocess.run(
-        command(whole, "--num_processes=2"), env=environment(), capture_output=True, text=True,
-        timeout=600,
+        command(whole, *SHORT), env=environment(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:]
 
     workdir = tmp_path / "run"
-    status, output, _, _ = _start_and_signal_process_1(workdir, signal.SIGTERM, after_step=8)
+    status, output, _, _ = _start_and_signal_process_1(workdir, signal.SIGTERM, after_step=4)
     assert status == 0, output[-4000:]
     step = int(output.split("[0] stopped by SIGTERM after step ")[1].split(",")[0])
     saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == step  # both processes saved the step they agreed on
     again = subprocess.run(
-        command(workdir, "--num_processes=2"), env=environment(), capture_output=True, text=True,
-        timeout=600,
+        command(workdir, *SHORT), env=environment(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-4000:]
     assert f"resuming from checkpoint step {step}" in again.stdout
