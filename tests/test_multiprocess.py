@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_cli import _cli
 from toy_models import Net, RecordLosses, classification_loss, make_batches
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer, distributed
@@ -151,14 +152,6 @@ SMALL_GPT = [
     "--config.gpt.ff_dim=64",
     "--config.gpt.num_layers=1",
 ]
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
-    return subprocess.run(
-        [sys.executable, "-m", "nnx_spmd_trainer", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
 
 
 def _final(stdout: str) -> tuple[str, float]:
