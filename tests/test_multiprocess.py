@@ -10,42 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-import optax
 import pytest
-from flax import nnx
+from mp_runs import STRATEGIES, train, train_grain
 from test_cli import _cli
-from toy_models import Net, RecordLosses, classification_loss, make_batches
 
-from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer, distributed
+from nnx_spmd_trainer import distributed
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "mp_worker.py"
-STRATEGIES = {  # as mp_worker.py has them
-    "dp": lambda: DataParallel(),
-    "fsdp": lambda: FSDP(min_size=1),
-    "fsdp_x_tp": lambda: Hybrid(FSDP(4, min_size=1), TensorParallel(2)),
-    "tp8": lambda: TensorParallel(),
-}
-
-
-def one_process(name: str) -> tuple[dict[str, np.ndarray], list[float]]:
-    recorder = RecordLosses()
-    trainer = Trainer(
-        Net,
-        optax.adam(1e-2),
-        strategy=STRATEGIES[name](),
-        loss_fn=classification_loss,
-        callbacks=[recorder],
-    )
-    trainer.fit(make_batches(4), max_steps=4)
-    params = jax.device_get(nnx.state(trainer.model, nnx.Param))
-    flat = {
-        "/".join(map(str, path)): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    return flat, recorder.losses
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +34,11 @@ def two_processes(tmp_path_factory) -> np.lib.npyio.NpzFile:
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_two_processes_match_one_process_of_eight_devices(two_processes, name):
-    params, losses = one_process(name)
-    np.testing.assert_allclose(two_processes[f"{name}/losses"], losses, rtol=1e-5)
-    for key, value in params.items():
-        np.testing.assert_allclose(
-            two_processes[f"{name}/params/{key}"], value, rtol=1e-4, atol=1e-5, err_msg=key
-        )
+    one = train(name)  # the same run, here: one process feeding whole batches
+    assert int(one[f"{name}/shard"][1]) == 1
+    np.testing.assert_allclose(two_processes[f"{name}/losses"], one[f"{name}/losses"], rtol=1e-5)
+    for key in [k for k in one if "/params/" in k]:
+        np.testing.assert_allclose(two_processes[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
     # Over 8 devices the model axis spans both processes: both feed the whole batch.
     expected_shards = {"tp8": 1}.get(name, 2)
     assert int(two_processes[f"{name}/shard"][1]) == expected_shards
@@ -195,8 +167,6 @@ def _assert_same_run(resumed: dict, whole: dict, from_step: int) -> None:
 
 
 def test_a_checkpoint_moves_between_process_counts_with_its_data_position(tmp_path):
-    from grain_resume import train_grain
-
     whole = train_grain(tmp_path / "whole", 6)  # one process, uninterrupted
     assert int(whole["restored_step"]) == -1
 

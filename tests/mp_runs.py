@@ -1,7 +1,9 @@
-"""A Grain run checkpointed in one process count and resumed in another (test_multiprocess).
+"""The runs test_multiprocess compares: each made by the test process itself (1 process,
+8 devices) and by ``mp_worker.py`` (2 processes, 4 devices each) alike.
 
-Run by the test process itself (1 process, 8 devices) and by ``mp_worker.py``
-(2 processes, 4 devices each) alike.
+``train``: one strategy trained on the same global batches, each process feeding
+its rows. ``train_grain``: a Grain run checkpointed in one process count and
+resumed in another.
 """
 
 from __future__ import annotations
@@ -13,11 +15,50 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from toy_models import Net, classification_loss
+from toy_models import Net, RecordLosses, classification_loss, make_batches
 
-from nnx_spmd_trainer import Callback, DataParallel, Trainer
+from nnx_spmd_trainer import FSDP, Callback, DataParallel, Hybrid, TensorParallel, Trainer
 from nnx_spmd_trainer.app.datasets.base import index_batches
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
+STRATEGIES = {
+    "dp": lambda: DataParallel(),
+    "fsdp": lambda: FSDP(min_size=1),
+    "fsdp_x_tp": lambda: Hybrid(FSDP(4, min_size=1), TensorParallel(2)),
+    "tp8": lambda: TensorParallel(),  # the model axis spans both processes
+}
+STEPS = 4
+
+
+def local_rows(batch: dict, index: int, count: int) -> dict:
+    """This process's block of a global batch (``make_array_from_process_local_data`` order)."""
+    rows = len(batch["x"]) // count
+    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}
+
+
+def train(name: str) -> dict[str, np.ndarray]:
+    recorder = RecordLosses()
+    trainer = Trainer(
+        Net,
+        optax.adam(1e-2),
+        strategy=STRATEGIES[name](),
+        loss_fn=classification_loss,
+        callbacks=[recorder],
+    )
+    shard = trainer.data_shard
+    trainer.fit([local_rows(b, *shard) for b in make_batches(STEPS)], max_steps=STEPS)
+    flat = gathered(nnx.state(trainer.model, nnx.Param), f"{name}/params/")
+    return {**flat, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": np.array(shard)}
+
+
+def gathered(tree: object, prefix: str) -> dict[str, np.ndarray]:
+    """``{prefix + leaf path: the whole array}``, gathered from every process."""
+    tree = multihost_utils.process_allgather(tree, tiled=True)
+    return {
+        prefix + "/".join(map(str, path)): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
 
 GLOBAL_BATCH, EXAMPLES = 16, 96
 rng = np.random.default_rng(7)
