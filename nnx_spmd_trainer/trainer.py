@@ -55,9 +55,11 @@ class Trainer:
       wrt: an NNX filter of what trains (default every ``nnx.Param``); the other
         parameters stay bit-identical, weight decay included.
       devices: the devices the mesh spans; default all of ``jax.devices()``.
-      track_norms: compute, in each step, the global norms of the gradients (when
-        ``train_step`` returns ``aux["grad_norm"]``, as the default does), of the
-        parameters and of their update; read only at log points (``train/..._norm``).
+      track_norms: log the global norms of the gradients (when ``train_step``
+        returns ``aux["grad_norm"]``, as the default does), of the parameters and
+        of their update (``train/..._norm``). They are computed only in the steps
+        that end at a log point, by a second compiled variant of the step: the
+        other steps pay nothing for them.
       prefetch: training batches placed on the devices ahead of the steps, by a
         background thread (0: each is placed when its step starts). The data
         position a checkpoint saves stays exact; a one-shot iterator without
@@ -152,7 +154,7 @@ class Trainer:
         #: checkpoint callback must not save state from that step on.
         self.nonfinite_step: int | None = None
         self.max_steps: int | None = None
-        self._train_step: Any = None
+        self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
         self._train_structure: Any = None
         self._last_eval_step = -1
         self.history = History()
@@ -258,7 +260,8 @@ class Trainer:
         """
         loss, aux, grads = self.compute_gradients(model, batch)
         optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
-        return loss, {**aux, "grad_norm": optax.tree.norm(grads)} if self.track_norms else aux
+        # XLA drops the norm from the steps that do not report it.
+        return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
 
     def compute_gradients(
         self, model: nnx.Module, batch: Any, loss_fn: LossFn | None = None
@@ -321,18 +324,16 @@ class Trainer:
         return any(step % n == 0 for n in self._log_every)
 
     # -- compiled steps ------------------------------------------------------------
-    def _compile(self, kind: str, batch: Any) -> Any:
+    def _compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
         live = self._live
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
-        key = (kind, live.graphdef, jax.tree.structure(batch), self.grad_accum_steps)
+        key = (kind, norms, live.graphdef, jax.tree.structure(batch), self.grad_accum_steps)
         if key in self._compiled:
             return self._compiled[key]
         replicated = NamedSharding(self.mesh, P())
         state_shardings = self.state_leaf_shardings
         if kind == "train":
-            fn = step.make_train_step(
-                live.graphdef, self.train_step, wrt=self.wrt, norms=self.track_norms
-            )
+            fn = step.make_train_step(live.graphdef, self.train_step, wrt=self.wrt, norms=norms)
             out: Any = (state_shardings, replicated, replicated, replicated)
             donate: tuple[int, ...] = (0, 1)
         else:
@@ -420,7 +421,7 @@ class Trainer:
         self.stop_training = self.preempted = False
         self.max_steps = max_steps
         self.eval_every_n_steps = eval_every_n_steps
-        self._train_step = None  # compiled on the first batch of each fit
+        self._train_steps, self._train_structure = {}, None  # compiled in each fit
         self._last_eval_step = -1
         self._live.refresh()  # the user may have changed the model between fits
         self.report.restart()
@@ -543,7 +544,8 @@ class Trainer:
             self.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             self.callbacks.on_train_batch_begin(self.step, {})
-            self._train_one(batch)
+            reports = self.is_log_step(self.step + 1) or self.step + 1 == max_steps
+            self._train_one(batch, norms=self.track_norms and reports)
             logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
             self.callbacks.on_train_batch_end(self.step, logs)
             if eval_every_n_steps and self.step % eval_every_n_steps == 0:
@@ -560,13 +562,14 @@ class Trainer:
         ``Position`` recorded after the last batch a step took."""
         return self._batches.position() if self._batches else self.train_iterator
 
-    def _train_one(self, batch: Any) -> None:
+    def _train_one(self, batch: Any, *, norms: bool) -> None:
         structure = jax.tree.structure(batch)
         known = len(self._compiled)
-        if self._train_step is None or structure != self._train_structure:
-            self._train_step = self._compile("train", batch)
-            self._train_structure = structure
+        if self._train_structure is None or structure != self._train_structure:
+            self._train_steps, self._train_structure = {}, structure
         count = self.step  # before dispatch: afterwards the counter is a future array
+        if norms not in self._train_steps:
+            self._train_steps[norms] = self._compile("train", batch, norms=norms)
         # A new step traces and compiles in its first call (dispatch is asynchronous).
         timing = (
             self.report.timing("compile")
@@ -575,7 +578,7 @@ class Trainer:
         )
         try:
             with timing:
-                arrays, self.train_metrics, loss, self.report.norms = self._train_step(
+                arrays, self.train_metrics, loss, self.report.norms = self._train_steps[norms](
                     self._live.arrays(), self.train_metrics, batch
                 )
         except Exception as error:
