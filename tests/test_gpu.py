@@ -25,7 +25,10 @@ pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine")
 
 def on_gpu(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES="0")  # one GPU
+    # One GPU, allocated as needed: test processes run side by side under pytest -n.
+    env.update(
+        JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_PREALLOCATE="false"
+    )
     command = [sys.executable, "-c", textwrap.dedent(code), *args] if code else list(args)
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
