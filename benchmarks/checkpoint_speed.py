@@ -19,18 +19,17 @@ its Adam state, laid out by ``--strategy`` on 8 simulated devices) is saved with
 
 The machine is shared and noisy, so the measurements are interleaved over
 several rounds after a warm-up, and the ratios of medians are printed.
-Every save goes to a fresh temporary directory, removed afterwards.
+Each mode saves into one directory over the rounds, as a run does (its first,
+one-time save falls in the warm-up round); all is removed afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import itertools
 import json
 import math
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -102,24 +101,32 @@ def versions() -> dict[str, str]:
 
 
 class Saves:
-    """A fresh checkpoint directory under one temporary root for every save."""
+    """One ``OrbaxCheckpoint`` per mode (async, sync), each saving every round as a
+    training run saves into one directory: the first save of a run (one-time setup)
+    falls in the warm-up round. Each keeps its last two steps."""
 
     def __init__(self, root: Path, trainer: Trainer) -> None:
         self.root, self.trainer = root, trainer
-        self.count = itertools.count()
+        self.by_mode: dict[bool, OrbaxCheckpoint] = {}
 
     def checkpoint(self, *, async_save: bool) -> OrbaxCheckpoint:
-        directory = self.root / f"save-{next(self.count)}"
-        checkpoint = OrbaxCheckpoint(directory, async_save=async_save)
-        checkpoint.set_trainer(self.trainer)
-        checkpoint.manager  # noqa: B018 -- created (and the directory with it) outside the timing
-        return checkpoint
+        if async_save not in self.by_mode:
+            directory = self.root / ("async" if async_save else "sync")
+            checkpoint = OrbaxCheckpoint(directory, async_save=async_save, keep=2)
+            checkpoint.set_trainer(self.trainer)
+            checkpoint.manager  # noqa: B018 -- created (and the directory with it) outside the timing
+            self.by_mode[async_save] = checkpoint
+        return self.by_mode[async_save]
 
     @staticmethod
     def discard(checkpoint: OrbaxCheckpoint) -> None:
+        """Waits for the write (and the deletion of steps beyond ``keep``)."""
         checkpoint.manager.wait_until_finished()
-        checkpoint.manager.close()
-        shutil.rmtree(checkpoint.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        for checkpoint in self.by_mode.values():
+            checkpoint.manager.wait_until_finished()
+            checkpoint.manager.close()
 
     def advance(self, data: list[dict]) -> None:
         """One training step, finished, as a save in a training loop follows a step."""
@@ -249,7 +256,8 @@ def main() -> None:
         saves = Saves(Path(tmp), trainer)
         # The restore source: written once, read back into `target` every round (the
         # files are then in the page cache, as a just-written checkpoint's are).
-        source = saves.checkpoint(async_save=False)
+        source = OrbaxCheckpoint(Path(tmp) / "source", async_save=False)
+        source.set_trainer(trainer)
         saves.settle()
         assert source.save(trainer.step)
         expected = fingerprints(trainer.state)
@@ -277,7 +285,8 @@ def main() -> None:
             ):
                 results[key].append(value)
         reader.manager.close()
-        saves.discard(source)
+        source.manager.close()
+        saves.close()
 
     # What one async save costs the training loop in all: the time it blocks, plus
     # how much slower the steps overlapping its write ran (the write shares the cores).
