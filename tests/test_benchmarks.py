@@ -27,3 +27,23 @@ def test_run_all_writes_the_table_and_the_json(tmp_path):
     assert {row["strategy"] for row in results["memory"]} >= {"DataParallel", "FSDP"}
     table = (tmp_path / "results.md").read_text()
     assert "| workload | strategy | loop | ms_per_step | vs_floor |" in table
+
+
+def test_gpu_benchmark_runs_at_tiny_sizes_anywhere(tmp_path):
+    """``gpu.py --quick`` (the GPU measurements at tiny sizes, on this machine's CPU)."""
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", f"--out={tmp_path}"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    (gpt2,) = results["gpt2"]
+    loops = {row["loop"]: row for row in gpt2["rows"]}
+    limit = loops["hand-written GPT-2, bf16 + cuDNN attention (limit)"]
+    assert limit["vs_limit"] == 1.0 and 0 < limit["mfu"] < 1
+    assert {"Trainer.fit, shipped GPT bf16", "Trainer.fit, shipped GPT fp32"} <= set(loops)
+    assert (
+        "| loop | ms_per_step | tokens_per_s | mfu | vs_limit | vs_floor |"
+        in (tmp_path / "gpu.md").read_text()
+    )
