@@ -194,10 +194,10 @@ def gpt2(size: dict[str, int], steps: int, rounds: int) -> list[dict[str, Any]]:
     loops: dict[str, Callable[[], float]] = {
         "hand-written GPT-2, bf16 + cuDNN attention (limit)": handwritten_limit(size, steps),
         "jax.jit floor, shipped GPT bf16": floor_loop(bf16, strategy),
-        "Trainer.fit, shipped GPT bf16": trainer_loop(bf16, strategy, log_every_n_steps=50),
+        "Trainer.fit, shipped GPT bf16": trainer_loop(bf16, strategy),
     }
     if size["batch"] <= 16:  # fp32 attention is XLA's, and its scores need 55 GB at batch 32
-        loops["Trainer.fit, shipped GPT fp32"] = trainer_loop(fp32, strategy, log_every_n_steps=50)
+        loops["Trainer.fit, shipped GPT fp32"] = trainer_loop(fp32, strategy)
     medians = interleaved(loops, rounds)
     limit = medians["hand-written GPT-2, bf16 + cuDNN attention (limit)"]
     floor = medians["jax.jit floor, shipped GPT bf16"]

@@ -95,7 +95,7 @@ def main() -> None:
     loops = {
         "hand-written limit": handwritten_limit(size, args.steps),
         "jax.jit floor, shipped GPT": floor_loop(bf16, DataParallel()),
-        "Trainer.fit, shipped GPT": trainer_loop(bf16, DataParallel(), log_every_n_steps=50),
+        "Trainer.fit, shipped GPT": trainer_loop(bf16, DataParallel()),
     }
     # The two hand-written loops dispatch one untimed step before their timed ones.
     dispatched = {name: args.steps + (name != "Trainer.fit, shipped GPT") for name in loops}

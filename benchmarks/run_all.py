@@ -92,13 +92,14 @@ def gpt_workload(steps: int, quick: bool) -> Workload:
 
 # -- the loops ---------------------------------------------------------------------------
 def trainer_loop(work: Workload, strategy: Any, **options: Any) -> Callable[[], float]:
+    """``Trainer.fit``, logging every 50 steps as the configs do (the norms in those steps)."""
     trainer = Trainer(
         work.factory,
         work.optimizer(),
         strategy=strategy,
         loss_fn=work.loss_fn,
         metrics=Loss,
-        **options,
+        **{"log_every_n_steps": 50, **options},
     )
     trainer.fit(work.batches[:2], max_steps=2)  # compiled outside the timed region
 

@@ -57,9 +57,9 @@ class Trainer:
       devices: the devices the mesh spans; default all of ``jax.devices()``.
       track_norms: log the global norms of the gradients (when ``train_step``
         returns ``aux["grad_norm"]``, as the default does), of the parameters and
-        of their update (``train/..._norm``). They are computed only in the steps
-        that end at a log point, by a second compiled variant of the step: the
-        other steps pay nothing for them.
+        of their update (``train/..._norm``) at log points. They are computed only
+        in the steps that end at one, by a variant of the step compiled the first
+        time one comes: the other steps pay nothing for them.
       prefetch: training batches placed on the devices ahead of the steps, by a
         background thread (0: each is placed when its step starts). The data
         position a checkpoint saves stays exact; a one-shot iterator without
@@ -544,8 +544,7 @@ class Trainer:
             self.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             self.callbacks.on_train_batch_begin(self.step, {})
-            reports = self.is_log_step(self.step + 1) or self.step + 1 == max_steps
-            self._train_one(batch, norms=self.track_norms and reports)
+            self._train_one(batch, norms=self.track_norms and self.is_log_step(self.step + 1))
             logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
             self.callbacks.on_train_batch_end(self.step, logs)
             if eval_every_n_steps and self.step % eval_every_n_steps == 0:
