@@ -257,7 +257,7 @@ def main() -> None:
     if not args.quick and jax.default_backend() != "gpu":
         backend = jax.default_backend()
         parser.error(f"needs a GPU (JAX's backend is {backend}); --quick runs tiny sizes anywhere")
-    size, steps, rounds = (TINY, 3, 2) if args.quick else (GPT2_SMALL, args.steps, args.rounds)
+    size, steps, rounds = (TINY, 3, 1) if args.quick else (GPT2_SMALL, args.steps, args.rounds)
     sizes = [size] if args.quick else [{**size, "batch": batch} for batch in args.batch]
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
@@ -275,7 +275,7 @@ def main() -> None:
         described = ", ".join(f"{k} {v}" for k, v in s.items())
         results["gpt2"].append({"size": described, "rows": gpt2(s, steps, rounds)})
         write()
-    results["mlp"] = mlp(20 if args.quick else 200, rounds)
+    results["mlp"] = mlp(10 if args.quick else 200, rounds)
     write()
     print(markdown(results))
 

@@ -230,7 +230,7 @@ def interleaved(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str,
 
 # -- the sections ---------------------------------------------------------------------------
 def step_times(quick: bool) -> list[dict[str, Any]]:
-    steps, rounds = (20, 2) if quick else (200, 5)
+    steps, rounds = (10, 1) if quick else (200, 5)
     rows = []
     for work in (mlp_workload(steps), gpt_workload(steps // 10 if not quick else 4, quick)):
         for name in ("DataParallel",) if quick else ("DataParallel", "FSDP"):
@@ -287,7 +287,7 @@ def memory(quick: bool) -> list[dict[str, Any]]:
 def checkpoints_and_input(quick: bool) -> list[dict[str, Any]]:
     import checkpoint_speed
 
-    width, layers, rounds = (256, 1, 2) if quick else (2048, 4, 3)
+    width, layers, rounds = (256, 1, 1) if quick else (2048, 4, 3)
     args = [f"--width={width}", f"--layers={layers}", f"--rounds={rounds}"]
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"checkpoint-{os.getpid()}.json"
     sys.argv = ["checkpoint_speed.py", *args, f"--json={out}"]
