@@ -27,8 +27,8 @@ def two_processes(tmp_path_factory) -> np.lib.npyio.NpzFile:
     log = io.StringIO()
     status = distributed.Launch([sys.executable, str(WORKER), str(out)], 2, out=log).run()
     assert status == 0, log.getvalue()[-4000:]
-    lines = log.getvalue().splitlines()
-    assert any(line.startswith("[0] ") for line in lines) or not lines
+    # Every line the processes print comes back prefixed with its process.
+    assert all(line.startswith(("[0] ", "[1] ")) for line in log.getvalue().splitlines())
     return np.load(out)
 
 
