@@ -8,6 +8,8 @@ step, eval for the eval step), so the live module is never flipped.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -237,3 +239,17 @@ def over_flat_state(
         return (jax.tree.leaves(out[0]), *out[1:]) if returns_state else out
 
     return flat_step
+
+
+def traced_within(
+    step_fn: Callable[..., Any], context: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> Callable[..., Any]:
+    """``step_fn`` that runs inside ``context()``: entered while jax traces it (the
+    strategy's ``trace_context``: logical rules for activation constraints)."""
+
+    @functools.wraps(step_fn)
+    def within(*args: Any) -> Any:
+        with context():
+            return step_fn(*args)
+
+    return within

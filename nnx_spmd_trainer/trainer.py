@@ -339,8 +339,11 @@ class Trainer:
         else:
             fn = step.make_eval_step(live.graphdef, self.eval_fn)
             out, donate = replicated, ()
+        flat = step.over_flat_state(fn, live.treedef, returns_state=kind == "train")
         compiled = self.strategy.compile_step(
-            step.over_flat_state(fn, live.treedef, returns_state=kind == "train"),
+            step.traced_within(
+                self.strategy.transform_step(flat), lambda: self.strategy.trace_context(self.mesh)
+            ),
             in_shardings=(state_shardings, replicated, batch_sharding),
             out_shardings=out,
             donate_argnums=donate,

@@ -17,6 +17,7 @@ alone or inside a Hybrid.
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -205,6 +206,27 @@ class Strategy(abc.ABC):
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
+
+    # -- question 5: what is in force while a step is traced --------------------------
+    def trace_context(self, mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
+        """A context the trainer enters while it traces a step; default: nothing.
+
+        A strategy that constrains activations by logical name (``length``,
+        ``embed``) returns ``nnx.logical_axis_rules(...)`` here, so
+        ``nnx.with_logical_constraint`` inside the model resolves them.
+        """
+        del mesh
+        return contextlib.nullcontext()
+
+    # -- question 6: the step itself ---------------------------------------------
+    def transform_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps the step function before it is compiled; default: as is.
+
+        ``step_fn(state_arrays, metrics, batch)`` is the traced train or eval
+        step; a transform returns a function of the same arguments and results
+        (pipeline and context parallelism replace the step's inner loop here).
+        """
+        return step_fn
 
     # -- question 4: which rows this process feeds -------------------------------
     def data_shard(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, final
 
 import jax
@@ -106,6 +107,18 @@ class Hybrid(Strategy):
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
+
+    @contextlib.contextmanager
+    def trace_context(self, mesh: Mesh) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:  # the first member's context outermost
+            for member in self.members:
+                stack.enter_context(member.trace_context(mesh))
+            yield
+
+    def transform_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        for member in reversed(self.members):  # the first member's transform outermost
+            step_fn = member.transform_step(step_fn)
+        return step_fn
 
     def __repr__(self) -> str:
         rules = [f"rules={self.rules!r}"] if self.rules else []
