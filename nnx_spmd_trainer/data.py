@@ -12,7 +12,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from nnx_spmd_trainer.sharding import ShardingError, spec_axes
+from nnx_spmd_trainer.sharding import (
+    ShardingError,
+    dimension_axes,
+    fed_dimension,
+    global_batch_shape,
+)
 
 
 def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> Any:
@@ -37,7 +42,13 @@ def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: in
 
 
 def check_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> None:
-    """Raises a ShardingError naming the leaf if the batch cannot take ``shardings``."""
+    """Raises a ShardingError naming the leaf if the batch cannot take ``shardings``.
+
+    Every dimension is checked against its own mesh axes: the global size
+    divides the product of their sizes. The rows (dimension 0) also divide
+    into ``divisor`` microbatches; the fed dimension (``sharding.fed_dimension``:
+    the first one the spec splits) is ``data_shards`` times this process's.
+    """
 
     def check(path: Any, x: Any, sharding: NamedSharding) -> None:
         shape = np.shape(x)
@@ -47,28 +58,53 @@ def check_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: in
                 f"{where} is a scalar; every batch leaf needs a leading batch dimension. "
                 "Give it one (e.g. np.full((batch_size,), value))."
             )
-        parts = math.prod(sharding.mesh.shape[a] for a in spec_axes(sharding.spec))
-        global_rows = shape[0] if _is_global(x) else shape[0] * data_shards
-        if global_rows % (parts * divisor):
-            accum = f" x {divisor} microbatches" if divisor > 1 else ""
+        spec, mesh = sharding.spec, dict(sharding.mesh.shape)
+        if len(spec) > len(shape):
             raise ShardingError(
-                f"{where}: a global batch of {global_rows} rows cannot be split over the batch "
-                f"axes {sharding.spec} of mesh {dict(sharding.mesh.shape)} ({parts} parts"
-                f"{accum}). Use a batch_size divisible by {parts * divisor}, or pad the "
-                "batch with Trainer.padded (a 'mask' marks the padding)."
+                f"{where}: its batch sharding {spec} on mesh {mesh} has {len(spec)} entries "
+                f"for {len(shape)} dimensions. Give the leaf the dimensions the strategy's "
+                "batch_sharding splits, or return a spec with one entry per dimension at most."
+            )
+        sizes = shape if _is_global(x) else global_batch_shape(shape, spec, data_shards)
+        for dim, axes in enumerate(dimension_axes(spec, len(shape))):
+            parts = math.prod(mesh[a] for a in axes)
+            microbatches = divisor if dim == 0 else 1
+            size = sizes[dim]
+            if size % (parts * microbatches) == 0:
+                continue
+            if dim == 0:
+                accum = f" x {divisor} microbatches" if divisor > 1 else ""
+                raise ShardingError(
+                    f"{where}: a global batch of {size} rows cannot be split over the batch "
+                    f"axes {spec} of mesh {mesh} ({parts} parts{accum}). Use a batch_size "
+                    f"divisible by {parts * divisor}, or pad the batch with Trainer.padded "
+                    "(a 'mask' marks the padding)."
+                )
+            raise ShardingError(
+                f"{where}: dimension {dim} of global size {size} cannot be split over the "
+                f"mesh axes {axes} of its batch sharding {spec} on mesh {mesh} ({parts} "
+                f"parts). Make dimension {dim} of every batch divisible by {parts} (pad it), "
+                "or split it over other axes in the strategy's batch_sharding."
             )
 
     jax.tree_util.tree_map_with_path(check, batch, shardings)
 
 
 def rows_multiple(shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> int:
-    """The number a process's batch rows must be a multiple of to take ``shardings``."""
-    parts = [
-        math.prod(s.mesh.shape[a] for a in spec_axes(s.spec)) * divisor
-        for s in jax.tree.leaves(shardings)
-    ]
-    needed = math.lcm(*parts) if parts else 1
-    return needed // math.gcd(needed, data_shards)
+    """The number a process's batch rows must be a multiple of to take ``shardings``.
+
+    The rows (dimension 0) divide the mesh axes splitting them times
+    ``divisor``; a leaf whose fed dimension is the rows needs only its share
+    of that, as the global rows are ``data_shards`` times this process's.
+    Other dimensions are not rows: ``check_batch`` checks them.
+    """
+
+    def one(s: NamedSharding) -> int:
+        parts = math.prod(s.mesh.shape[a] for a in dimension_axes(s.spec, 1)[0]) * divisor
+        shards = data_shards if fed_dimension(s.spec).dim == 0 else 1
+        return parts // math.gcd(parts, shards)
+
+    return math.lcm(1, *(one(s) for s in jax.tree.leaves(shardings)))
 
 
 def pad_batch(batch: Any, multiple: int) -> Any:
@@ -113,7 +149,7 @@ def transfer_batch(batch: Any, shardings: Any, *, data_shards: int = 1) -> Any:
         if _is_global(x):
             return jax.device_put(x, sharding)
         x = np.asarray(x)
-        global_shape = (x.shape[0] * data_shards, *x.shape[1:])
+        global_shape = global_batch_shape(x.shape, sharding.spec, data_shards)
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree.map(one, batch, shardings)

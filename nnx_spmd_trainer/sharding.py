@@ -236,6 +236,61 @@ def leading_axes(spec: P) -> tuple[str, ...]:
     return _axis_names(spec[0]) if len(spec) else ()
 
 
+def dimension_axes(spec: P, ndim: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes splitting each dimension of a spec (``ndim`` entries, padded with ``()``).
+
+    >>> dimension_axes(P(None, ("data", "model")), 3)
+    ((), ('data', 'model'), ())
+    """
+    entries = [_axis_names(entry) for entry in spec]
+    return tuple(entries + [()] * ((len(entries) if ndim is None else ndim) - len(entries)))
+
+
+class FedDimension(NamedTuple):
+    """The dimension of a batch leaf that processes split between them, and its mesh axes.
+
+    Each process feeds its slice of this dimension; the global array is
+    ``DataShard.count`` times a process's along it, and the same along every
+    other dimension.
+
+    >>> FedDimension(dim=1, axes=("data",))
+    FedDimension(dim=1, axes=('data',))
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+
+
+def fed_dimension(spec: P) -> FedDimension:
+    """Which dimension of a batch leaf laid out as ``spec`` the processes feed.
+
+    The first dimension the spec splits over mesh axes, with those axes; the
+    leading (rows) dimension with no axes if the spec splits none. One answer
+    for every reader: ``data.check_batch``, ``data.rows_multiple``,
+    ``data.transfer_batch`` and ``Strategy.data_shard``.
+
+    >>> fed_dimension(P("data")), fed_dimension(P(None, ("fsdp", "model")))
+    (FedDimension(dim=0, axes=('data',)), FedDimension(dim=1, axes=('fsdp', 'model')))
+    >>> fed_dimension(P())
+    FedDimension(dim=0, axes=())
+    """
+    for dim, axes in enumerate(dimension_axes(spec)):
+        if axes:
+            return FedDimension(dim, axes)
+    return FedDimension(0, ())
+
+
+def global_batch_shape(shape: Sequence[int], spec: P, data_shards: int) -> tuple[int, ...]:
+    """The global shape of a batch leaf whose processes each hold ``shape``, laid out as
+    ``spec``: ``data_shards`` times larger along the fed dimension, the same elsewhere.
+
+    >>> global_batch_shape((4, 6), P(None, "data"), 2), global_batch_shape((4, 6), P("data"), 2)
+    ((4, 12), (8, 6))
+    """
+    fed = fed_dimension(spec).dim
+    return tuple(n * data_shards if d == fed else n for d, n in enumerate(shape))
+
+
 class DataShard(NamedTuple):
     """Which rows one process feeds: the ``index``-th of ``count`` equal slices.
 

@@ -1,17 +1,31 @@
 """Strategy: the abstract contract, the questions the Trainer asks and their default answers.
 
-A strategy is a small immutable object; it never runs the loop:
+A strategy is a small immutable object; it never runs the loop. It answers
+six questions:
 
-1. ``state_shardings`` -- what sharding does each state leaf get at init?
-2. ``batch_sharding`` -- what sharding does the global batch get?
-3. ``compile_step`` -- how is a step function jitted?
-4. ``data_shard`` -- which rows does this process feed? (follows the answer to 2.)
+1. ``state_shardings(abstract_state, mesh, proposed=None)`` -- what sharding
+   does each state leaf get at init?
+2. ``batch_sharding(batch, mesh, proposed=None)`` -- what sharding does the
+   global batch get?
+3. ``compile_step(step_fn, *, in_shardings, out_shardings, donate_argnums, jit=jax.jit)``
+   -- how is a step function jitted?
+4. ``data_shard(mesh, process_index=None, *, process_ids=None, proposed=None)``
+   -- which slice of the data does this process feed? (follows the answer to 2.)
+5. ``trace_context(mesh)`` -- what context is in force while a step is traced?
+6. ``transform_step(step_fn)`` -- what step function is compiled?
 
-The first three take the answer proposed so far (``proposed=``; for
-``compile_step``, ``jit=``: the rest of the chain), so that ``Hybrid`` asks
-every member each question in turn, as ``optax.chain`` calls every transform.
-Subclass a strategy and override one of them to change only that answer,
-alone or inside a Hybrid.
+One rule composes them all: every question takes the answer so far and
+returns the next one, as an ``optax.chain`` transform takes the updates so
+far. The answer so far is ``proposed=`` (1, 2, 4; ``None`` alone: resolve
+from scratch), the rest of the chain for 3 (``jit=``), the enclosing context
+for 5 and the step already wrapped for 6. ``Hybrid`` asks every member each
+question in member order, the first member's answer proposed to the second
+and so on (for 3, 5 and 6 the first member is outermost). So subclass a
+strategy, override one question, accept what the default accepts and start
+from ``super()``'s answer: the change takes effect alone and inside a Hybrid,
+which refuses at construction a member whose override cannot take the answer
+so far. The helpers ``make_mesh``, ``leaf_spec`` and ``annotated_shardings``
+are not questions and are final.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, final
 
 import jax
 import numpy as np
@@ -50,13 +64,16 @@ def context_rules() -> sh.Rules:
 
 
 class Strategy(abc.ABC):
-    """The contract: three composition helpers to define, four questions answered.
+    """The contract: three composition helpers to define, six questions answered.
 
     A subclass defines ``mesh_axes``, ``batch_axes`` and ``logical_rules``
     (``AxisStrategy`` does, for one mesh axis) and inherits the default
-    answers: state laid out from its annotations, the batch split over the
-    batch axes, the step compiled with ``jax.jit``. Override a question and
-    start from ``super()``'s answer to change only part of it.
+    answers: state laid out from its annotations, the batch's rows split over
+    the batch axes, the rows fed from that split, the step compiled with
+    ``jax.jit``, no trace context, the step as is. Each question receives the
+    answer so far and a default keeps it (see the module docstring). Override
+    a question with the same parameters and start from ``super()``'s answer
+    to change only part of it.
 
     >>> from nnx_spmd_trainer import DataParallel
     >>> class Announce(DataParallel):
@@ -86,6 +103,7 @@ class Strategy(abc.ABC):
         return spec
 
     # -- the mesh ------------------------------------------------------------
+    @final
     def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """Builds the mesh (Auto axis types: the compiler propagates shardings)."""
         devices = list(jax.devices() if devices is None else devices)
@@ -115,6 +133,7 @@ class Strategy(abc.ABC):
         )
 
     # -- question 1: init ----------------------------------------------------
+    @final
     def leaf_spec(
         self,
         variable: nnx.Variable[Any],
@@ -147,6 +166,7 @@ class Strategy(abc.ABC):
             spec = resolve(None)
         return self.refine_spec(spec, shape, mesh)
 
+    @final
     def annotated_shardings(self, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
         """Every leaf's NamedSharding from its annotation: the default answer to question 1."""
         axes = dict(mesh.shape)
@@ -207,13 +227,58 @@ class Strategy(abc.ABC):
             donate_argnums=donate_argnums,
         )
 
+    # -- question 4: which rows this process feeds -------------------------------
+    def data_shard(
+        self,
+        mesh: Mesh,
+        process_index: int | None = None,
+        *,
+        process_ids: np.ndarray | None = None,
+        proposed: sh.DataShard | None = None,
+    ) -> sh.DataShard:
+        """Which slice of the global data ``process_index`` feeds, from ``batch_sharding``.
+
+        The slice is along each batch leaf's fed dimension
+        (``sharding.fed_dimension``: the first dimension its spec splits, the
+        rows unless the strategy splits another), read from the answer to
+        question 2 for one (rows, features) leaf.
+
+        Args:
+          mesh: the mesh from ``make_mesh``.
+          process_index: the process asking; ``jax.process_index()`` by default.
+          process_ids: the process owning each mesh device, shaped like the
+            mesh; the devices' own by default. Other ids plan a multi-host
+            layout from one host.
+          proposed: the answer so far (in a Hybrid: the joint one, from the
+            Hybrid's batch sharding, then each earlier member's); kept by default.
+        """
+        if proposed is not None:
+            return proposed
+        probe = jax.ShapeDtypeStruct((mesh.size, mesh.size), np.float32)  # a global batch leaf
+        sharding = jax.tree.leaves(self.batch_sharding(probe, mesh))[0]
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(
+                f"{self!r}.batch_sharding gave {sharding!r}; data_shard reads the mesh axes "
+                "of a NamedSharding's fed dimension. Return NamedSharding(mesh, spec)."
+            )
+        if process_ids is None:
+            process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+        return sh.data_shard_of(
+            process_ids,
+            mesh.axis_names,
+            sh.fed_dimension(sharding.spec).axes,
+            jax.process_index() if process_index is None else process_index,
+        )
+
     # -- question 5: what is in force while a step is traced --------------------------
     def trace_context(self, mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
         """A context the trainer enters while it traces a step; default: nothing.
 
         A strategy that constrains activations by logical name (``length``,
         ``embed``) returns ``nnx.logical_axis_rules(...)`` here, so
-        ``nnx.with_logical_constraint`` inside the model resolves them.
+        ``flax.linen.with_logical_constraint`` inside the model (which reads
+        the same rules; outside any, it does nothing) resolves them. In a
+        Hybrid the members' contexts nest, the first member's outermost.
         """
         del mesh
         return contextlib.nullcontext()
@@ -225,38 +290,7 @@ class Strategy(abc.ABC):
         ``step_fn(state_arrays, metrics, batch)`` is the traced train or eval
         step; a transform returns a function of the same arguments and results
         (pipeline and context parallelism replace the step's inner loop here).
+        In a Hybrid each member wraps the step the later members wrapped, so
+        the first member's transform is outermost.
         """
         return step_fn
-
-    # -- question 4: which rows this process feeds -------------------------------
-    def data_shard(
-        self,
-        mesh: Mesh,
-        process_index: int | None = None,
-        *,
-        process_ids: np.ndarray | None = None,
-    ) -> sh.DataShard:
-        """Which slice of the global data ``process_index`` feeds, from ``batch_sharding``.
-
-        Args:
-          mesh: the mesh from ``make_mesh``.
-          process_index: the process asking; ``jax.process_index()`` by default.
-          process_ids: the process owning each mesh device, shaped like the
-            mesh; the devices' own by default. Other ids plan a multi-host
-            layout from one host.
-        """
-        probe = jax.ShapeDtypeStruct((mesh.size,), np.float32)  # one global batch leaf
-        sharding = jax.tree.leaves(self.batch_sharding(probe, mesh))[0]
-        if not isinstance(sharding, NamedSharding):
-            raise TypeError(
-                f"{self!r}.batch_sharding gave {sharding!r}; data_shard reads the mesh axes "
-                "of a NamedSharding's leading dimension. Return NamedSharding(mesh, spec)."
-            )
-        if process_ids is None:
-            process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
-        return sh.data_shard_of(
-            process_ids,
-            mesh.axis_names,
-            sh.leading_axes(sharding.spec),
-            jax.process_index() if process_index is None else process_index,
-        )

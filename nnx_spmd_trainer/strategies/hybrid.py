@@ -5,16 +5,71 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Any, final
+from typing import Any, NamedTuple, final
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies.base import Axes, Jit, Strategy
+
+
+class _Call(NamedTuple):
+    """How a Hybrid calls a member's answer to one question (placeholders for the values)."""
+
+    args: tuple[str, ...]
+    kwargs: tuple[str, ...]
+    signature: str
+
+
+#: Every question, and how a Hybrid asks it of a member (passing the answer so far).
+QUESTIONS: dict[str, _Call] = {
+    "state_shardings": _Call(
+        ("abstract_state", "mesh"),
+        ("proposed",),
+        "state_shardings(self, abstract_state, mesh, proposed=None)",
+    ),
+    "batch_sharding": _Call(
+        ("batch", "mesh"), ("proposed",), "batch_sharding(self, batch, mesh, proposed=None)"
+    ),
+    "compile_step": _Call(
+        ("step_fn",),
+        ("in_shardings", "out_shardings", "donate_argnums", "jit"),
+        "compile_step(self, step_fn, *, in_shardings, out_shardings, donate_argnums=(), "
+        "jit=jax.jit)",
+    ),
+    "data_shard": _Call(
+        ("mesh", "process_index"),
+        ("process_ids", "proposed"),
+        "data_shard(self, mesh, process_index=None, *, process_ids=None, proposed=None)",
+    ),
+    "trace_context": _Call(("mesh",), (), "trace_context(self, mesh)"),
+    "transform_step": _Call(("step_fn",), (), "transform_step(self, step_fn)"),
+}
+
+
+def _check_overrides(member: Strategy) -> None:
+    """Raises TypeError if ``member`` overrides a question with parameters a Hybrid cannot pass."""
+    for name, call in QUESTIONS.items():
+        if getattr(type(member), name) is getattr(Strategy, name):
+            continue  # the default answer: it takes what a Hybrid passes
+        try:
+            signature = inspect.signature(getattr(member, name))
+        except (TypeError, ValueError):
+            continue  # no readable signature (a builtin): the call itself will tell
+        try:
+            signature.bind(*call.args, **dict.fromkeys(call.kwargs))
+        except TypeError as error:
+            raise TypeError(
+                f"Hybrid member {member!r} overrides {name}{signature}, which cannot take what a "
+                f"Hybrid passes ({error}): a Hybrid gives every member the answer so far. "
+                f"Define it as {call.signature} and start from super()'s answer."
+            ) from None
 
 
 @final
@@ -24,9 +79,14 @@ class Hybrid(Strategy):
 
     The joint answer (all members' axes and rules; a logical axis two
     members map differently is an error) is proposed to the first member,
-    whose answer is proposed to the next, and so on. ``compile_step`` nests
-    the members' ``compile_step`` as middleware, the first outermost. To
-    change one answer, subclass a member, not Hybrid (it is final).
+    whose answer is proposed to the next, and so on, for every question (see
+    ``strategies.base``): ``state_shardings``, ``batch_sharding`` and
+    ``data_shard`` pass ``proposed=``; ``compile_step`` nests the members as
+    middleware through ``jit=``, ``trace_context`` nests their contexts and
+    ``transform_step`` their wrappers, the first member outermost. A member
+    whose override cannot take the answer so far (no ``proposed=``, say) is
+    refused here, at construction. To change one answer, subclass a member,
+    not Hybrid (it is final).
 
     >>> from nnx_spmd_trainer import FSDP, TensorParallel
     >>> Hybrid(FSDP(4), TensorParallel(2)).mesh_axes()
@@ -47,6 +107,8 @@ class Hybrid(Strategy):
                 f"Hybrid members must be strategies, got {strangers!r}; "
                 "e.g. Hybrid(FSDP(4), TensorParallel(2))."
             )
+        for member in members:
+            _check_overrides(member)
         # Frozen: the dataclass way to set fields in a hand-written __init__.
         object.__setattr__(self, "members", members)
         object.__setattr__(self, "rules", tuple(rules))
@@ -107,6 +169,20 @@ class Hybrid(Strategy):
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
+
+    def data_shard(
+        self,
+        mesh: Mesh,
+        process_index: int | None = None,
+        *,
+        process_ids: np.ndarray | None = None,
+        proposed: sh.DataShard | None = None,
+    ) -> sh.DataShard:
+        # The joint default reads this Hybrid's batch_sharding: every member already asked.
+        shard = super().data_shard(mesh, process_index, process_ids=process_ids, proposed=proposed)
+        for member in self.members:
+            shard = member.data_shard(mesh, process_index, process_ids=process_ids, proposed=shard)
+        return shard
 
     @contextlib.contextmanager
     def trace_context(self, mesh: Mesh) -> Iterator[None]:
