@@ -6,8 +6,12 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer.sharding import (
     DataShard,
+    FedDimension,
     ShardingError,
     data_shard_of,
+    dimension_axes,
+    fed_dimension,
+    global_batch_shape,
     merge_rules,
     resolve_spec,
     shard_largest_dim,
@@ -146,3 +150,25 @@ def test_data_shard_of_refuses_layouts_no_slice_fits():
         data_shard_of(np.arange(8) // 4, ("data",), ("data",), 5)
     with pytest.raises(ShardingError, match=r"batch axes \['fsdp'\] are not mesh axes"):
         data_shard_of(np.arange(8) // 4, ("data",), ("fsdp",), 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fed"),
+    [
+        (P(), (0, ())),
+        (P("data"), (0, ("data",))),
+        (P(("fsdp", "model")), (0, ("fsdp", "model"))),
+        (P(None, "data"), (1, ("data",))),
+        (P(None, None, ("data", "model"), "fsdp"), (2, ("data", "model"))),
+    ],
+)
+def test_fed_dimension_is_the_first_split_one(spec, fed):
+    assert fed_dimension(spec) == FedDimension(*fed)
+
+
+def test_dimension_axes_and_global_batch_shape():
+    assert dimension_axes(P(None, "data"), 3) == ((), ("data",), ())
+    assert dimension_axes(P(("fsdp", "model"))) == (("fsdp", "model"),)
+    assert global_batch_shape((4, 6, 2), P(None, "data"), 3) == (4, 18, 2)
+    assert global_batch_shape((4, 6), P("data", "model"), 2) == (8, 6)
+    assert global_batch_shape((4, 6), P(), 2) == (8, 6)  # nothing split: the rows are fed

@@ -111,7 +111,7 @@ def test_member_overrides_state_and_batch_inside_hybrid_and_still_trains():
     assert specs["model/l3/kernel"] == P("fsdp")
     assert specs["optimizer/opt_state/0/mu/l1/kernel"] == P("fsdp", "model")
 
-    placed = trainer.place(batches[0])
+    placed = trainer.placement.place(batches[0])
     assert placed["x"].sharding.spec == P(("fsdp", "model"))
     assert placed["x"].sharding.shard_shape(placed["x"].shape) == (2, 16)
 
@@ -127,7 +127,7 @@ def test_member_compile_step_wraps_the_trainers_step():
     trainer = build(Hybrid(FSDP(4, min_size=64), CountCompiles(2)))
     trainer.fit(make_batches(3), max_steps=3)
     assert len(CountCompiles.compiles) == 1  # the train step, compiled once
-    trainer.request_log_every(2)  # a log point: the step's variant with norms, compiled once
+    trainer.report.request_log_every(2)  # a log point: the step's variant with norms, compiled once
     trainer.fit(make_batches(3), max_steps=6)
     assert len(CountCompiles.compiles) == 2
     assert CountCompiles.traces == CountCompiles.compiles  # traced once, not per step
@@ -311,3 +311,104 @@ def test_data_shard_refuses_interleaved_processes():
 def test_one_real_process_feeds_everything(strategy):
     assert jax.process_count() == 1
     assert strategy.data_shard(strategy.make_mesh()) == DataShard(index=0, count=1)
+
+
+class FeedEverything(TensorParallel):
+    """Overrides question 4: every process feeds the whole batch (records its proposal)."""
+
+    proposed: ClassVar[list[DataShard]] = []
+
+    def data_shard(self, mesh, process_index=None, *, process_ids=None, proposed=None):
+        shard = super().data_shard(mesh, process_index, process_ids=process_ids, proposed=proposed)
+        type(self).proposed.append(shard)
+        return DataShard(index=0, count=1)
+
+
+class SplitFeatures(DataParallel):
+    """Overrides question 2: its axis splits the batch's dimension 1 instead of the rows."""
+
+    def batch_sharding(self, batch, mesh, proposed=None):
+        return jax.tree.map(lambda _: NamedSharding(mesh, P(None, self.axis)), batch)
+
+
+def test_a_members_data_shard_override_takes_effect_inside_hybrid():
+    FeedEverything.proposed.clear()
+    assert simulated(Hybrid(FSDP(4), TensorParallel(2)), 2) == [(0, 2), (1, 2)]
+    assert simulated(Hybrid(FSDP(4), FeedEverything(2)), 2) == [(0, 1), (0, 1)]
+    # It was proposed the joint answer, read from the Hybrid's batch sharding.
+    assert FeedEverything.proposed == [(0, 2), (1, 2)]
+    # Alone too, and the proposal is kept when nothing overrides.
+    assert simulated(FeedEverything(8), 2) == [(0, 1), (0, 1)]
+    mesh = FSDP().make_mesh()
+    assert FSDP().data_shard(mesh, proposed=DataShard(3, 4)) == DataShard(3, 4)
+    hybrid = Hybrid(FSDP(4), TensorParallel(2))
+    assert hybrid.data_shard(hybrid.make_mesh(), proposed=DataShard(1, 2)) == DataShard(1, 2)
+
+
+def test_data_shard_reads_the_split_dimension_not_only_the_rows():
+    # The batch axes split dimension 1: each process feeds its block of that dimension.
+    assert simulated(SplitFeatures(), 2) == [(0, 2), (1, 2)]
+    assert simulated(Hybrid(SplitFeatures(4), TensorParallel(2)), 4) == [
+        (0, 4),
+        (1, 4),
+        (2, 4),
+        (3, 4),
+    ]
+    # A model axis spanning the processes still means the same data for both.
+    assert simulated(Hybrid(TensorParallel(2), SplitFeatures(4)), 2) == [(0, 1), (0, 1)]
+
+
+# -- an override that cannot take the answer so far is refused when the Hybrid is built --
+class NoProposed(FSDP):
+    def state_shardings(self, abstract_state, mesh):  # no proposed=: cannot be chained
+        return super().state_shardings(abstract_state, mesh)
+
+
+class NoJit(TensorParallel):
+    def compile_step(self, step_fn, *, in_shardings, out_shardings, donate_argnums=()):
+        return jax.jit(step_fn, in_shardings=in_shardings, out_shardings=out_shardings)
+
+
+class OldDataShard(DataParallel):
+    def data_shard(self, mesh, process_index=None, *, process_ids=None):
+        return DataShard(0, 1)
+
+
+class PositionalBatch(DataParallel):
+    def batch_sharding(self, batch, mesh, proposed, extra):  # a parameter nobody passes
+        return proposed
+
+
+@pytest.mark.parametrize(
+    ("member", "message"),
+    [
+        (
+            NoProposed(4),
+            r"Hybrid member NoProposed\(4\) overrides state_shardings\(abstract_state, mesh\)"
+            r".*unexpected keyword argument 'proposed'.*Define it as "
+            r"state_shardings\(self, abstract_state, mesh, proposed=None\)",
+        ),
+        (
+            NoJit(2),
+            r"Hybrid member NoJit\(2\) overrides compile_step.*'jit'.*Define it as "
+            r"compile_step\(self, step_fn, \*, in_shardings, out_shardings, "
+            r"donate_argnums=\(\), jit=jax.jit\)",
+        ),
+        (OldDataShard(2), r"OldDataShard\(2\) overrides data_shard.*proposed=None\)"),
+        (PositionalBatch(2), r"PositionalBatch\(2\) overrides batch_sharding.*'extra'"),
+    ],
+)
+def test_hybrid_refuses_an_override_that_cannot_take_the_answer_so_far(member, message):
+    with pytest.raises(TypeError, match=message):
+        Hybrid(member, TensorParallel(2) if not isinstance(member, TensorParallel) else FSDP(4))
+
+
+def test_a_wrong_override_still_works_alone():
+    trainer = build(NoProposed(8, min_size=64))
+    assert trainer.model.l1.kernel.get_value().sharding.spec == P(None, "fsdp")
+
+
+def test_overrides_taking_the_answer_so_far_are_accepted():
+    # **kwargs (CountCompiles), proposed= (ReplicateBias, BatchOverModel), proposed= here.
+    Hybrid(ReplicateBias(2), BatchOverModel(2), CountCompiles(2, axis="tp"))
+    Hybrid(FSDP(4), FeedEverything(2))
