@@ -231,11 +231,6 @@ def shard_shape(shape: Sequence[int], spec: P, mesh: Mapping[str, int]) -> tuple
     )
 
 
-def leading_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes that split a spec's leading (batch) dimension, in order."""
-    return _axis_names(spec[0]) if len(spec) else ()
-
-
 def dimension_axes(spec: P, ndim: int | None = None) -> tuple[tuple[str, ...], ...]:
     """The mesh axes splitting each dimension of a spec (``ndim`` entries, padded with ``()``).
 

@@ -397,6 +397,7 @@ class PositionalBatch(DataParallel):
         (OldDataShard(2), r"OldDataShard\(2\) overrides data_shard.*proposed=None\)"),
         (PositionalBatch(2), r"PositionalBatch\(2\) overrides batch_sharding.*'extra'"),
     ],
+    ids=["state_shardings", "compile_step", "data_shard", "batch_sharding"],
 )
 def test_hybrid_refuses_an_override_that_cannot_take_the_answer_so_far(member, message):
     with pytest.raises(TypeError, match=message):
