@@ -107,7 +107,7 @@ def trainer_loop(work: Workload, strategy: Any, **options: Any) -> Callable[[], 
         start = time.perf_counter()
         trainer.fit(work.batches, max_steps=trainer.step + len(work.batches))
         jax.block_until_ready(trainer.state)
-        trainer.flush_train_metrics()
+        trainer.report.flush(trainer.progress.epoch)
         return (time.perf_counter() - start) / len(work.batches)
 
     return run
@@ -117,7 +117,7 @@ def floor_loop(work: Workload, strategy: Any) -> Callable[[], float]:
     """Split state, ``jax.jit`` with donation, the loss averaged on device, two in flight."""
     trainer = Trainer(work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn)
     graphdef, state = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
-    shardings = trainer.state_shardings
+    shardings = trainer.plan.shardings
     batch_sharding = strategy.batch_sharding(work.batches[0], trainer.mesh)
 
     def step(state: Any, metrics: Any, batch: dict) -> Any:
@@ -269,9 +269,10 @@ def memory(quick: bool) -> list[dict[str, Any]]:
         table = sharding_table(trainer.state)
         per_device = sum(row["bytes_per_device"] for row in table)
         total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state))
-        compiled = trainer.lower_train_step(work.batches[0]).compile().memory_analysis()
+        lowered = trainer.plan.lower(work.batches[0], train_step=trainer.train_step)
+        compiled = lowered.compile().memory_analysis()
         arguments = getattr(compiled, "argument_size_in_bytes", None)
-        ideal = total / trainer.num_devices
+        ideal = total / trainer.mesh.size
         rows.append(
             {
                 "strategy": name,

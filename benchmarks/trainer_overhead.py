@@ -71,7 +71,7 @@ def time_trainer(trainer: Trainer, data: list[dict]) -> float:
 def time_hand_written(trainer: Trainer, data: list[dict]) -> float:
     """The reference loop, using the trainer only for its already-sharded state."""
     graphdef, state = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
-    shardings = trainer.state_shardings
+    shardings = trainer.plan.shardings
     batch_sharding = trainer.strategy.batch_sharding(data[0], trainer.mesh)
 
     def step(state, batch):

@@ -21,14 +21,13 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback, Logs
-from nnx_spmd_trainer.prefetch import has_position
+from nnx_spmd_trainer import Callback, Logs, RunState
+from nnx_spmd_trainer.prefetch import as_position, has_position
 
 from .checkpoint_checks import (
     DamagedCheckpoint,
     agree_on_damage,
     check_same_model,
-    restore_targets,
 )
 from .fingerprint import (
     FingerprintRestore,
@@ -74,15 +73,16 @@ class OrbaxCheckpoint(Callback):
     * ``data``: a Grain iterator's position (``grain.checkpoint.CheckpointSave``),
       when ``train_data`` is a Grain dataset; other iterables are resumed by
       reading and discarding the batches already trained on (with a warning);
-    * ``meta`` (JSON): step, epoch, batches into the epoch, every callback's
-      ``state_dict`` by ``state_key``, library versions, strategy, mesh, config;
+    * ``meta`` (JSON): the run state's host part (step, epoch, batches into the
+      epoch, every callback's ``state_dict`` by ``state_key``), library
+      versions, strategy, mesh, config;
     * ``fingerprints``: a fingerprint of every leaf and whether all are finite,
       computed on the devices and written in the background, checked on restore.
 
     Saving blocks training only while the arrays are copied off the devices;
     the write goes on in the background and is waited for at the end of
     ``fit`` and on an exception. A step whose loss is not finite, or any step
-    after ``trainer.nonfinite_step``, is never saved.
+    after ``trainer.progress.nonfinite_step``, is never saved.
 
     At the start of ``fit`` it restores ``restore``: ``"latest"`` (default),
     ``"best"`` (by ``monitor``), a step number, a step directory (of any
@@ -199,9 +199,9 @@ class OrbaxCheckpoint(Callback):
     # -- saving --------------------------------------------------------------------------
     def _savable(self, step: int) -> bool:
         trainer = self.trainer
-        if trainer.nonfinite_step is not None or step in self.manager.all_steps():
+        if trainer.progress.nonfinite_step is not None or step in self.manager.all_steps():
             return False
-        loss = trainer.last_loss
+        loss = trainer.report.last_loss
         return loss is None or math.isfinite(float(np.asarray(jax.device_get(loss))))
 
     def save(self, step: int, *, force: bool = False) -> bool:
@@ -209,23 +209,21 @@ class OrbaxCheckpoint(Callback):
         self._check_last_saved()
         if not self._savable(step):
             return False
-        trainer = self.trainer
-        state = trainer.state
+        run = self.trainer.run_state()
         items: dict[str, Any] = {
-            "state": ocp.args.StandardSave(state),
-            "train_metrics": ocp.args.StandardSave(trainer.train_metrics),
-            "meta": ocp.args.JsonSave(self._meta(step)),
+            "state": ocp.args.StandardSave(run.state),
+            "train_metrics": ocp.args.StandardSave(run.train_metrics),
+            "meta": ocp.args.JsonSave(self._meta(step, run)),
         }
-        iterator = trainer.train_iterator
-        if has_position(iterator):  # where the next step's batch starts, even read ahead
-            items["data"] = grain.checkpoint.CheckpointSave(trainer.train_position())
+        if run.data is not None:  # where the next step's batch starts, even read ahead
+            items["data"] = grain.checkpoint.CheckpointSave(as_position(run.data))
         pending = PendingSummary()
         items["fingerprints"] = FingerprintSave(pending)
         logged = self._seen.get(self.monitor) if self.monitor else None
         metric = logged[1] if logged is not None and logged[0] == step else None
 
         def summarize_state() -> None:
-            summary = summarize({"state": state, "train_metrics": trainer.train_metrics})
+            summary = summarize(run.arrays())
             pending.set(summary)
             self._last_saved = (step, summary["finite"])
 
@@ -257,16 +255,13 @@ class OrbaxCheckpoint(Callback):
                 label="nonfinite",
             )  # fmt: skip
 
-    def _meta(self, step: int) -> dict[str, Any]:
+    def _meta(self, step: int, run: RunState) -> dict[str, Any]:
         trainer = self.trainer
         return {
+            **run.host(),
             "step": step,
-            "epoch": trainer.epoch,
-            "batches_in_epoch": trainer.batches_in_epoch,
-            "train_metric_steps": trainer.train_metric_steps,
-            "data": "grain" if has_position(trainer.train_iterator) else "skip",
+            "data": "grain" if run.data is not None else "skip",
             "monitor": {self.monitor: self._seen.get(self.monitor)} if self.monitor else {},
-            "callbacks": trainer.callbacks.state_dict(),
             "versions": _versions(),
             "strategy": repr(trainer.strategy),
             "mesh": dict(trainer.mesh.shape),
@@ -329,23 +324,19 @@ class OrbaxCheckpoint(Callback):
             raise FileNotFoundError(
                 f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
             )
-        check_same_model(path, step, self.trainer.state)
+        target = self.trainer.run_state(abstract=True)  # shapes and layouts: no array built
+        check_same_model(path, step, target.state)
         if not (path / "commit_success.txt").exists():
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} has no commit marker: it was not finished"
             )
-        trainer = self.trainer
-        target_state = restore_targets(trainer.state, trainer.state_leaf_shardings)
-        target_metrics = restore_targets(
-            trainer.empty_metrics(), jax.tree.map(lambda x: x.sharding, trainer.train_metrics)
-        )
         try:
             saved = dict(
                 manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target_state),
-                        train_metrics=ocp.args.StandardRestore(target_metrics),
+                        state=ocp.args.StandardRestore(target.state),
+                        train_metrics=ocp.args.StandardRestore(target.train_metrics),
                         meta=ocp.args.JsonRestore(),
                         fingerprints=FingerprintRestore(),
                     ),
@@ -373,20 +364,13 @@ class OrbaxCheckpoint(Callback):
         return saved
 
     def _apply(self, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]) -> None:
-        trainer, meta = self.trainer, saved["meta"]
+        meta = saved["meta"]
         self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
-        trainer.state = saved["state"]
-        trainer.train_metrics = saved["train_metrics"]
-        trainer.train_metric_steps = int(meta["train_metric_steps"])
-        trainer.callbacks.load_state_dict(meta["callbacks"])
         restore_data = None
         if meta["data"] == "grain":
             restore_data = lambda iterator: self._restore_iterator(manager, step, iterator, meta)  # noqa: E731
-        trainer.resume_data_at(
-            epoch=int(meta["epoch"]),
-            batches=int(meta["batches_in_epoch"]),
-            restore_iterator=restore_data,
-        )
+        arrays = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
+        self.trainer.load_run_state(RunState.from_saved(arrays, meta, data=restore_data))
 
     def _restore_iterator(
         self, manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict
@@ -488,8 +472,7 @@ class OrbaxCheckpoint(Callback):
     def _save_for_preemption(self, step: int) -> None:
         self.save(step, force=True)
         self.manager.wait_until_finished()
-        self.trainer.preempted = True
-        self.trainer.stop_training = True
+        self.trainer.request_stop(preempted=True)
         if self.report is not None:
             self.report(f"preempted: saved step {step} in {self.directory}; run again to resume")
 

@@ -1,4 +1,4 @@
-"""Reading one checkpoint step safely: restore targets, model match, damage agreed on."""
+"""Reading one checkpoint step safely: model match, damage agreed on."""
 
 from __future__ import annotations
 
@@ -16,18 +16,6 @@ from nnx_spmd_trainer.sharding import path_str
 
 class DamagedCheckpoint(Exception):
     """A checkpoint step that cannot be trusted; the message names its step and path."""
-
-
-def restore_targets(tree: Any, shardings: Any) -> Any:
-    """Restore targets: each leaf's shape and dtype, laid out as this trainer lays it out."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-        ],
-    )
 
 
 def _as_stored(x: Any) -> tuple[tuple[int, ...], str]:

@@ -11,7 +11,7 @@ from nnx_spmd_trainer import Callback, Logs
 
 
 class EarlyStopping(Callback):
-    """Sets ``trainer.stop_training`` after ``patience`` checks without improvement.
+    """Stops training (``trainer.request_stop()``) after ``patience`` checks without improvement.
 
     A check happens whenever ``monitor`` is in ``logs`` during ``fit``: after
     each evaluation for ``"eval/..."`` keys, at each ``MetricsLogger`` log
@@ -84,7 +84,7 @@ class EarlyStopping(Callback):
         self.wait += 1
         if self.wait >= self.patience:
             self.stopped_step = step
-            self.trainer.stop_training = True
+            self.trainer.request_stop()
 
     @override
     def on_train_begin(self, logs: Logs) -> None:

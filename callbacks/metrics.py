@@ -34,4 +34,4 @@ class MetricsLogger(Callback):
     @override
     def set_trainer(self, trainer: Trainer) -> None:
         super().set_trainer(trainer)
-        trainer.request_log_every(self.log_every_n_steps)
+        trainer.report.request_log_every(self.log_every_n_steps)

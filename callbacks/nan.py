@@ -14,26 +14,26 @@ from nnx_spmd_trainer import Callback, Logs
 class TerminateOnNaN(Callback):
     """Stops training when the loss becomes NaN or infinite, and names the step.
 
-    Every step it keeps a reference to ``trainer.last_loss`` (still on device:
+    Every step it keeps a reference to ``trainer.report.last_loss`` (still on device:
     no copy). Every ``check_every_n_steps`` steps it copies to the host, in one
     transfer, only the kept losses of steps the trainer has already waited for
-    (those at least ``trainer.max_steps_in_flight`` steps old), so checking
+    (those at least ``trainer.placement.max_steps_in_flight`` steps old), so checking
     never stalls the pipeline; at log points, epoch ends and the end of fit,
     where the devices are synced anyway, it checks them all. The step it
     reports is the *first* non-finite one, exactly; training stops a few
     steps after it.
 
     Contract with checkpointing (and anything else that must not persist a
-    diverged state): on detection it sets ``trainer.stop_training = True`` and
-    ``trainer.nonfinite_step = <first bad step>``. A checkpoint callback must
-    skip saving while ``trainer.nonfinite_step is not None``, and must check
-    that the loss of the step it saves is finite (``trainer.last_loss``: saving
+    diverged state): on detection it calls
+    ``trainer.request_stop(nonfinite_step=<first bad step>)``. A checkpoint callback must
+    skip saving while ``trainer.progress.nonfinite_step is not None``, and must check
+    that the loss of the step it saves is finite (``trainer.report.last_loss``: saving
     waits for that step anyway), which covers the few steps not yet checked
     here. Losses of a diverged model stay non-finite, so no NaN state is saved.
 
     Attributes:
       stopped_step: the first step whose loss was not finite, or ``None``
-        (reset, with ``trainer.nonfinite_step``, when a new ``fit`` begins).
+        (reset, with ``trainer.progress.nonfinite_step``, when a new ``fit`` begins).
 
     Example::
 
@@ -67,8 +67,7 @@ class TerminateOnNaN(Callback):
     def _stop(self, step: int, value: float) -> None:
         self._pending.clear()
         self.stopped_step = step
-        self.trainer.stop_training = True
-        self.trainer.nonfinite_step = step
+        self.trainer.request_stop(nonfinite_step=step)
         warnings.warn(
             f"TerminateOnNaN: the loss is {value} at step {step}; training stopped at step "
             f"{self.trainer.step}. Restore a checkpoint from before step {step} and lower the "
@@ -81,19 +80,18 @@ class TerminateOnNaN(Callback):
     def on_train_begin(self, logs: Logs) -> None:
         # A new fit (typically after restoring a good checkpoint) starts clean.
         self._pending.clear()
-        self.stopped_step = None
-        self.trainer.nonfinite_step = None
+        self.stopped_step = None  # the trainer clears progress.nonfinite_step itself
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self.stopped_step is not None:
             return
-        assert self.trainer.last_loss is not None
-        self._pending.append((step, self.trainer.last_loss))
+        assert self.trainer.report.last_loss is not None
+        self._pending.append((step, self.trainer.report.last_loss))
         if "train/loss" in logs:  # a log point: the devices were just synced for the metrics
             self.check()
         elif step % self.check_every_n_steps == 0:
-            self.check(through_step=step - self.trainer.max_steps_in_flight)
+            self.check(through_step=step - self.trainer.placement.max_steps_in_flight)
 
     @override
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:

@@ -29,7 +29,7 @@ class ProgressBar(Callback):
 
     Args:
       total: the number of steps, for the bar's length and ETA (fit's
-        ``max_steps``); default ``trainer.max_steps``, or a plain counter
+        ``max_steps``); default ``trainer.progress.max_steps``, or a plain counter
         when fit runs by epochs.
       file: where to write; default ``sys.stdout`` at the time fit begins.
       use_tqdm: force the bar on or off; default: on when ``file`` is a TTY.
@@ -76,7 +76,7 @@ class ProgressBar(Callback):
         if use_tqdm:
             total = self.total
             if total is None:
-                total = self.trainer.max_steps
+                total = self.trainer.progress.max_steps
             self._bar = tqdm(total=total, initial=self.trainer.step, file=self._out, desc="train")
 
     @override

@@ -4,6 +4,8 @@ from nnx_spmd_trainer import distributed
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.pipeline import grain_pipeline
+from nnx_spmd_trainer.plan import Plan
+from nnx_spmd_trainer.run_state import Progress, RunState
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import sharding_table
 from nnx_spmd_trainer.step import masked_mean
@@ -24,6 +26,9 @@ __all__ = [
     "DataParallel",
     "History",
     "Logs",
+    "Plan",
+    "Progress",
+    "RunState",
     "Hybrid",
     "ShardingError",
     "Strategy",

@@ -59,6 +59,11 @@ class _BytesPosition:
         self.state = state
 
 
+def as_position(state: Any) -> Any:
+    """A ``get_state()`` value as an object ``grain.checkpoint.CheckpointSave`` can save."""
+    return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
+
+
 class Prefetch:
     """``(host_batch, placed_batch)`` pairs from ``iterator``, ``depth`` placed ahead.
 
@@ -108,8 +113,7 @@ class Prefetch:
         """What ``grain.checkpoint.CheckpointSave`` saves: where the next step's batch starts."""
         if self._thread is None:
             return self.iterator
-        state = self._position
-        return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
+        return as_position(self._position)
 
     def close(self) -> None:
         """Stops taking batches and sets the iterator back to the last batch a step took."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -115,3 +115,71 @@ class _Timer:
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds[self.what] += time.perf_counter() - self.start
+
+
+class MetricsReport:
+    """The training and evaluation metrics on the devices, and when they are read.
+
+    The accumulators stay on the devices between log points; ``flush`` is the
+    single device-to-host read of a log point, with what ``perf`` (the step
+    norms and host timings) adds.
+
+    Attributes:
+      train, eval: the on-device ``clu.metrics.Collection`` accumulators.
+      train_steps: steps accumulated in ``train`` since the last flush.
+      last_loss, last_batch: the last step's loss and global batch, still on
+        device (read them only when needed).
+      perf: norms and timings (``StepReport``).
+      track_norms: whether log points carry the global norms.
+    """
+
+    def __init__(
+        self,
+        empty: Callable[[], clu_metrics.Collection],
+        devices: Sequence[jax.Device],
+        *,
+        track_norms: bool = True,
+    ) -> None:
+        self.empty = empty
+        self.perf = StepReport(devices)
+        self.track_norms = track_norms
+        self.train, self.eval = empty(), empty()
+        self.train_steps = 0
+        self.last_loss: jax.Array | None = None
+        self.last_batch: Any = None
+        self._log_every: tuple[int, ...] = ()
+        self._warned: set[str] = set()
+
+    def request_log_every(self, n: int) -> None:
+        """Training metrics reach ``logs`` every ``n`` steps (each request adds its steps)."""
+        if n < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
+        self._log_every = tuple(sorted({*self._log_every, n}))
+
+    def is_log_step(self, step: int) -> bool:
+        """Whether training metrics are flushed into ``logs`` after ``step``."""
+        return any(step % n == 0 for n in self._log_every)
+
+    def compute(self, split: str = "train") -> Logs:
+        """Host floats of the ``split`` metrics accumulated since the last reset.
+
+        Values are global (computed over the whole sharded batch), so one replica suffices.
+        """
+        if split == "train" and self.train_steps == 0:
+            return {}
+        return metric_logs(self.train if split == "train" else self.eval, split, self._warned)
+
+    def reset(self, split: str = "train") -> None:
+        if split == "train":
+            self.train, self.train_steps = self.empty(), 0
+        else:
+            self.eval = self.empty()
+
+    def flush(self, epoch: int) -> Logs:
+        """Computes and resets the training metrics: ``{"train/loss": ...}``, with the
+        last step's norms, compile time and device memory (``perf``) and the epoch."""
+        logs = self.compute("train")
+        if logs:
+            logs.update(self.perf.read(), epoch=float(epoch))
+        self.reset("train")
+        return logs

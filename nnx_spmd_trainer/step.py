@@ -15,9 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from clu import metrics as clu_metrics
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -253,3 +254,79 @@ def traced_within(
             return step_fn(*args)
 
     return within
+
+
+def apply_gradients(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    loss: jax.Array,
+    aux: dict[str, jax.Array],
+    grads: nnx.State,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The default second half of a train step: one update, and the gradients' norm in
+    ``aux`` (XLA drops it from the steps that do not report it)."""
+    optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
+    return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
+
+
+class StepCompiler:
+    """Compiles the train and eval steps once per kind, batch structure and variant.
+
+    It needs shapes, not arrays: the state's layout comes from the plan's
+    abstract state, so a step can be lowered before any array of the state
+    exists (``Plan.lower``). The strategy is asked how to compile
+    (``compile_step``), what to enter while tracing (``trace_context``) and
+    how to wrap the step (``transform_step``).
+    """
+
+    def __init__(self, strategy: Any, mesh: Mesh, state_shardings: list[NamedSharding]) -> None:
+        self.strategy, self.mesh = strategy, mesh
+        self.state_shardings = state_shardings
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+
+    @property
+    def count(self) -> int:
+        """How many steps were compiled (a new one traces and compiles in its first call)."""
+        return len(self._compiled)
+
+    def get(
+        self,
+        kind: str,
+        batch: Batch,
+        *,
+        graphdef: nnx.GraphDef[Any],
+        treedef: Any,
+        fn: Callable[..., Any],
+        wrt: nnx.filterlib.Filter = nnx.Param,
+        norms: bool = False,
+        key: Any = (),
+    ) -> Callable[..., Any]:
+        """The jitted ``kind`` step ("train" or "eval") for batches shaped like ``batch``.
+
+        ``fn`` is the train step ``(model, optimizer, batch) -> (loss, aux)`` or the
+        eval function ``(model, batch) -> (loss, aux)``; ``key`` tells apart
+        settings ``fn`` reads at trace time (gradient accumulation).
+        """
+        cache_key = (kind, norms, graphdef, jax.tree.structure(batch), fn, key)
+        if cache_key in self._compiled:
+            return self._compiled[cache_key]
+        replicated = NamedSharding(self.mesh, P())
+        batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
+        if kind == "train":
+            built = make_train_step(graphdef, fn, wrt=wrt, norms=norms)
+            out: Any = (self.state_shardings, replicated, replicated, replicated)
+            donate: tuple[int, ...] = (0, 1)
+        else:
+            built = make_eval_step(graphdef, fn)
+            out, donate = replicated, ()
+        flat = over_flat_state(built, treedef, returns_state=kind == "train")
+        compiled = self.strategy.compile_step(
+            traced_within(
+                self.strategy.transform_step(flat), lambda: self.strategy.trace_context(self.mesh)
+            ),
+            in_shardings=(self.state_shardings, replicated, batch_sharding),
+            out_shardings=out,
+            donate_argnums=donate,
+        )
+        self._compiled[cache_key] = compiled
+        return compiled

@@ -1,13 +1,12 @@
-"""Trainer: owns the mesh, the model and the optimizer; runs fit and evaluate."""
+"""Trainer: the loop over a plan: fit and evaluate, the exception path, the public surface."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +15,26 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from nnx_spmd_trainer import data, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.placement import Placement
+from nnx_spmd_trainer.plan import Plan
 from nnx_spmd_trainer.prefetch import Prefetch, has_position
-from nnx_spmd_trainer.report import StepReport, metric_logs
-from nnx_spmd_trainer.state import LiveState, ModelFactory, leaf_shardings, model_builder
+from nnx_spmd_trainer.report import MetricsReport
+from nnx_spmd_trainer.run_state import Progress, RunState
+from nnx_spmd_trainer.state import LiveState, ModelFactory
 from nnx_spmd_trainer.step import LossFn
-from nnx_spmd_trainer.strategies import DataParallel, Strategy
+from nnx_spmd_trainer.strategies import Strategy
 
-DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
+
+def _set_position(iterator: Any, state: Any) -> bool:
+    if not has_position(iterator):
+        return False
+    iterator.set_state(state)
+    return True
 
 
 class Trainer:
@@ -36,9 +42,11 @@ class Trainer:
 
     Args:
       model: a factory ``rngs -> nnx.Module`` (run under jit inside the mesh,
-        so parameters are born sharded) or an already-built ``nnx.Module``
-        (built under ``nnx.use_eager_sharding(False)`` if annotated); its state
-        is moved onto the mesh and ``trainer.model`` is a new object holding it.
+        so parameters are born sharded), an already-built ``nnx.Module``
+        (built under ``nnx.use_eager_sharding(False)`` if annotated; its state
+        is moved onto the mesh and ``trainer.model`` is a new object holding
+        it), or a ``Plan`` (then give no optimizer, strategy, metrics, seed,
+        grad_accum_steps, wrt or devices: the plan holds them).
       optimizer: any optax ``GradientTransformation``; its ``update`` also gets
         ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
@@ -66,18 +74,24 @@ class Trainer:
         ``get_state`` is never read ahead.
       config: the run's configuration, for callbacks that record it.
 
+    The state is built when first needed (``model``, ``optimizer``, ``state``,
+    or the first step), so a checkpoint restored at the start of ``fit``
+    (``load_run_state``) is read straight into the plan's layout and the
+    initial state is never built.
+
     Attributes:
-      step: the global step, read from the optimizer's update count (the one counter).
-      epoch: the epoch of the running (or last) ``fit``, counted from 0 in each call
-        (or from the epoch a resumed run stopped in).
-      batches_in_epoch: batches taken from ``train_iterator`` in this epoch.
-      train_iterator: the iterator of the running (or last) epoch over ``train_data``
-        (a Grain ``DatasetIterator`` has ``get_state()``), ``None`` before the first.
-        While the epoch runs it is read ahead by the prefetch: ``train_position()``
-        is where the next step's batch starts.
-      train_metric_steps: steps accumulated in ``train_metrics`` since the last flush.
-      eval_every_n_steps: the running ``fit``'s evaluation interval, else ``None``.
-      data_shard: which rows this process feeds (``strategy.data_shard(mesh)``).
+      plan: the layout and the compiled steps (``Plan``); ``mesh`` and
+        ``strategy`` are its.
+      progress: where the running (or last) ``fit`` is (``Progress``: epoch,
+        batches, the train iterator and its position, preemption). Read-only
+        for callbacks: they ask with ``request_stop``.
+      report: the on-device metrics and the log schedule (``MetricsReport``;
+        ``report.request_log_every(n)``, ``report.last_loss``).
+      placement: batch placement (``Placement``: ``place``, ``data_shard``,
+        ``prefetch``, the in-flight bound).
+      stop_training: set it (Keras's convention) or ``request_stop()`` to end ``fit``
+        after the current step.
+      history: the logged values of every ``fit`` (a ``History`` callback).
 
     Example::
 
@@ -88,8 +102,8 @@ class Trainer:
 
     def __init__(
         self,
-        model: ModelFactory | nnx.Module,
-        optimizer: optax.GradientTransformation,
+        model: ModelFactory | nnx.Module | Plan,
+        optimizer: optax.GradientTransformation | None = None,
         *,
         strategy: Strategy | None = None,
         loss_fn: step.LossFn | None = None,
@@ -106,61 +120,82 @@ class Trainer:
         prefetch: int = 2,
         config: Any = None,
     ) -> None:
-        if loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
+        if isinstance(model, Plan):
+            given = {
+                "optimizer": optimizer is not None,
+                "strategy": strategy is not None,
+                "metrics": metrics is not None,
+                "seed": seed != 0,
+                "grad_accum_steps": grad_accum_steps != 1,
+                "wrt": wrt is not nnx.Param,
+                "devices": devices is not None,
+            }
+            if any(given.values()):
+                names = ", ".join(name for name, was in given.items() if was)
+                raise TypeError(
+                    f"Trainer(plan, ...) takes the layout from the plan; {names} belong to "
+                    "Plan(...). Give them there."
+                )
+            self.plan = model
+        else:
+            if optimizer is None:
+                raise TypeError("Trainer needs an optimizer: Trainer(model, optax.adam(1e-3)).")
+            self.plan = Plan(
+                model,
+                optimizer,
+                strategy=strategy,
+                loss_fn=loss_fn,
+                eval_fn=eval_fn,
+                metrics=metrics,
+                seed=seed,
+                grad_accum_steps=grad_accum_steps,
+                wrt=wrt,
+                devices=devices,
+            )
+        self._loss_fn = loss_fn or self.plan.loss_fn
+        self._eval_fn = eval_fn or self.plan.eval_fn
+        if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
-        if grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
-        self.strategy = strategy if strategy is not None else DataParallel()
-        self.mesh = self.strategy.make_mesh(devices)
-        self.data_shard = self.strategy.data_shard(self.mesh)
-        self.tx = optimizer
-        self.metrics_class = metrics if metrics is not None else DefaultMetrics
-        self.grad_accum_steps = grad_accum_steps
         self.config = config
-        self._loss_fn = loss_fn
-        self._eval_fn = eval_fn
-        self.max_steps_in_flight = max_steps_in_flight
-        self._in_flight = data.InFlight(max_steps_in_flight)
-        self._compiled: dict[Any, Callable[..., Any]] = {}
-        self._placements: dict[Any, Any] = {}
-        self._log_every: tuple[int, ...] = ()
+        self.placement = Placement(
+            self.plan.strategy,
+            self.plan.mesh,
+            self.plan.data_shard,
+            prefetch=prefetch,
+            max_steps_in_flight=max_steps_in_flight,
+        )
+        self.report = MetricsReport(
+            self.plan.empty_metrics, self.plan.mesh.local_devices, track_norms=track_norms
+        )
         if log_every_n_steps is not None:
-            self.request_log_every(log_every_n_steps)
-
-        self.wrt = wrt
-        self.track_norms = track_norms
-        self.prefetch = prefetch
-        self._batches: Prefetch | None = None
-        self.report = StepReport(self.mesh.local_devices)
-        self._warned_metrics: set[str] = set()
-        self.init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
-        self._live = LiveState(nnx.merge(self.init.graphdef, self.init()))
-        self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
-        self.epoch = 0
-        self.batches_in_epoch = 0
-        self.train_iterator: Iterator[Any] | None = None
-        self.eval_every_n_steps: int | None = None
-        #: Set by a callback that saved for a preemption; fit then ends without its final eval.
-        self.preempted = False
-        self._resume_at: data.DataPosition | None = None
+            self.report.request_log_every(log_every_n_steps)
+        self.progress = Progress()
         self.stop_training = False
-        self.train_metrics = self.empty_metrics()
-        self.eval_metrics = self.empty_metrics()
-        self.train_metric_steps = 0
-        #: The last step's loss and global batch, still on device (read them only when needed).
-        self.last_loss: jax.Array | None = None
-        self.last_batch: Any = None
-        #: Set by ``TerminateOnNaN`` to the first step whose loss was not finite; a
-        #: checkpoint callback must not save state from that step on.
-        self.nonfinite_step: int | None = None
-        self.max_steps: int | None = None
+        self._live: LiveState | None = None  # built when first needed
+        self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
         self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
         self._train_structure: Any = None
+        self._updates_per_step: dict[bool, int] = {}  # optimizer updates a compiled step makes
         self._last_eval_step = -1
         self.history = History()
         self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
 
+    @property
+    def mesh(self) -> Mesh:
+        """The ``jax.sharding.Mesh`` the strategy built."""
+        return self.plan.mesh
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
     # -- the state: one authority, the live objects ----------------------------------
+    def _objects(self) -> LiveState:
+        """The live objects, built from the plan's initialiser the first time."""
+        if self._live is None:
+            self._live = LiveState(nnx.merge(self.plan.graphdef, self.plan.materialize()))
+        return self._live
+
     @property
     def model(self) -> nnx.Module:
         """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``.
@@ -171,12 +206,12 @@ class Trainer:
         are what the next step trains. The steps set train/eval mode on their
         own copy; this object's mode is yours.
         """
-        return self._live.objects["model"]
+        return self._objects().objects["model"]
 
     @property
     def optimizer(self) -> nnx.Optimizer[nnx.Module]:
         """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
-        return self._live.objects["optimizer"]
+        return self._objects().objects["optimizer"]
 
     @property
     def state(self) -> nnx.State:
@@ -187,40 +222,35 @@ class Trainer:
         (``jax.tree.map(jnp.copy, trainer.state)`` on device, or ``jax.device_get``).
         Assigning ``trainer.state = saved`` places ``saved`` with the strategy's
         shardings into the live objects (``trainer.step`` follows its optimizer
-        step) and hands its arrays to the next step.
+        step) and hands its arrays to the next step; before the state was built,
+        it is never built.
         """
-        return self._live.as_state()
+        return self._objects().as_state()
 
     @state.setter
     def state(self, state: nnx.State) -> None:
         try:
-            placed = jax.device_put(state, self.init.shardings)
+            placed = jax.device_put(state, self.plan.shardings)
         except ValueError as error:
             raise ValueError(
                 "The assigned state does not have the trainer's structure "
                 f"({error}). Assign a state saved from a trainer built with the same model "
                 "and optimizer (trainer.state)."
             ) from error
-        nnx.update(self._live.objects, placed)
-        self._live.refresh()
+        if self._live is None:  # restored before the initial state was built: never build it
+            self._live = LiveState(nnx.merge(self.plan.graphdef, placed))
+        else:
+            nnx.update(self._live.objects, placed)
+            self._live.refresh()
         self._host_step = None  # the optimizer count came with the state
-
-    @property
-    def state_shardings(self) -> nnx.State:
-        """The NamedSharding of every state leaf, as the strategy answered."""
-        return self.init.shardings
-
-    @property
-    def state_leaf_shardings(self) -> list[NamedSharding]:
-        """The sharding of each array leaf of ``state``, in ``jax.tree.leaves`` order."""
-        return leaf_shardings(self.init.shardings, self._live.as_state())
 
     @property
     def step(self) -> int:
         """The global step: the optimizer's update count, read from the state.
 
         A host copy follows each step without a device sync; it is re-read from
-        the devices only after ``state`` was assigned.
+        the devices after ``state`` was assigned and after a step whose count
+        is not the one before plus one (a ``train_step`` that updates twice).
         """
         if self._host_step is None:
             count = self.optimizer.step.get_raw_value()
@@ -233,6 +263,69 @@ class Trainer:
         current = counter.get_raw_value()
         counter.set_raw_value(jax.device_put(np.asarray(value, current.dtype), current.sharding))
         self._host_step = int(value)
+
+    # -- the run state: what a checkpoint saves and restores ----------------------------
+    def run_state(self, *, abstract: bool = False) -> RunState:
+        """The run as it is now: state, metric accumulators, step, epoch and position
+        in it, the data position and every callback's state (``RunState``).
+
+        With ``abstract``, the arrays are ``jax.ShapeDtypeStruct`` targets laid out
+        as this trainer lays them out: restore into them and ``load_run_state`` the
+        result, and no array of the initial state is ever built.
+        """
+        position = self.progress.position()
+        if abstract:
+            state: Any = self.plan.state_targets()
+            metrics: Any = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                self.report.train,
+            )
+        else:
+            state, metrics = self.state, self.report.train
+        return RunState(
+            state=state,
+            train_metrics=metrics,
+            step=self.step,
+            epoch=self.progress.epoch,
+            batches_in_epoch=self.progress.batches_in_epoch,
+            train_metric_steps=self.report.train_steps,
+            callbacks=self.callbacks.state_dict(),
+            data=position.get_state() if has_position(position) else None,
+        )
+
+    def load_run_state(self, run: RunState) -> None:
+        """Puts a saved run back: the next ``fit`` goes on exactly where it stopped.
+
+        The state is placed with this trainer's shardings (from any layout), the
+        metric accumulators and callback states are set, and the next ``fit``
+        starts in ``run.epoch`` after its first ``run.batches_in_epoch`` batches:
+        the epoch's iterator is set to ``run.data`` (a ``get_state()`` value, or a
+        function ``iterator -> bool`` that sets it), or, without one, that many
+        batches are read and discarded, with a warning.
+        """
+        self.state = run.state
+        self.report.train = jax.device_put(run.train_metrics, self.plan.replicated)
+        self.report.train_steps = int(run.train_metric_steps)
+        self.callbacks.load_state_dict(dict(run.callbacks))
+        data_state = run.data
+        restore: Any = None
+        if callable(data_state):
+            restore = data_state
+        elif data_state is not None:
+            restore = lambda iterator: _set_position(iterator, data_state)  # noqa: E731
+        self.progress.resume_at = data.DataPosition(
+            int(run.epoch), int(run.batches_in_epoch), restore
+        )
+
+    def request_stop(self, *, preempted: bool = False, nonfinite_step: int | None = None) -> None:
+        """Ends ``fit`` after the current step (what a callback asks instead of writing
+        the trainer's fields). ``preempted``: a checkpoint was saved for a preemption
+        (``fit`` then ends without its final evaluation). ``nonfinite_step``: the first
+        step whose loss was not finite; no checkpoint saves from it on."""
+        self.stop_training = True
+        self.progress.preempted |= preempted
+        if nonfinite_step is not None and self.progress.nonfinite_step is None:
+            self.progress.nonfinite_step = nonfinite_step
 
     # -- what subclasses override ---------------------------------------------
     def loss_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -247,9 +340,9 @@ class Trainer:
 
         The default takes the gradients of ``loss_fn`` (``compute_gradients``)
         and updates the parameters with them. Override it to read or change
-        the gradients, add a loss, or update twice; gradient accumulation,
-        the on-device metrics (fed ``loss`` and ``aux``) and the strategy's
-        shardings keep working::
+        the gradients, add a loss, or update twice (``trainer.step`` follows
+        the optimizer's count); gradient accumulation, the on-device metrics
+        (fed ``loss`` and ``aux``) and the strategy's shardings keep working::
 
             class ClipByMyRule(Trainer):
                 def train_step(self, model, optimizer, batch):
@@ -258,113 +351,18 @@ class Trainer:
                     optimizer.update(model, grads, value=loss)
                     return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
         """
-        loss, aux, grads = self.compute_gradients(model, batch)
-        optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
-        # XLA drops the norm from the steps that do not report it.
-        return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
+        return step.apply_gradients(model, optimizer, *self.compute_gradients(model, batch))
 
     def compute_gradients(
         self, model: nnx.Module, batch: Any, loss_fn: LossFn | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
         """``(loss, aux, grads)`` of ``loss_fn`` (default ``self.loss_fn``) on ``batch``,
         with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches."""
-        return step.compute_gradients(
-            model,
-            batch,
-            loss_fn or self.loss_fn,
-            wrt=self.wrt,
-            grad_accum_steps=self.grad_accum_steps,
-            batch_sharding=self.strategy.batch_sharding(batch, self.mesh),
-        )
+        return self.plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
 
     def eval_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Evaluation loss and metrics inputs; defaults to ``loss_fn``."""
         return (self._eval_fn or self.loss_fn)(model, batch)
-
-    # -- metrics ----------------------------------------------------------------
-    def empty_metrics(self) -> clu_metrics.Collection:
-        """A fresh metrics collection, replicated on the mesh."""
-        return jax.device_put(self.metrics_class.empty(), NamedSharding(self.mesh, P()))
-
-    def compute_metrics(self, split: str = "train") -> Logs:
-        """Host floats of the metrics accumulated on device since the last reset.
-
-        This is the only place a training metric leaves the devices. Values are
-        global (computed over the whole sharded batch), so one replica suffices.
-        """
-        collection = self.train_metrics if split == "train" else self.eval_metrics
-        if split == "train" and self.train_metric_steps == 0:
-            return {}
-        return metric_logs(collection, split, self._warned_metrics)
-
-    def reset_metrics(self, split: str = "train") -> None:
-        if split == "train":
-            self.train_metrics = self.empty_metrics()
-            self.train_metric_steps = 0
-        else:
-            self.eval_metrics = self.empty_metrics()
-
-    def flush_train_metrics(self) -> Logs:
-        """Computes and resets the training metrics: ``{"train/loss": ...}``, with the
-        last step's norms, compile time and device memory (``StepReport``) and the epoch."""
-        logs = self.compute_metrics("train")
-        if logs:
-            logs.update(self.report.read(), epoch=float(self.epoch))
-        self.reset_metrics("train")
-        return logs
-
-    def request_log_every(self, n: int) -> None:
-        """Training metrics reach ``logs`` every ``n`` steps (each request adds its steps)."""
-        if n < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
-        self._log_every = tuple(sorted({*self._log_every, n}))
-
-    def is_log_step(self, step: int) -> bool:
-        """Whether training metrics are flushed into ``logs`` after ``step``."""
-        return any(step % n == 0 for n in self._log_every)
-
-    # -- compiled steps ------------------------------------------------------------
-    def _compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
-        live = self._live
-        batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
-        key = (kind, norms, live.graphdef, jax.tree.structure(batch), self.grad_accum_steps)
-        if key in self._compiled:
-            return self._compiled[key]
-        replicated = NamedSharding(self.mesh, P())
-        state_shardings = self.state_leaf_shardings
-        if kind == "train":
-            fn = step.make_train_step(live.graphdef, self.train_step, wrt=self.wrt, norms=norms)
-            out: Any = (state_shardings, replicated, replicated, replicated)
-            donate: tuple[int, ...] = (0, 1)
-        else:
-            fn = step.make_eval_step(live.graphdef, self.eval_fn)
-            out, donate = replicated, ()
-        flat = step.over_flat_state(fn, live.treedef, returns_state=kind == "train")
-        compiled = self.strategy.compile_step(
-            step.traced_within(
-                self.strategy.transform_step(flat), lambda: self.strategy.trace_context(self.mesh)
-            ),
-            in_shardings=(state_shardings, replicated, batch_sharding),
-            out_shardings=out,
-            donate_argnums=donate,
-        )
-        self._compiled[key] = compiled
-        return compiled
-
-    def place(self, batch: Any, *, divisor: int = 1) -> Any:
-        """This process's batch -> global arrays with the strategy's batch sharding.
-
-        The strategy is asked, and the batch checked, once per batch structure
-        and shapes; later batches of the same kind go straight to the devices.
-        """
-        leaves, treedef = jax.tree.flatten(batch)
-        key = (treedef, tuple(np.shape(x) for x in leaves), divisor)
-        shardings = self._placements.get(key)
-        if shardings is None:
-            shardings = self.strategy.batch_sharding(batch, self.mesh)
-            data.check_batch(batch, shardings, divisor=divisor, data_shards=self.data_shard.count)
-            self._placements[key] = shardings
-        return data.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
     def padded(self, batch: Any, *, divisor: int | None = None) -> Any:
         """``batch`` (a dict) with rows padded to a count the mesh can split, and a
@@ -376,26 +374,15 @@ class Trainer:
         ``masked_mean(per_example_losses, batch)``. ``divisor`` defaults to
         ``grad_accum_steps``.
         """
-        divisor = self.grad_accum_steps if divisor is None else divisor
-        shardings = self.strategy.batch_sharding(batch, self.mesh)
-        multiple = data.rows_multiple(shardings, divisor=divisor, data_shards=self.data_shard.count)
-        return data.pad_batch(batch, multiple)
+        divisor = self.plan.grad_accum_steps if divisor is None else divisor
+        return self.placement.padded(batch, divisor=divisor)
 
-    def _eval_batch(self, batch: Any) -> Any:
-        """An eval batch as is, or padded and masked if its rows do not split."""
-        leaves = jax.tree.leaves(batch)
-        if not isinstance(batch, Mapping) or not leaves or not np.shape(leaves[0]):
-            return batch  # placement names what is wrong
-        shardings = self.strategy.batch_sharding(batch, self.mesh)
-        multiple = data.rows_multiple(shardings, data_shards=self.data_shard.count)
-        return batch if len(leaves[0]) % multiple == 0 else data.pad_batch(batch, multiple)
-
-    def lower_train_step(self, batch: Any) -> Any:
-        """``jax.jit(...).lower`` of the train step on ``batch``, for memory/cost analysis."""
-        placed = self.place(batch, divisor=self.grad_accum_steps)
-        train_step = self._compile("train", placed)
-        with jax.set_mesh(self.mesh):
-            return train_step.lower(self._live.arrays(), self.train_metrics, placed)
+    def _compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
+        live = self._objects()
+        fn = self.train_step if kind == "train" else self.eval_fn
+        return self.plan.compiled(
+            kind, batch, fn=fn, norms=norms, graphdef=live.graphdef, treedef=live.treedef
+        )
 
     # -- the loops ---------------------------------------------------------------
     def fit(
@@ -421,13 +408,15 @@ class Trainer:
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
-        self.stop_training = self.preempted = False
-        self.max_steps = max_steps
-        self.eval_every_n_steps = eval_every_n_steps
+        self.stop_training = False
+        self.progress.preempted, self.progress.nonfinite_step = False, None
+        self.progress.max_steps = max_steps
+        self.progress.eval_every_n_steps = eval_every_n_steps
         self._train_steps, self._train_structure = {}, None  # compiled in each fit
         self._last_eval_step = -1
-        self._live.refresh()  # the user may have changed the model between fits
-        self.report.restart()
+        if self._live is not None:
+            self._live.refresh()  # the user may have changed the model between fits
+        self.report.perf.restart()
         try:
             self.callbacks.on_fit_start({})  # may restore state and resume_data_at(...)
             self.callbacks.on_train_begin({})
@@ -438,11 +427,11 @@ class Trainer:
                     f"max_steps={self.step} + n to train n more steps.",
                     stacklevel=2,
                 )
-            first = self._resume_at.epoch if self._resume_at else 0
+            first = self.progress.resume_at.epoch if self.progress.resume_at else 0
             for epoch in itertools.count(first) if epochs is None else range(first, epochs):
                 if self._done(max_steps):
                     break
-                self.epoch = epoch
+                self.progress.epoch = epoch
                 self.callbacks.on_epoch_begin(epoch, {})
                 if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
                     if epoch == first:
@@ -456,53 +445,36 @@ class Trainer:
                         stacklevel=2,
                     )
                     break
-                if self.preempted:  # mid-epoch: the resumed run ends this epoch, not us
+                if self.progress.preempted:  # mid-epoch: the resumed run ends this epoch, not us
                     break
                 self.callbacks.on_epoch_end(epoch, self._epoch_logs())
-            self._in_flight.drain()
-            if self.preempted:
+            self.placement.in_flight.drain()
+            if self.progress.preempted:
                 # The saved accumulators carry the steps since the last log point; a
                 # partial average logged here would be a point the resumed run never has.
                 self.callbacks.on_train_end({})
             else:
                 if eval_data is not None and self._last_eval_step != self.step:
                     self._evaluate(eval_data)
-                self.callbacks.on_train_end(self.flush_train_metrics())
+                self.callbacks.on_train_end(self.report.flush(self.progress.epoch))
             self.callbacks.on_fit_end({})
         except BaseException as error:
             self._abort(error)
             raise
         finally:
-            self.eval_every_n_steps = None
-            self._resume_at = None  # a resume point is for this fit only
+            self.progress.eval_every_n_steps = None
+            self.progress.resume_at = None  # a resume point is for this fit only
         return self.history
-
-    def resume_data_at(
-        self,
-        *,
-        epoch: int,
-        batches: int,
-        restore_iterator: Callable[[Iterator[Any]], bool] | None = None,
-    ) -> None:
-        """The next ``fit`` starts in ``epoch``, after its first ``batches`` batches.
-
-        When that epoch's iterator is created, ``restore_iterator(iterator)`` may
-        set its position (a Grain iterator's saved state) and return True;
-        otherwise the trainer reads and discards ``batches`` batches, with a
-        warning: exact, but it costs their loading time. A checkpoint callback
-        calls this from ``on_fit_start``.
-        """
-        self._resume_at = data.DataPosition(epoch, batches, restore_iterator)
 
     def _abort(self, error: BaseException) -> None:
         """The exception path of ``fit``: settle the devices, tell the callbacks."""
         with contextlib.suppress(Exception):  # a failed device step raises again here
-            self._in_flight.drain()
-        self._in_flight.clear()
-        self.train_iterator = self._batches = None
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.train_metrics)):
-            self.reset_metrics("train")  # donated to the failed step
-        if any(array.is_deleted() for array in self._live.arrays()):
+            self.placement.in_flight.drain()
+        self.placement.in_flight.clear()
+        self.progress.train_iterator = self.progress.batches = None
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.report.train)):
+            self.report.reset("train")  # donated to the failed step
+        if self._live and any(array.is_deleted() for array in self._live.arrays()):
             error.add_note(
                 f"nnx_spmd_trainer: the step after step {self._host_step} failed on the "
                 "devices after its input state was donated, so that state is lost; restore "
@@ -519,36 +491,42 @@ class Trainer:
     ) -> int:
         """One pass over ``train_data`` (or until done); returns the batches of the epoch
         taken, those a resumed run had taken before included."""
-        self.train_iterator = iterator = iter(train_data)
-        self.batches_in_epoch = 0
-        if self._resume_at is not None:
-            self.batches_in_epoch = data.seek(iterator, self._resume_at)
-            self._resume_at = None
+        self.progress.train_iterator = iterator = iter(train_data)
+        self.progress.batches_in_epoch = 0
+        if self.progress.resume_at is not None:
+            self.progress.batches_in_epoch = data.seek(iterator, self.progress.resume_at)
+            self.progress.resume_at = None
         # A one-shot iterator with no position cannot be set back after running ahead.
-        ahead = self.prefetch if iterator is not train_data or has_position(iterator) else 0
-        self._batches = Prefetch(
+        ahead = (
+            self.placement.prefetch if iterator is not train_data or has_position(iterator) else 0
+        )
+        self.progress.batches = batches = Prefetch(
             iterator,
-            lambda b: self.place(b, divisor=self.grad_accum_steps),
+            lambda b: self.placement.place(b, divisor=self.plan.grad_accum_steps),
             ahead,
-            waiting=lambda: self.report.timing("data_wait"),
+            waiting=lambda: self.report.perf.timing("data_wait"),
         )
         try:
             with jax.set_mesh(self.mesh):
                 self._train_batches(eval_data, max_steps, eval_every_n_steps)
         finally:
-            self._batches.close()  # the iterator is left exactly after the last step's batch
-        return self.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
+            batches.close()  # the iterator is left exactly after the last step's batch
+        return self.progress.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
 
     def _train_batches(
         self, eval_data: Iterable[Any] | None, max_steps: int | None, eval_every_n_steps: int | None
     ) -> None:
-        assert self._batches is not None
-        for _, batch in self._batches:
-            self.batches_in_epoch += 1
+        assert self.progress.batches is not None
+        for _, batch in self.progress.batches:
+            self.progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             self.callbacks.on_train_batch_begin(self.step, {})
-            self._train_one(batch, norms=self.track_norms and self.is_log_step(self.step + 1))
-            logs = self.flush_train_metrics() if self.is_log_step(self.step) else {}
+            self._train_one(
+                batch, norms=self.report.track_norms and self.report.is_log_step(self.step + 1)
+            )
+            logs = (
+                self.report.flush(self.progress.epoch) if self.report.is_log_step(self.step) else {}
+            )
             self.callbacks.on_train_batch_end(self.step, logs)
             if eval_every_n_steps and self.step % eval_every_n_steps == 0:
                 assert eval_data is not None
@@ -558,46 +536,47 @@ class Trainer:
             if self._done(max_steps):
                 break
 
-    def train_position(self) -> Any:
-        """The position of the next training batch, for ``grain.checkpoint.CheckpointSave``:
-        the Grain iterator itself, or, while batches are prefetched ahead of it, a
-        ``Position`` recorded after the last batch a step took."""
-        return self._batches.position() if self._batches else self.train_iterator
-
     def _train_one(self, batch: Any, *, norms: bool) -> None:
         structure = jax.tree.structure(batch)
-        known = len(self._compiled)
+        known = self.plan.steps.count
         if self._train_structure is None or structure != self._train_structure:
             self._train_steps, self._train_structure = {}, structure
+            self._updates_per_step = {}
         count = self.step  # before dispatch: afterwards the counter is a future array
-        if norms not in self._train_steps:
+        live = self._objects()
+        first = norms not in self._train_steps
+        if first:
             self._train_steps[norms] = self._compile("train", batch, norms=norms)
         # A new step traces and compiles in its first call (dispatch is asynchronous).
         timing = (
-            self.report.timing("compile")
-            if len(self._compiled) > known
+            self.report.perf.timing("compile")
+            if self.plan.steps.count > known
             else contextlib.nullcontext()
         )
         try:
             with timing:
-                arrays, self.train_metrics, loss, self.report.norms = self._train_steps[norms](
-                    self._live.arrays(), self.train_metrics, batch
+                arrays, self.report.train, loss, self.report.perf.norms = self._train_steps[norms](
+                    live.arrays(), self.report.train, batch
                 )
         except Exception as error:
-            data.note_batch_change(error, count + 1, self.last_batch, batch)
+            data.note_batch_change(error, count + 1, self.report.last_batch, batch)
             raise
-        self._live.write(arrays)
-        self._host_step = count + 1  # the step's optimizer.update counted one update
-        self.last_loss, self.last_batch = loss, batch
-        self._in_flight.add(loss)
-        self.train_metric_steps += 1
+        live.write(arrays)
+        if first:  # one read, in the step that compiled: how many updates a step makes
+            self._host_step = None
+            self._updates_per_step[norms] = self.step - count
+        else:
+            self._host_step = count + self._updates_per_step[norms]
+        self.report.last_loss, self.report.last_batch = loss, batch
+        self.placement.in_flight.add(loss)
+        self.report.train_steps += 1
 
     def _done(self, max_steps: int | None) -> bool:
         return self.stop_training or (max_steps is not None and self.step >= max_steps)
 
     def _epoch_logs(self) -> Logs:
-        self._in_flight.drain()
-        return self.flush_train_metrics()
+        self.placement.in_flight.drain()
+        return self.report.flush(self.progress.epoch)
 
     def evaluate(self, eval_data: Iterable[Any]) -> dict[str, float]:
         """Runs ``eval_fn`` over all of ``eval_data``; returns ``{"loss": ..., ...}``."""
@@ -605,29 +584,29 @@ class Trainer:
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
-        with self.report.timing("eval"):
+        with self.report.perf.timing("eval"):
             return self._evaluate_timed(eval_data)
 
     def _evaluate_timed(self, eval_data: Iterable[Any]) -> Logs:
-        arrays = self._live.arrays()
-        self.reset_metrics("eval")
+        arrays = self._objects().arrays()
+        self.report.reset("eval")
         self.callbacks.on_test_begin({})
         batches = 0
         eval_step, structure = None, None
         with jax.set_mesh(self.mesh):
             for batches, host_batch in enumerate(eval_data, start=1):
-                batch = self.place(self._eval_batch(host_batch))
+                batch = self.placement.place(self.placement.eval_batch(host_batch))
                 self.callbacks.on_test_batch_begin(batches, {})
                 if eval_step is None or jax.tree.structure(batch) != structure:
                     eval_step = self._compile("eval", batch)
                     structure = jax.tree.structure(batch)
-                self.eval_metrics = eval_step(arrays, self.eval_metrics, batch)
-                self._in_flight.add(jax.tree.leaves(self.eval_metrics)[0])
+                self.report.eval = eval_step(arrays, self.report.eval, batch)
+                self.placement.in_flight.add(jax.tree.leaves(self.report.eval)[0])
                 self.callbacks.on_test_batch_end(batches, {})
         if batches == 0:
             raise ValueError("eval_data yielded no batches.")
-        self._in_flight.drain()
-        logs = self.compute_metrics("eval")
+        self.placement.in_flight.drain()
+        logs = self.report.compute("eval")
         self.callbacks.on_test_end(logs)
         return logs
 
@@ -638,7 +617,3 @@ class Trainer:
         model's tree of unsharded NumPy arrays, with no code of this library.
         """
         return export_params(self.model, path, overwrite=overwrite)
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.mesh.shape.values())

@@ -45,7 +45,7 @@ def train(name: str) -> dict[str, np.ndarray]:
         loss_fn=classification_loss,
         callbacks=[recorder],
     )
-    shard = trainer.data_shard
+    shard = trainer.placement.data_shard
     trainer.fit([local_rows(b, *shard) for b in make_batches(STEPS)], max_steps=STEPS)
     flat = gathered(nnx.state(trainer.model, nnx.Param), f"{name}/params/")
     return {**flat, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": np.array(shard)}
@@ -75,9 +75,9 @@ class RecordBatches(Callback):
         self.rows: list[np.ndarray] = []
 
     def on_train_batch_end(self, step: int, logs: dict) -> None:
-        x = multihost_utils.process_allgather(self.trainer.last_batch["x"], tiled=True)
+        x = multihost_utils.process_allgather(self.trainer.report.last_batch["x"], tiled=True)
         self.rows.append(np.sort(np.asarray(x), axis=0))
-        self.losses.append(float(np.asarray(self.trainer.last_loss.addressable_data(0))))
+        self.losses.append(float(np.asarray(self.trainer.report.last_loss.addressable_data(0))))
 
 
 def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
@@ -92,7 +92,7 @@ def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
         loss_fn=classification_loss,
         callbacks=[checkpoint, recorder],
     )
-    index, count = trainer.data_shard
+    index, count = trainer.placement.data_shard
     pipeline = index_batches(
         EXAMPLES,
         GLOBAL_BATCH // count,

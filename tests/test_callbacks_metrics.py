@@ -26,7 +26,7 @@ def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices(
     # lr 0: fixed predictions, so every window's metrics follow from the final weights
     trainer = make_trainer([MetricsLogger(2), record], optax.sgd(0.0), strategy=strategy)
     train, evals = make_batches(6), make_batches(2, seed=1)
-    placed = trainer.place(train[0])
+    placed = trainer.placement.place(train[0])
     assert placed["x"].sharding.num_devices == 8
     assert len({shard.data.shape for shard in placed["x"].addressable_shards}) == 1
     assert placed["x"].addressable_shards[0].data.shape == (rows_per_device, 4)

@@ -68,7 +68,9 @@ class CheckpointProbe(Callback):
         self.saved: dict[int, np.ndarray] = {}
 
     def on_train_batch_end(self, step, logs):
-        if self.trainer.nonfinite_step is None and np.isfinite(self.trainer.last_loss):
+        if self.trainer.progress.nonfinite_step is None and np.isfinite(
+            self.trainer.report.last_loss
+        ):
             self.saved[step] = np.asarray(self.trainer.model.l.kernel[...])
 
 
@@ -78,8 +80,8 @@ def test_terminate_on_nan_stops_at_the_first_nan_step_and_no_checkpoint_sees_it(
     with pytest.warns(RuntimeWarning, match="at step 3"):
         trainer.fit(make_batches(8, nan_at=2), max_steps=8)  # batch 2 is step 3
     # checked without stalling: step 3's loss is read once 2 newer steps are in flight
-    assert guard.stopped_step == 3 and trainer.step == 3 + trainer.max_steps_in_flight
-    assert trainer.nonfinite_step == 3
+    assert guard.stopped_step == 3 and trainer.step == 3 + trainer.placement.max_steps_in_flight
+    assert trainer.progress.nonfinite_step == 3
     assert not np.isfinite(np.asarray(trainer.model.l.kernel[...])).all()  # the state did diverge
     assert sorted(checkpoint.saved) == [1, 2]
     assert all(np.isfinite(k).all() for k in checkpoint.saved.values())
@@ -90,7 +92,7 @@ def test_terminate_on_nan_checking_every_4_steps_still_names_the_exact_step():
     trainer = make_trainer([guard])
     with pytest.warns(RuntimeWarning, match="at step 2"):
         trainer.fit(make_batches(8, nan_at=1), max_steps=8)
-    assert guard.stopped_step == 2 and trainer.nonfinite_step == 2
+    assert guard.stopped_step == 2 and trainer.progress.nonfinite_step == 2
     assert trainer.step == 4  # noticed at the first check, step 4
 
 
@@ -100,7 +102,7 @@ def test_terminate_on_nan_with_huge_learning_rate_diverges_and_stops():
     with pytest.warns(RuntimeWarning, match="TerminateOnNaN"):
         trainer.fit(make_batches(10), max_steps=10)
     assert guard.stopped_step is not None and guard.stopped_step < 10
-    assert trainer.step <= guard.stopped_step + trainer.max_steps_in_flight
+    assert trainer.step <= guard.stopped_step + trainer.placement.max_steps_in_flight
 
 
 def test_terminate_on_nan_a_new_fit_after_restoring_good_state_starts_clean():
@@ -109,10 +111,10 @@ def test_terminate_on_nan_a_new_fit_after_restoring_good_state_starts_clean():
     good = jax.device_get(trainer.state)  # a host copy, as a checkpoint would hold
     with pytest.warns(RuntimeWarning):
         trainer.fit(make_batches(4, nan_at=0), max_steps=4)
-    assert guard.stopped_step == 1 and trainer.nonfinite_step == 1
+    assert guard.stopped_step == 1 and trainer.progress.nonfinite_step == 1
 
     trainer.state = good
     trainer.fit(make_batches(4), max_steps=5)
-    assert guard.stopped_step is None and trainer.nonfinite_step is None
+    assert guard.stopped_step is None and trainer.progress.nonfinite_step is None
     assert trainer.step == 5
     assert np.isfinite(np.asarray(trainer.model.l.kernel[...])).all()

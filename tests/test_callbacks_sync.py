@@ -28,7 +28,7 @@ import optax
 import pytest
 from test_callbacks_helpers import make_batches, make_trainer
 
-from nnx_spmd_trainer import Callback, Trainer
+from nnx_spmd_trainer import Callback
 from nnx_spmd_trainer.callbacks import (
     CSVLogger,
     EarlyStopping,
@@ -40,6 +40,7 @@ from nnx_spmd_trainer.callbacks import (
     TensorBoard,
     TerminateOnNaN,
 )
+from nnx_spmd_trainer.report import MetricsReport
 
 
 class HostReads:
@@ -94,13 +95,13 @@ class StepWindow:
 @pytest.fixture
 def compute_metrics_calls(monkeypatch):
     calls: list[str] = []
-    original = Trainer.compute_metrics
+    original = MetricsReport.compute
 
     def counted(self, split="train"):
         calls.append(split)
         return original(self, split)
 
-    monkeypatch.setattr(Trainer, "compute_metrics", counted)
+    monkeypatch.setattr(MetricsReport, "compute", counted)
     return calls
 
 

@@ -172,7 +172,7 @@ def test_a_checkpoint_restores_under_another_strategy_and_device_count(
     _, state = restored[0]
     checkpoint = next(c for c in moved.callbacks if isinstance(c, OrbaxCheckpoint))
     # Orbax delivered every leaf already in the new layout: no whole copy on one device.
-    assert checkpoint.restored_layouts == moved.state_leaf_shardings
+    assert checkpoint.restored_layouts == moved.plan.leaf_shardings
     for (path, want), got in zip(
         jax.tree_util.tree_flatten_with_path(saved)[0], jax.tree.leaves(state), strict=True
     ):
@@ -283,7 +283,7 @@ def test_sigterm_finishes_the_step_saves_and_a_restart_continues_bitwise(tmp_pat
     checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_steps=100)
     stopped = trainer_for(callbacks=[checkpoint, Terminate()])
     stopped.fit(data, max_steps=9)  # returns normally
-    assert stopped.preempted and stopped.step == 5 and checkpoint.steps() == [5]
+    assert stopped.progress.preempted and stopped.step == 5 and checkpoint.steps() == [5]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler given back
 
     after = RecordLosses()

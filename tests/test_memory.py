@@ -19,10 +19,10 @@ def build(strategy):
 
 def state_argument_bytes(trainer, batch):
     """Argument bytes per device of the compiled step, less the batch and the metrics."""
-    analysis = trainer.lower_train_step(batch).compile().memory_analysis()
-    placed = trainer.place(batch)
+    analysis = trainer.plan.lower(batch, train_step=trainer.train_step).compile().memory_analysis()
+    placed = trainer.placement.place(batch)
     batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
-    metric_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.train_metrics))
+    metric_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.report.train))
     return analysis.argument_size_in_bytes - batch_bytes - metric_bytes
 
 
@@ -38,13 +38,14 @@ def test_fsdp_step_arguments_are_an_eighth_of_data_parallel(trainers):
     total = sum(x.nbytes for x in jax.tree.leaves(dp.state))
     assert dp_bytes == pytest.approx(total, rel=0.01)  # DP: every device holds everything
     assert fsdp_bytes == pytest.approx(dp_bytes / 8, rel=0.10)
-    assert "all-gather" in fsdp.lower_train_step(batch).compile().as_text()
+    assert "all-gather" in fsdp.plan.lower(batch).compile().as_text()
 
 
 def test_sharded_init_outputs_are_an_eighth_per_device(trainers):
     dp, fsdp = trainers
     out = [
-        t.init.init_fn.lower().compile().memory_analysis().output_size_in_bytes for t in (dp, fsdp)
+        t.plan._init.init_fn.lower().compile().memory_analysis().output_size_in_bytes
+        for t in (dp, fsdp)
     ]
     assert out[1] == pytest.approx(out[0] / 8, rel=0.10)
     # and what init produced really is laid out that way on every device

@@ -173,7 +173,7 @@ def test_gpt_with_dropout_trains_under_the_trainer():
     no_dropout.state = jax.tree.map(jnp.copy, trainer.state)
     no_dropout.fit(eval_batch, max_steps=no_dropout.step + 1)
     trainer.fit(eval_batch, max_steps=trainer.step + 1)
-    assert float(trainer.last_loss) != pytest.approx(float(no_dropout.last_loss), rel=1e-3)
+    assert float(trainer.report.last_loss) != pytest.approx(float(no_dropout.last_loss), rel=1e-3)
 
 
 def test_mlp_and_cnn_shapes_and_annotations():
@@ -260,7 +260,7 @@ def test_bf16_training_tracks_fp32_and_the_step_multiplies_in_bf16():
         curves[dtype] = np.asarray(history.history["train/loss"])
         params = jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
         assert {p.dtype for p in params} == {jnp.dtype(jnp.float32)}
-        hlo = trainer.lower_train_step(batches[0]).as_text()
+        hlo = trainer.plan.lower(batches[0], train_step=trainer.train_step).as_text()
         matmuls = [line for line in hlo.splitlines() if "dot_general" in line]
         in_bf16 = [line for line in matmuls if "bf16" in line]
         assert bool(in_bf16) == (dtype == jnp.bfloat16), matmuls[:3]

@@ -51,7 +51,7 @@ def test_a_positioned_iterator_is_read_ahead_and_set_back_to_the_steps_taken():
     assert source.taken > 2  # read ahead of the steps...
     assert source.get_state() == {"next_index": 2}  # ...and set back after the last one
     made.fit(source, max_steps=4)  # so a second fit goes on from batch 2
-    assert made.batches_in_epoch == 2 and source.get_state() == {"next_index": 4}
+    assert made.progress.batches_in_epoch == 2 and source.get_state() == {"next_index": 4}
 
 
 def test_a_one_shot_generator_is_not_read_ahead():

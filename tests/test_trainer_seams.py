@@ -181,7 +181,9 @@ def test_callbacks_read_the_live_grain_iterator_and_the_epoch():
     class Watch(Callback):
         def on_train_batch_end(self, step, logs):
             # The iterator runs ahead (prefetch); the position of the next batch is this:
-            seen.append((self.trainer.epoch, step, self.trainer.train_position().get_state()))
+            seen.append(
+                (self.trainer.progress.epoch, step, self.trainer.progress.position().get_state())
+            )
 
     trainer = net_trainer(callbacks=[Watch()])
     trainer.fit(dataset, epochs=2)
@@ -193,7 +195,7 @@ def test_callbacks_read_the_live_grain_iterator_and_the_epoch():
             next(fresh)
         assert state == fresh.get_state(), step
     # Set back to the last step's batch when the epoch's loop ended, for a final save.
-    assert trainer.train_iterator.get_state() == seen[-1][2]
+    assert trainer.progress.train_iterator.get_state() == seen[-1][2]
 
 
 # -- hooks and callback state ----------------------------------------------------------------
@@ -262,9 +264,9 @@ def test_the_optimizer_update_receives_the_loss_as_value():
 def test_a_batch_already_on_the_devices_is_not_copied_to_the_host():
     trainer = net_trainer(optax.sgd(0.1), strategy=FSDP_TP)
     host = make_batches(3)
-    placed = [trainer.place(batch) for batch in host]
+    placed = [trainer.placement.place(batch) for batch in host]
     with jax.transfer_guard_device_to_host("disallow"):  # any copy to the host raises
-        again = [trainer.place(batch) for batch in placed]
+        again = [trainer.placement.place(batch) for batch in placed]
     for first, second in zip(placed, again, strict=True):
         assert second["x"] is first["x"]  # same layout: the very same array
     trainer.fit(placed, max_steps=3)

@@ -178,7 +178,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
         config=config,
     )
     _say(
-        f"{config.model} on {trainer.num_devices} {jax.devices()[0].platform} devices, "
+        f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
         f"{': ' + why if why else ''}), {config.max_steps} steps of "
         f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
@@ -192,7 +192,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     )
     eval_losses = history.history.get("eval/loss", [float("nan")])
     result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
-    if trainer.preempted:
+    if trainer.progress.preempted:
         _say(
             f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
         )
@@ -337,7 +337,7 @@ def _main(argv: Sequence[str]) -> int:
         result = run(config, workdir)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
-    if flags.FLAGS.export and not (result.trainer and result.trainer.preempted):
+    if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
         assert result.trainer is not None
         path = export_params(result.trainer.model, flags.FLAGS.export)
         if jax.process_index() == 0:

@@ -1,0 +1,197 @@
+"""Plan: what is known before any array of the state exists.
+
+The mesh, the abstract state and its shardings, and the compiled steps come
+from shapes alone, so a run can be planned (``plan.lower(shapes)``: memory
+and cost analysis), and a checkpoint restored straight into the plan's
+abstract targets, without ever building the initial state.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+from clu import metrics as clu_metrics
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer import step
+from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
+from nnx_spmd_trainer.strategies import DataParallel, Strategy
+
+DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
+
+
+def abstract_batch(batch: Any) -> Any:
+    """Shapes and dtypes of a global batch (arrays, NumPy or ``jax.ShapeDtypeStruct``)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+
+class Plan:
+    """The layout and the steps of a run, before any array exists.
+
+    Args:
+      model: a factory ``rngs -> nnx.Module`` or an already-built ``nnx.Module``.
+      optimizer: any optax ``GradientTransformation``.
+      strategy: how state and batches are laid out; default ``DataParallel()``.
+      loss_fn: ``(model, batch) -> (loss, aux)``, for the default train step.
+      eval_fn: like ``loss_fn``, for evaluation; defaults to ``loss_fn``.
+      metrics: a ``clu.metrics.Collection`` subclass; default: the average loss.
+      seed: seeds ``nnx.Rngs`` given to the factory.
+      grad_accum_steps: microbatches per step.
+      wrt: an NNX filter of what trains (default every ``nnx.Param``).
+      devices: the devices the mesh spans; default all of ``jax.devices()``.
+
+    Attributes:
+      strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
+      graphdef, abstract_state, shardings: the ``{"model", "optimizer"}`` state's
+        structure, shapes (no arrays) and one ``NamedSharding`` per leaf.
+
+    Example::
+
+        plan = Plan(lambda rngs: GPT(config, rngs=rngs), optax.adamw(3e-4),
+                    strategy=Hybrid(FSDP(4), TensorParallel(2)), loss_fn=loss)
+        batch = {"tokens": jax.ShapeDtypeStruct((32, 1024), jnp.int32)}
+        print(plan.lower(batch).compile().memory_analysis())   # no array built
+        trainer = Trainer(plan)                                 # the same layout, run
+    """
+
+    def __init__(
+        self,
+        model: ModelFactory | nnx.Module,
+        optimizer: optax.GradientTransformation,
+        *,
+        strategy: Strategy | None = None,
+        loss_fn: step.LossFn | None = None,
+        eval_fn: step.LossFn | None = None,
+        metrics: type[clu_metrics.Collection] | None = None,
+        seed: int = 0,
+        grad_accum_steps: int = 1,
+        wrt: nnx.filterlib.Filter = nnx.Param,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> None:
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
+        self.strategy = strategy if strategy is not None else DataParallel()
+        self.mesh = self.strategy.make_mesh(devices)
+        self.data_shard = self.strategy.data_shard(self.mesh)
+        self.optimizer = optimizer
+        self.loss_fn, self.eval_fn = loss_fn, eval_fn
+        self.metrics_class = metrics if metrics is not None else DefaultMetrics
+        self.grad_accum_steps, self.wrt = grad_accum_steps, wrt
+        self._init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
+        self.graphdef = self._init.graphdef
+        self.abstract_state = self._init.abstract_state
+        self.shardings = self._init.shardings
+        self.treedef = jax.tree.structure(self.abstract_state)
+        self.steps = step.StepCompiler(self.strategy, self.mesh, self.leaf_shardings)
+
+    @functools.cached_property
+    def leaf_shardings(self) -> list[NamedSharding]:
+        """The sharding of each array leaf of the state, in ``jax.tree.leaves`` order."""
+        return leaf_shardings(self.shardings, self.abstract_state)
+
+    def state_targets(self) -> nnx.State:
+        """The state as ``jax.ShapeDtypeStruct`` s with this plan's shardings: what a
+        checkpoint restores into (Orbax ``StandardRestore``), with no array built."""
+        leaves = jax.tree.leaves(self.abstract_state)
+        targets = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(leaves, self.leaf_shardings, strict=True)
+        ]
+        return jax.tree.unflatten(self.treedef, targets)
+
+    def materialize(self) -> nnx.State:
+        """Builds the initial state under jit, every leaf born with its sharding.
+
+        Once: a pre-built module's arrays are donated to it.
+        """
+        return self._init()
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def empty_metrics(self) -> clu_metrics.Collection:
+        """A fresh metrics collection, replicated on the mesh."""
+        return jax.device_put(self.metrics_class.empty(), self.replicated)
+
+    # -- the steps -------------------------------------------------------------------
+    def compute_gradients(
+        self, model: nnx.Module, batch: Any, loss_fn: step.LossFn | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
+        """``(loss, aux, grads)`` of ``loss_fn`` (default the plan's) over the microbatches."""
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise TypeError("This plan has no loss: give Plan(..., loss_fn=...).")
+        return step.compute_gradients(
+            model,
+            batch,
+            loss_fn,
+            wrt=self.wrt,
+            grad_accum_steps=self.grad_accum_steps,
+            batch_sharding=self.strategy.batch_sharding(batch, self.mesh),
+        )
+
+    def train_step(
+        self, model: nnx.Module, optimizer: nnx.Optimizer[nnx.Module], batch: Any
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The default train step: gradients of ``loss_fn``, one optimizer update."""
+        return step.apply_gradients(model, optimizer, *self.compute_gradients(model, batch))
+
+    def compiled(
+        self,
+        kind: str,
+        batch: Any,
+        *,
+        fn: Callable[..., Any] | None = None,
+        norms: bool = False,
+        graphdef: nnx.GraphDef[Any] | None = None,
+        treedef: Any = None,
+    ) -> Callable[..., Any]:
+        """The jitted train (``kind="train"``) or eval step for batches like ``batch``.
+
+        ``fn`` is the train step (default ``self.train_step``) or the eval function
+        (default ``eval_fn``, else ``loss_fn``); ``graphdef``/``treedef`` those of
+        the live objects when they were edited since (default the plan's).
+        """
+        if fn is None:
+            fn = self.train_step if kind == "train" else (self.eval_fn or self.loss_fn)
+        if fn is None:
+            raise TypeError("This plan has no loss: give Plan(..., loss_fn=...).")
+        return self.steps.get(
+            kind,
+            batch,
+            graphdef=self.graphdef if graphdef is None else graphdef,
+            treedef=self.treedef if treedef is None else treedef,
+            fn=fn,
+            wrt=self.wrt,
+            norms=norms,
+            key=self.grad_accum_steps,
+        )
+
+    def lower(
+        self, batch: Any, *, train_step: Callable[..., Any] | None = None, norms: bool = False
+    ) -> jax.stages.Lowered:
+        """``jax.jit(...).lower`` of the train step from shapes alone: no state array is
+        built. ``batch`` is the global batch, as arrays or ``jax.ShapeDtypeStruct`` s;
+        ``train_step`` a trainer's (default the plan's). ``.compile().memory_analysis()``
+        says what a device will hold before anything is allocated."""
+        shapes = abstract_batch(batch)
+        jitted: Any = self.compiled("train", shapes, fn=train_step, norms=norms)
+        batch_shardings = self.strategy.batch_sharding(shapes, self.mesh)
+        placed = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            shapes,
+            batch_shardings,
+        )
+        metrics = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+            jax.eval_shape(self.metrics_class.empty),
+        )
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(jax.tree.leaves(self.state_targets()), metrics, placed)
