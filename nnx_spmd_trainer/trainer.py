@@ -562,11 +562,12 @@ class Trainer:
             data.note_batch_change(error, count + 1, self.report.last_batch, batch)
             raise
         live.write(arrays)
-        if first:  # one read, in the step that compiled: how many updates a step makes
+        if first and type(self).train_step is not Trainer.train_step:
+            # An override may update any number of times: one read, in the step that
+            # compiled, says how many (the default updates once and reads nothing).
             self._host_step = None
             self._updates_per_step[norms] = self.step - count
-        else:
-            self._host_step = count + self._updates_per_step[norms]
+        self._host_step = count + self._updates_per_step.get(norms, 1)
         self.report.last_loss, self.report.last_batch = loss, batch
         self.placement.in_flight.add(loss)
         self.report.train_steps += 1
