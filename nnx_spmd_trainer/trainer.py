@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import warnings
@@ -28,6 +29,10 @@ from nnx_spmd_trainer.run_state import Progress, RunState
 from nnx_spmd_trainer.state import LiveState, ModelFactory
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
+
+
+def _any_deleted(leaves: Sequence[Any]) -> bool:
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
 
 
 def _set_position(iterator: Any, state: Any) -> bool:
@@ -172,6 +177,7 @@ class Trainer:
         self.progress = Progress()
         self.stop_training = False
         self._live: LiveState | None = None  # built when first needed
+        self._resume_point: RunState | None = None  # the run before fit's final report
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
         self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
         self._train_structure: Any = None
@@ -269,27 +275,35 @@ class Trainer:
         """The run as it is now: state, metric accumulators, step, epoch and position
         in it, the data position and every callback's state (``RunState``).
 
+        After a ``fit`` that ended between log points, it is the run as it was before
+        that fit's final report (the end-of-fit evaluation and the partial average
+        of the metrics): a run resumed from it logs what an uninterrupted run logs.
+
         With ``abstract``, the arrays are ``jax.ShapeDtypeStruct`` targets laid out
         as this trainer lays them out: restore into them and ``load_run_state`` the
         result, and no array of the initial state is ever built.
         """
+        run = self._resume_point or self._progress_now()
+        if not abstract:
+            return dataclasses.replace(run, state=self.state)
+        metrics = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            run.train_metrics,
+        )
+        return dataclasses.replace(run, state=self.plan.state_targets(), train_metrics=metrics)
+
+    def _progress_now(self) -> RunState:
+        """Everything of the run state but the state itself (``state=None``)."""
         position = self.progress.position()
-        if abstract:
-            state: Any = self.plan.state_targets()
-            metrics: Any = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                self.report.train,
-            )
-        else:
-            state, metrics = self.state, self.report.train
         return RunState(
-            state=state,
-            train_metrics=metrics,
+            state=None,
+            train_metrics=self.report.train,
             step=self.step,
             epoch=self.progress.epoch,
             batches_in_epoch=self.progress.batches_in_epoch,
             train_metric_steps=self.report.train_steps,
-            callbacks=self.callbacks.state_dict(),
+            # Containers copied (leaves shared): later hooks do not edit this record.
+            callbacks=jax.tree.map(lambda x: x, self.callbacks.state_dict()),
             data=position.get_state() if has_position(position) else None,
         )
 
@@ -303,6 +317,7 @@ class Trainer:
         function ``iterator -> bool`` that sets it), or, without one, that many
         batches are read and discarded, with a warning.
         """
+        self._resume_point = None
         self.state = run.state
         self.report.train = jax.device_put(run.train_metrics, self.plan.replicated)
         self.report.train_steps = int(run.train_metric_steps)
@@ -410,6 +425,7 @@ class Trainer:
             raise ValueError("eval_every_n_steps was given without eval_data.")
         self.stop_training = False
         self.progress.preempted, self.progress.nonfinite_step = False, None
+        self._resume_point = None
         self.progress.max_steps = max_steps
         self.progress.eval_every_n_steps = eval_every_n_steps
         self._train_steps, self._train_structure = {}, None  # compiled in each fit
@@ -447,6 +463,8 @@ class Trainer:
                     break
                 if self.progress.preempted:  # mid-epoch: the resumed run ends this epoch, not us
                     break
+                if self._done(max_steps):  # fit's final report begins: a resumed run skips it
+                    self._resume_point = self._progress_now()
                 self.callbacks.on_epoch_end(epoch, self._epoch_logs())
             self.placement.in_flight.drain()
             if self.progress.preempted:
@@ -454,6 +472,8 @@ class Trainer:
                 # partial average logged here would be a point the resumed run never has.
                 self.callbacks.on_train_end({})
             else:
+                # A run resumed from this step must not see this fit's final report.
+                self._resume_point = self._resume_point or self._progress_now()
                 if eval_data is not None and self._last_eval_step != self.step:
                     self._evaluate(eval_data)
                 self.callbacks.on_train_end(self.report.flush(self.progress.epoch))
@@ -467,14 +487,21 @@ class Trainer:
         return self.history
 
     def _abort(self, error: BaseException) -> None:
-        """The exception path of ``fit``: settle the devices, tell the callbacks."""
+        """The exception path of ``fit``: settle the devices, tell the callbacks.
+
+        Nothing here may raise over ``error``: a state left in a shape the
+        trainer cannot read (a failed manual restore) must not hide it.
+        """
         with contextlib.suppress(Exception):  # a failed device step raises again here
             self.placement.in_flight.drain()
         self.placement.in_flight.clear()
         self.progress.train_iterator = self.progress.batches = None
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.report.train)):
+        if _any_deleted(jax.tree.leaves(self.report.train)):
             self.report.reset("train")  # donated to the failed step
-        if self._live and any(array.is_deleted() for array in self._live.arrays()):
+        arrays: list[Any] = []
+        with contextlib.suppress(Exception):
+            arrays = self._live.arrays() if self._live else []
+        if _any_deleted(arrays):
             error.add_note(
                 f"nnx_spmd_trainer: the step after step {self._host_step} failed on the "
                 "devices after its input state was donated, so that state is lost; restore "
