@@ -11,7 +11,6 @@ import gc
 import os
 import sys
 import tempfile
-import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,41 +18,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+from live_memory import PeakLiveBytes, live_bytes  # noqa: E402
 from toy_models import Net, classification_loss, make_batches  # noqa: E402
 
 from nnx_spmd_trainer import FSDP, Callback, Hybrid, TensorParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint  # noqa: E402
 
 WIDE = {"din": 512, "hidden": 1024, "dout": 16}
-
-
-def live_bytes() -> int:
-    """Distinct device buffers of live arrays (aliases of one buffer counted once)."""
-    buffers = {}
-    for array in jax.live_arrays():
-        try:
-            for shard in array.addressable_shards:
-                buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
-        except RuntimeError:
-            continue
-    return sum(buffers.values())
-
-
-class Peak:
-    def __init__(self) -> None:
-        self.peak, self.done = live_bytes(), threading.Event()
-        self.thread = threading.Thread(target=self.poll, daemon=True)
-        self.thread.start()
-
-    def poll(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, live_bytes())
-
-    def stop(self) -> int:
-        if not self.done.is_set():
-            self.done.set()
-            self.thread.join()
-        return self.peak
 
 
 def main() -> None:
@@ -80,10 +51,10 @@ def main() -> None:
             restoring.stop()
 
     baseline = live_bytes()
-    restoring = Peak()
+    restoring = PeakLiveBytes().start()
     resumed = trainer(RestoreEnds())
     resumed.fit(batches, max_steps=3)
-    fitting_after = Peak()  # the last fit's end: a step and the final save
+    fitting_after = PeakLiveBytes().start()  # the last fit's end: a step and the final save
     resumed.fit(batches, max_steps=4)
     print(
         f"one state: {one_state / 1e6:.1f} MB; live device bytes / one state: "

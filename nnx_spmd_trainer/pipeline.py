@@ -24,7 +24,7 @@ def grain_pipeline(
 
     Every process shuffles the same global order (``seed``; Grain gives each
     repetition, each epoch, its own permutation) and then takes its rows,
-    ``rows[index::count]`` for ``shard = trainer.data_shard``, batched to its
+    ``rows[index::count]`` for ``shard = trainer.placement.data_shard``, batched to its
     part of the global batch. So a global batch holds the same examples
     whatever the number of processes, and a checkpoint's data position moves
     between process counts.
@@ -33,7 +33,7 @@ def grain_pipeline(
       source: an ``int`` n (the example indices ``range(n)``) or any random-access
         source (a list, a ``grain.sources`` source).
       global_batch_size: examples per training step over all processes.
-      shard: which rows this process feeds (``Trainer.data_shard`` or
+      shard: which rows this process feeds (``trainer.placement.data_shard`` or
         ``strategy.data_shard(mesh)``).
       seed: the shuffle seed; ``None`` keeps the source's order.
       repeat: repeat without end (one ``fit`` epoch then runs until ``max_steps``).

@@ -47,7 +47,7 @@ def metric_logs(collection: clu_metrics.Collection, split: str, warned: set[str]
             warnings.warn(
                 f"Metric {key} has shape {value.shape}: logs hold scalars and vectors of up "
                 f"to {MAX_INDEXED} values (one scalar per index), so it is not logged. "
-                "Reduce it in the metric, or read trainer.train_metrics.compute() yourself.",
+                "Reduce it in the metric, or read trainer.report.train.compute() yourself.",
                 stacklevel=3,
             )
     return logs

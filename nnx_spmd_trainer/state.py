@@ -49,10 +49,17 @@ class ShardedInit:
         donate = tuple(range(len(args)))
         self.init_fn = jax.jit(build_state, out_shardings=self.shardings, donate_argnums=donate)
         self.mesh = mesh
-        self.args = args
+        self.args: tuple[Any, ...] | None = args
 
     def __call__(self) -> nnx.State:
-        args, self.args = self.args, ()  # donated below: drop our reference
+        if self.args is None:
+            raise RuntimeError(
+                "This plan's state was built from a built module, whose arrays it took: it "
+                "builds once. Give each Trainer its own Plan, or give the plan a factory "
+                "(model=lambda rngs: MyModel(..., rngs=rngs))."
+            )
+        args = self.args
+        self.args = None if args else ()  # donated below: drop our reference
         with jax.set_mesh(self.mesh):
             return self.init_fn(*args)
 

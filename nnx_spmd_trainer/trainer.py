@@ -428,13 +428,13 @@ class Trainer:
         self._resume_point = None
         self.progress.max_steps = max_steps
         self.progress.eval_every_n_steps = eval_every_n_steps
-        self._train_steps, self._train_structure = {}, None  # compiled in each fit
+        self._train_steps, self._train_structure = {}, None  # looked up again in each fit
         self._last_eval_step = -1
         if self._live is not None:
             self._live.refresh()  # the user may have changed the model between fits
         self.report.perf.restart()
         try:
-            self.callbacks.on_fit_start({})  # may restore state and resume_data_at(...)
+            self.callbacks.on_fit_start({})  # may restore a run state (load_run_state)
             self.callbacks.on_train_begin({})
             if max_steps is not None and self.step >= max_steps:
                 warnings.warn(

@@ -2,7 +2,6 @@
 the run state a plain-Orbax callback saves, and the step counter of a custom train step."""
 
 import gc
-import threading
 
 import grain
 import jax
@@ -12,6 +11,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from live_memory import PeakLiveBytes, live_bytes
 from toy_models import Net, classification_loss, flat_params, make_batches
 
 from nnx_spmd_trainer import FSDP, Callback, Hybrid, Plan, RunState, TensorParallel, Trainer
@@ -23,46 +23,6 @@ WIDE = {"din": 512, "hidden": 1024, "dout": 16}  # ~1.6M parameters: 3 copies wi
 
 def wide(rngs: nnx.Rngs) -> Net:
     return Net(rngs, **WIDE)
-
-
-def live_bytes() -> int:
-    """Bytes of the distinct device buffers that live arrays hold.
-
-    A buffer is counted once however many arrays alias it (Orbax assembles a
-    restored array from per-device arrays of the same buffers; ``addressable_data``
-    makes such aliases too).
-    """
-    buffers = {}
-    for array in jax.live_arrays():
-        try:
-            for shard in array.addressable_shards:
-                data = shard.data
-                buffers[(shard.device.id, data.unsafe_buffer_pointer())] = data.nbytes
-        except RuntimeError:  # deleted (donated) while we looked
-            continue
-    return sum(buffers.values())
-
-
-class PeakLiveBytes:
-    """The most bytes of live device arrays seen between ``start`` and ``stop``, polled
-    from a thread (what PITFALLS.md measured 3.0x one state with, before the plan)."""
-
-    def start(self) -> "PeakLiveBytes":
-        self.peak, self._stop = live_bytes(), threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, live_bytes())
-
-    def stop(self) -> int:
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, live_bytes())
-        return self.peak
 
 
 def state_bytes(trainer: Trainer) -> int:
