@@ -84,11 +84,19 @@ def _merge_metrics(
 
     The loss is fed once per example row (and ``mask`` with it), so an average
     over steps is the per-example average whatever the batch sizes; per-example
-    ``aux`` values are masked by CLU through the same ``mask``. Accumulated in fp32.
+    ``aux`` values are masked by CLU through the same ``mask``. A scalar ``aux``
+    value is a value of the whole batch, as the loss is, and is fed the same way:
+    once per row, masked (so CLU's ``from_output`` metrics never drop the mask
+    and warn). Accumulated in fp32.
     """
     mask = batch_mask(batch)
-    outputs = {"mask": mask, **jax.tree.map(_as_fp32, aux)}
-    outputs["loss"] = jnp.broadcast_to(_as_fp32(loss), mask.shape[:1])
+
+    def per_row(x: Any) -> jax.Array:
+        x = _as_fp32(x)
+        return jnp.broadcast_to(x, mask.shape[:1]) if x.ndim == 0 else x
+
+    outputs = {"mask": mask, **jax.tree.map(per_row, aux)}
+    outputs["loss"] = per_row(loss)
     return metrics.merge(type(metrics).single_from_model_output(**outputs))
 
 
@@ -106,6 +114,45 @@ def microbatches(batch: Batch, k: int, sharding: Any) -> Batch:
     return jax.tree.map(split, batch, sharding)
 
 
+def _rows_sharding(batch_sharding: Any) -> NamedSharding | None:
+    """The layout of a batch's rows: its first leaf's leading entry, if it splits them."""
+    leaves = jax.tree.leaves(batch_sharding)
+    first = leaves[0] if leaves else None
+    if not isinstance(first, NamedSharding) or not first.spec or first.spec[0] is None:
+        return None
+    return NamedSharding(first.mesh, P(first.spec[0]))
+
+
+def join_microbatches(
+    stacked: dict[str, jax.Array],
+    weights: jax.Array,
+    rows: int,
+    rows_sharding: NamedSharding | None = None,
+) -> dict[str, jax.Array]:
+    """The ``aux`` of one batch from its k microbatches' (the inverse of ``microbatches``).
+
+    ``stacked`` holds each microbatch's values along a new leading axis of k.
+    A per-example value (``(k, rows / k, ...)``) comes back as ``(rows, ...)`` in
+    the batch's own row order: microbatch ``j``'s row ``r`` is batch row
+    ``r * k + j``, so it lines up with the batch's ``"mask"``. Any other value
+    (a scalar per microbatch, above all) is one value of each microbatch, as
+    its loss is, and is averaged as the loss is: weighted by ``weights`` (each
+    microbatch's real examples over the batch's, or 1/k).
+    """
+    k = weights.shape[0]
+
+    def join(a: jax.Array) -> jax.Array:
+        if a.ndim >= 2 and a.shape[0] == k and a.shape[1] * k == rows:
+            a = a.swapaxes(0, 1).reshape(rows, *a.shape[2:])
+            if rows_sharding is not None:
+                a = jax.lax.with_sharding_constraint(a, rows_sharding)
+            return a
+        w = weights.reshape(k, *(1,) * (a.ndim - 1))
+        return jnp.sum(a.astype(jnp.float32) * w, axis=0)
+
+    return jax.tree.map(join, stacked)
+
+
 def compute_gradients(
     model: nnx.Module,
     batch: Batch,
@@ -119,12 +166,21 @@ def compute_gradients(
 
     Inside a traced step. The model's other state (dropout RNG counts, batch
     statistics) is updated in place. With ``grad_accum_steps=k`` the batch is
-    cut into k microbatches scanned in one compiled step (no data moves);
-    gradients and losses are averaged, so they equal one pass over the whole
-    batch when the loss is a mean over examples (weighted by each microbatch's
-    real examples when the batch has a ``"mask"``), and ``aux`` is the
-    microbatches' values joined back into batch rows (a scalar per microbatch
-    stays a vector of k).
+    cut into k microbatches scanned in one compiled step (no data moves: row
+    ``r * k + j`` goes to microbatch ``j``); gradients and losses are averaged,
+    so they equal one pass over the whole batch when the loss is a mean over
+    examples (weighted by each microbatch's real examples when the batch has a
+    ``"mask"``).
+
+    ``aux`` comes back shaped as one pass over the whole batch would give it
+    (``join_microbatches``): a per-example value (leading dimension: the
+    microbatch's rows) has its rows put back in the batch's order, so the
+    batch's ``"mask"`` leaves out exactly the padding rows; any other value (a
+    scalar, such as an accuracy the ``loss_fn`` already averaged) is averaged
+    over the microbatches with the loss's weights, so it stays a scalar and
+    equals the whole batch's value when it is a mean over the real examples.
+    The metrics then count a scalar once per real example, as they count the
+    loss (``_merge_metrics``).
     """
     model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
     # What a forward pass sows (nnx.Intermediate) is the loss's to read, not carried state.
@@ -147,16 +203,18 @@ def compute_gradients(
             # A padded batch's microbatches count by their real examples; others equally.
             weight = batch_mask(microbatch).sum(dtype=jnp.float32) if masked else 1.0
             grad_sum = jax.tree.map(lambda s, g: (s + g * weight).astype(s.dtype), grad_sum, grads)
-            return (grad_sum, rest, loss_sum + loss * weight, weight_sum + weight), aux
+            carry = (grad_sum, rest, loss_sum + loss * weight, weight_sum + weight)
+            return carry, (aux, jnp.asarray(weight, jnp.float32))
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, rest, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         mbs = microbatches(batch, grad_accum_steps, batch_sharding)
-        (grads, rest, loss, weight), auxes = jax.lax.scan(accumulate, init, mbs)
+        (grads, rest, loss, weight), (auxes, weights) = jax.lax.scan(accumulate, init, mbs)
         total: Any = jnp.maximum(weight, 1.0) if masked else grad_accum_steps
         grads = jax.tree.map(lambda g: (g / total).astype(g.dtype), grads)
         loss = loss / total
-        aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if a.ndim > 1 else a, auxes)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        aux = join_microbatches(auxes, weights / total, rows, _rows_sharding(batch_sharding))
     nnx.update(model, rest)
     return loss, aux, grads
 
