@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AxisTarget = str | tuple[str, ...] | None
@@ -60,6 +61,30 @@ LOGICAL_AXES = (
 
 class ShardingError(ValueError):
     """A layout that cannot work: the message names the leaf, shape, spec and mesh."""
+
+
+class Unresolved:
+    """A state leaf whose annotation the joint resolution could not read.
+
+    A ``Hybrid`` proposes it to its members (``state_shardings(...,
+    proposed=...)``) in place of that leaf's ``NamedSharding``, so a member
+    that understands the annotation can answer it; if none does, the Hybrid
+    raises ``error``. Reading an attribute of it as if it were a sharding
+    (``.spec``, ``.mesh``) raises ``error`` too.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ShardingError) -> None:
+        object.__setattr__(self, "error", error)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # protocol probes (copy, hasattr(x, "__...__")) stay quiet
+            raise AttributeError(name)
+        raise self.error
+
+    def __repr__(self) -> str:
+        return f"Unresolved({self.error})"
 
 
 def merge_rules(*rule_sets: Iterable[tuple[str, AxisTarget]]) -> Rules:
@@ -94,13 +119,55 @@ def _axis_names(target: AxisTarget) -> tuple[str, ...]:
 
 def _describe(path: str, shape: Sequence[int], annotation: object, mesh: Mapping[str, int]) -> str:
     where = path or "<leaf>"
+    annotation = repr(annotation) if isinstance(annotation, str) else annotation
     return (
         f"parameter {where} with shape {tuple(shape)}, annotation {annotation}, mesh {dict(mesh)}"
     )
 
 
+def annotation_entries(
+    annotation: object,
+    *,
+    shape: Sequence[int],
+    mesh: Mapping[str, int],
+    path: str = "",
+) -> tuple[AxisTarget, ...] | None:
+    """A leaf's annotation as one entry per dimension (``None`` for no annotation).
+
+    Accepted: a tuple or list of names (``None`` for a replicated dimension, a
+    tuple of names for several axes), a ``PartitionSpec``, or a
+    ``NamedSharding`` (the JAX AI Stack tutorials' form), whose spec is read
+    against the trainer's mesh as any other annotation is: its own mesh is not
+    used. Anything else is a ``ShardingError`` naming the leaf.
+
+    >>> annotation_entries(P(None, "model"), shape=(4, 8), mesh={"model": 2})
+    (None, 'model')
+    """
+    if annotation is None:
+        return None
+    if isinstance(annotation, NamedSharding):
+        annotation = annotation.spec
+    wrong = f"{_describe(path, shape, annotation, mesh)}: the annotation"
+    if isinstance(annotation, str) or not isinstance(annotation, (tuple, list, P)):
+        hint = f" Did you mean ({annotation!r},)?" if isinstance(annotation, str) else ""
+        raise ShardingError(
+            f"{wrong} is of type {type(annotation).__name__}, not a sharding annotation. "
+            "Give one entry per dimension: a tuple of mesh axis or logical names (None for "
+            "a replicated dimension), a PartitionSpec, or a NamedSharding." + hint
+        )
+    entries = tuple(annotation)
+    for entry in entries:
+        names = entry if isinstance(entry, (tuple, list)) else (entry,)
+        if entry is not None and not all(isinstance(n, str) for n in names):
+            raise ShardingError(
+                f"{wrong} has the entry {entry!r}; each entry is None, an axis name or a "
+                "tuple of axis names."
+            )
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+
+
 def resolve_spec(
-    annotation: Sequence[AxisTarget] | None,
+    annotation: object,
     *,
     shape: Sequence[int],
     mesh: Mapping[str, int],
@@ -113,7 +180,8 @@ def resolve_spec(
 
     Args:
       annotation: the leaf's ``out_sharding`` metadata (physical or logical
-        names, ``None`` for a replicated dimension), or ``None``.
+        names, ``None`` for a replicated dimension; a ``PartitionSpec`` or a
+        ``NamedSharding``: see ``annotation_entries``), or ``None``.
       shape: the leaf's shape.
       mesh: mesh axis name -> size.
       rules: the strategy's logical-axis rules.
@@ -126,9 +194,10 @@ def resolve_spec(
     ...              rules=(("embed", None), ("mlp", "model")))
     P(None, 'model')
     """
-    if annotation is None:
+    entries_given = annotation_entries(annotation, shape=shape, mesh=mesh, path=path)
+    if entries_given is None:
         return P()
-    annotation = tuple(annotation)
+    annotation = entries_given
     if len(annotation) > len(shape):
         raise ShardingError(
             f"{_describe(path, shape, annotation, mesh)}: the annotation has more entries "

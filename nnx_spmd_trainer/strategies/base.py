@@ -167,12 +167,24 @@ class Strategy(abc.ABC):
         return self.refine_spec(spec, shape, mesh)
 
     @final
-    def annotated_shardings(self, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
-        """Every leaf's NamedSharding from its annotation: the default answer to question 1."""
+    def annotated_shardings(
+        self, abstract_state: nnx.State, mesh: Mesh, *, unresolved: bool = False
+    ) -> nnx.State:
+        """Every leaf's NamedSharding from its annotation: the default answer to question 1.
+
+        An annotation that cannot be resolved raises a ``ShardingError`` naming the
+        leaf; with ``unresolved``, that leaf is ``sharding.Unresolved(error)``
+        instead, for a later answer to fix (a ``Hybrid`` proposes it to its members).
+        """
         axes = dict(mesh.shape)
 
-        def one(path: Sequence[Any], variable: nnx.Variable[Any]) -> NamedSharding:
-            return NamedSharding(mesh, self.leaf_spec(variable, axes, sh.path_str(path)))
+        def one(path: Sequence[Any], variable: nnx.Variable[Any]) -> NamedSharding | sh.Unresolved:
+            try:
+                return NamedSharding(mesh, self.leaf_spec(variable, axes, sh.path_str(path)))
+            except sh.ShardingError as error:
+                if not unresolved:
+                    raise
+                return sh.Unresolved(error)
 
         return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=_is_variable)
 
@@ -188,7 +200,11 @@ class Strategy(abc.ABC):
           abstract_state: the state's shapes and metadata, or a built module's state.
           mesh: the mesh from ``make_mesh``.
           proposed: the answer so far (in a Hybrid: the joint resolution, then
-            each earlier member's); kept by default, else resolved here.
+            each earlier member's); kept by default, else resolved here. In a
+            Hybrid, a leaf whose annotation the joint resolution could not read
+            is ``sharding.Unresolved``: an override that understands it may
+            replace it with a ``NamedSharding``; the Hybrid raises the leaf's
+            error if no member does.
         """
         return self.annotated_shardings(abstract_state, mesh) if proposed is None else proposed
 

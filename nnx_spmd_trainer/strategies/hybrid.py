@@ -83,7 +83,9 @@ class Hybrid(Strategy):
     ``strategies.base``): ``state_shardings``, ``batch_sharding`` and
     ``data_shard`` pass ``proposed=``; ``compile_step`` nests the members as
     middleware through ``jit=``, ``trace_context`` nests their contexts and
-    ``transform_step`` their wrappers, the first member outermost. A member
+    ``transform_step`` their wrappers, the first member outermost. A leaf whose
+    annotation the joint resolution cannot read is proposed as
+    ``sharding.Unresolved`` for a member to answer; unanswered, its error is raised. A member
     whose override cannot take the answer so far (no ``proposed=``, say) is
     refused here, at construction. To change one answer, subclass a member,
     not Hybrid (it is final).
@@ -141,9 +143,22 @@ class Hybrid(Strategy):
     def state_shardings(
         self, abstract_state: nnx.State, mesh: Mesh, proposed: nnx.State | None = None
     ) -> nnx.State:
-        shardings = super().state_shardings(abstract_state, mesh, proposed)
+        # A leaf the joint resolution cannot read is proposed as sharding.Unresolved: a
+        # member overriding state_shardings may answer it; if none does, its error is raised.
+        if proposed is None:
+            proposed = self.annotated_shardings(abstract_state, mesh, unresolved=True)
+        shardings = proposed
         for member in self.members:
             shardings = member.state_shardings(abstract_state, mesh, proposed=shardings)
+        left = [s for s in jax.tree.leaves(shardings) if isinstance(s, sh.Unresolved)]
+        if left:
+            error = left[0].error
+            error.add_note(
+                f"No member of {self!r} answered this leaf in state_shardings; a member "
+                "that understands the annotation can, by replacing its "
+                "sharding.Unresolved in the proposed answer."
+            )
+            raise error
         return shardings
 
     def batch_sharding(self, batch: Any, mesh: Mesh, proposed: Any = None) -> Any:
