@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import step
+from nnx_spmd_trainer import plan_report, step
 from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -195,3 +195,17 @@ class Plan:
         )
         with jax.set_mesh(self.mesh):
             return jitted.lower(jax.tree.leaves(self.state_targets()), metrics, placed)
+
+    def report(
+        self,
+        batch: Any,
+        *,
+        memory_budget_bytes: int | None = None,
+        train_step: Callable[..., Any] | None = None,
+    ) -> plan_report.PlanReport:
+        """What the train step on ``batch`` (global shapes) costs per device, from the
+        compiler alone: state bytes per leaf, the compiled memory and whether it fits
+        (``memory_budget_bytes``, else the device's limit), collectives, FLOPs.
+        No array is built and no step runs; ``print(plan.report(shapes))``."""
+        compiled = self.lower(batch, train_step=train_step).compile()
+        return plan_report.build(self, compiled, memory_budget_bytes=memory_budget_bytes)

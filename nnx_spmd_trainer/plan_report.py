@@ -1,0 +1,277 @@
+"""What a plan costs before it runs: bytes per device, the compiler's memory and cost
+figures, the collectives of the step, and whether it fits.
+
+``Plan.report(batch_shapes)`` builds a ``PlanReport`` from shapes alone: nothing
+is placed on the devices and no step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from nnx_spmd_trainer.sharding import path_str, shard_shape
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+
+#: Dense bf16 peak FLOP/s and memory bandwidth (bytes/s) per device, by device kind.
+HARDWARE: dict[str, tuple[float, float]] = {
+    "H200": (989.5e12, 4.8e12),
+    "H100": (989.5e12, 3.35e12),
+    "A100": (312e12, 2.0e12),
+    "L4": (121e12, 0.3e12),
+    "TPU v4": (275e12, 1.2e12),
+    "TPU v5 lite": (197e12, 0.82e12),
+    "TPU v5p": (459e12, 2.76e12),
+    "TPU v6 lite": (918e12, 1.64e12),
+}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    bits = re.search(r"(\d+)$", dtype)
+    return int(bits.group(1)) // 8 if bits else 4
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Count and result bytes of each collective in compiled HLO text (an async
+    ``-start``/``-done`` pair counts once, by its largest buffer)."""
+    found = {name: {"count": 0, "bytes": 0} for name in COLLECTIVES}
+    hlo_text = re.sub(r"/\*.*?\*/", "", hlo_text)  # /*index=5*/ inside long tuple types
+    for match in _INSTRUCTION.finditer(hlo_text):
+        types, name, started = match.groups()
+        sizes = [
+            _itemsize(dtype) * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _ARRAY_TYPE.findall(types)
+        ]
+        found[name]["count"] += 1
+        found[name]["bytes"] += max(sizes, default=0) if started else sum(sizes)
+    return found
+
+
+def _state_kind(path: str) -> str:
+    root = path.split("/", 1)[0]
+    return {"model": "parameters", "optimizer": "optimizer"}.get(root, "other")
+
+
+def size(n: float) -> str:
+    """Bytes for people: ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def leaf_rows(targets: Any) -> list[dict[str, Any]]:
+    """One row per state leaf: path, shape, dtype, spec, per-device shape and bytes."""
+    rows = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(targets)[0]:
+        sharding = leaf.sharding
+        per_device = shard_shape(leaf.shape, sharding.spec, dict(sharding.mesh.shape))
+        name = path_str(path)
+        rows.append(
+            {
+                "path": name,
+                "kind": _state_kind(name),
+                "shape": list(leaf.shape),
+                "dtype": str(leaf.dtype),
+                "spec": str(sharding.spec),
+                "shape_per_device": list(per_device),
+                "bytes_per_device": math.prod(per_device) * leaf.dtype.itemsize,
+            }
+        )
+    return rows
+
+
+def layout_picture(row: Mapping[str, Any], mesh: Mapping[str, int]) -> str:
+    """A text picture of how one leaf is cut over the mesh: each dimension and its axes."""
+    spec = row["spec"]
+    cuts = []
+    for size, part in zip(row["shape"], row["shape_per_device"], strict=True):
+        ways = size // part if part else 1
+        cuts.append(f"{size} -> {part}" + (f" ({ways} ways)" if ways > 1 else " (whole)"))
+    axes = " x ".join(f"{name}={size}" for name, size in mesh.items())
+    return f"{row['path']} {spec} on mesh [{axes}]: " + ", ".join(cuts)
+
+
+def _budget_line(peak: int, budget: int | None) -> tuple[bool | None, str]:
+    if budget is None:
+        return None, "device memory unknown here: give memory_budget_bytes to check the fit"
+    if peak <= budget:
+        return True, f"fits: a peak of {size(peak)} of {size(budget)} per device"
+    return False, f"does not fit: {size(peak - budget)} over {size(budget)} per device"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """The cost of a planned train step, per device; prints as a table, ``to_dict()`` is JSON.
+
+    Attributes:
+      strategy, mesh: the layout.
+      leaves: one row per state leaf (``leaf_rows``).
+      memory: the compiled step's ``memory_analysis()`` per device, and ``peak``:
+        arguments + outputs - aliased + temporaries + generated code.
+      budget_bytes, fits, verdict: the per-device memory checked against
+        (``memory_budget_bytes``, else the device's own limit where reported).
+      collectives: count and bytes of each collective in the compiled HLO.
+      flops, bytes_accessed: per step and device, from ``cost_analysis()``.
+      step_time_bound_s: where the hardware is known, the larger of FLOPs over
+        peak FLOP/s and bytes over bandwidth; ``None`` elsewhere (the CPU).
+      suggestions: what to try when it does not fit.
+    """
+
+    strategy: str
+    mesh: dict[str, int]
+    leaves: list[dict[str, Any]]
+    memory: dict[str, int]
+    budget_bytes: int | None
+    fits: bool | None
+    verdict: str
+    collectives: dict[str, dict[str, int]]
+    flops: float
+    bytes_accessed: float
+    device_kind: str
+    step_time_bound_s: float | None
+    suggestions: list[str]
+    picture: str
+
+    def bytes_per_device(self, kind: str) -> int:
+        """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
+        return sum(row["bytes_per_device"] for row in self.leaves if row["kind"] == kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        totals = {k: self.bytes_per_device(k) for k in ("parameters", "optimizer", "other")}
+        return {**dataclasses.asdict(self), "state_bytes_per_device": totals}
+
+    def __str__(self) -> str:
+        lines = [f"plan: {self.strategy} on mesh {self.mesh} ({self.device_kind})"]
+        width = max([len(row["path"]) for row in self.leaves] + [4])
+        lines.append(f"  {'leaf':<{width}}  {'shape':<18} {'spec':<28} per device")
+        for row in self.leaves:
+            shape = "x".join(map(str, row["shape"])) or "()"
+            local = "x".join(map(str, row["shape_per_device"])) or "()"
+            lines.append(
+                f"  {row['path']:<{width}}  {shape:<18} {row['spec']:<28} {local} "
+                f"{size(row['bytes_per_device'])}"
+            )
+        lines.append(
+            "  state per device: "
+            + ", ".join(
+                f"{k} {size(self.bytes_per_device(k))}"
+                for k in ("parameters", "optimizer", "other")
+            )
+        )
+        memory = ", ".join(f"{k} {size(v)}" for k, v in self.memory.items())
+        lines.append(f"  compiled step per device: {memory}")
+        lines.append(f"  {self.verdict}")
+        lines.extend(f"    try: {s}" for s in self.suggestions)
+        used = {k: v for k, v in self.collectives.items() if v["count"]}
+        lines.append(
+            "  collectives: "
+            + (", ".join(f"{k} x{v['count']} ({size(v['bytes'])})" for k, v in used.items())
+               or "none")
+        )  # fmt: skip
+        bound = (
+            f", step time >= {self.step_time_bound_s * 1e3:.3f} ms"
+            if self.step_time_bound_s is not None
+            else ""
+        )
+        lines.append(
+            f"  per step and device: {self.flops:.3g} FLOPs, {self.bytes_accessed:.3g} bytes{bound}"
+        )
+        lines.append(f"  layout of the largest leaf: {self.picture}")
+        return "\n".join(lines)
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, Sequence):  # a one-element list on some versions
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def _device_limit(devices: Sequence[jax.Device]) -> int | None:
+    stats = devices[0].memory_stats() if devices else None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def suggestions(mesh: Mapping[str, int], grad_accum_steps: int) -> list[str]:
+    """What usually makes a step fit, in the order worth trying."""
+    names = set(mesh)
+    tips = []
+    if "fsdp" not in names:
+        tips.append("FSDP(): shard parameters, gradients and optimizer state over the devices")
+    if "model" not in names:
+        tips.append(
+            "Hybrid(FSDP(n), TensorParallel(k)) with a k the model's annotated dimensions divide"
+        )
+    tips.append(
+        f"gradient accumulation (grad_accum_steps={grad_accum_steps * 2}): half the activations"
+    )
+    tips.append("a smaller global batch")
+    return tips
+
+
+def build(
+    plan: Any,
+    compiled: Any,
+    *,
+    memory_budget_bytes: int | None = None,
+) -> PlanReport:
+    """The report of ``plan``'s compiled train step (``plan.lower(shapes).compile()``)."""
+    leaves = leaf_rows(plan.state_targets())
+    analysis = compiled.memory_analysis()
+    memory = {
+        "arguments": int(analysis.argument_size_in_bytes),
+        "outputs": int(analysis.output_size_in_bytes),
+        "aliased": int(analysis.alias_size_in_bytes),
+        "temporaries": int(analysis.temp_size_in_bytes),
+        "generated_code": int(analysis.generated_code_size_in_bytes),
+    }
+    memory["peak"] = (
+        memory["arguments"]
+        + memory["outputs"]
+        - memory["aliased"]
+        + memory["temporaries"]
+        + memory["generated_code"]
+    )
+    devices = list(plan.mesh.devices.flat)
+    budget = memory_budget_bytes if memory_budget_bytes is not None else _device_limit(devices)
+    fits, verdict = _budget_line(memory["peak"], budget)
+    cost = _cost(compiled)
+    kind = devices[0].device_kind if devices else "?"
+    peak_flops = next((v for k, v in HARDWARE.items() if k.lower() in kind.lower()), None)
+    bound = None
+    if peak_flops is not None:
+        flops_per_s, bandwidth = peak_flops
+        bound = max(
+            cost.get("flops", 0.0) / flops_per_s, cost.get("bytes accessed", 0.0) / bandwidth
+        )
+    mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    largest = max(leaves, key=lambda row: math.prod(row["shape"]))
+    return PlanReport(
+        strategy=repr(plan.strategy),
+        mesh=mesh,
+        leaves=leaves,
+        memory=memory,
+        budget_bytes=budget,
+        fits=fits,
+        verdict=verdict,
+        collectives=collectives(compiled.as_text()),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        device_kind=kind,
+        step_time_bound_s=bound,
+        suggestions=suggestions(mesh, plan.grad_accum_steps) if fits is False else [],
+        picture=layout_picture(largest, mesh),
+    )
