@@ -3,7 +3,8 @@
 
 ``train``: one strategy trained on the same global batches, each process feeding
 its rows. ``train_grain``: a Grain run checkpointed in one process count and
-resumed in another.
+resumed in another. ``train_a_slice_per_process``: the natural mistake under a
+model axis that spans the processes, each process feeding its own slice.
 """
 
 from __future__ import annotations
@@ -49,6 +50,24 @@ def train(name: str) -> dict[str, np.ndarray]:
     trainer.fit([local_rows(b, *shard) for b in make_batches(STEPS)], max_steps=STEPS)
     flat = gathered(nnx.state(trainer.model, nnx.Param), f"{name}/params/")
     return {**flat, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": np.array(shard)}
+
+
+def train_a_slice_per_process(report: Path) -> None:
+    """``tp8``, each process feeding "its" half of every global batch, though ``data_shard``
+    says both feed the whole batch; writes what happened to ``report`` + the process index
+    (the error, and the steps that ran), then raises the error again."""
+    trainer = Trainer(
+        Net, optax.adam(1e-2), strategy=STRATEGIES["tp8"](), loss_fn=classification_loss
+    )
+    assert tuple(trainer.placement.data_shard) == (0, 1)  # the whole batch, on both
+    mine = [local_rows(b, jax.process_index(), 2) for b in make_batches(STEPS)]
+    try:
+        trainer.fit(mine, max_steps=STEPS)
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}\nsteps run: {trainer.step}\n"
+        Path(f"{report}.{jax.process_index()}").write_text(text)
+        multihost_utils.sync_global_devices("reported")  # both wrote before either exits
+        raise
 
 
 def gathered(tree: object, prefix: str) -> dict[str, np.ndarray]:

@@ -2,6 +2,7 @@
 
     python tests/mp_worker.py OUT.npz [STRATEGY ...]
     python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS   (mp_runs.py)
+    python tests/mp_worker.py REPORT --a-slice-per-process   (fails: REPORT.0, REPORT.1)
 
 Joins the job from the launcher's variables, trains ``Net`` under every
 strategy of ``STRATEGIES`` on the same global batches (this process feeding
@@ -22,11 +23,14 @@ assert distributed.initialize(), "run me through distributed.Launch"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from mp_runs import STRATEGIES, train, train_grain  # noqa: E402
+from mp_runs import STRATEGIES, train, train_a_slice_per_process, train_grain  # noqa: E402
 
 if __name__ == "__main__":
     assert jax.process_count() == 2 and jax.local_device_count() == 4, jax.devices()
     results: dict[str, np.ndarray] = {}
+    if sys.argv[2:3] == ["--a-slice-per-process"]:
+        train_a_slice_per_process(Path(sys.argv[1]))  # raises
+        sys.exit("the run fed against data_shard was not stopped")
     if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS
         results = train_grain(Path(sys.argv[3]), int(sys.argv[4]))
     else:

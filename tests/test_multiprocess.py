@@ -44,6 +44,26 @@ def test_two_processes_match_one_process_of_eight_devices(two_processes, name):
     assert int(two_processes[f"{name}/shard"][1]) == expected_shards
 
 
+def test_a_process_feeding_rows_against_data_shard_fails_every_process_before_a_step(tmp_path):
+    """Under a model axis over both processes, data_shard says both feed the whole batch;
+    each feeding its own half would train on a batch nobody fed. Both processes raise,
+    naming process 1 and the fix, before any step runs (test_two_processes_match_one_
+    process_of_eight_devices[tp8] is the same run fed right)."""
+    report, log = tmp_path / "report", io.StringIO()
+    command = [sys.executable, str(WORKER), str(report), "--a-slice-per-process"]
+    start = time.monotonic()
+    status = distributed.Launch(command, 2, out=log).run()
+    assert status != 0, log.getvalue()[-4000:]
+    assert time.monotonic() - start < 240  # quick: no process waits on a hung collective
+    for process in (0, 1):
+        text = (tmp_path / f"report.{process}").read_text()  # every process raised
+        assert text.startswith("ShardingError: nnx_spmd_trainer: process 1 fed a batch unlike")
+        assert "process 0's (leaves ['x'], ['y'])" in text
+        assert "DataShard(index=0, count=1)" in text and "every process feeds the whole" in text
+        assert "rows[index::count]" in text  # the fix
+        assert text.endswith("steps run: 0\n")
+
+
 def test_launcher_stops_the_others_and_names_the_failed_process(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
