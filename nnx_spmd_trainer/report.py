@@ -23,7 +23,7 @@ MAX_INDEXED = 64
 
 def is_step_report(key: str) -> bool:
     """Whether a logs key is one ``StepReport`` adds (norms, perf, epoch), not a metric."""
-    return key == "epoch" or key.startswith("perf/") or key.endswith("_norm")
+    return key == "epoch" or key.startswith(("perf/", "goodput/")) or key.endswith("_norm")
 
 
 def metric_logs(collection: clu_metrics.Collection, split: str, warned: set[str]) -> Logs:
@@ -63,37 +63,64 @@ def device_memory_gb(devices: Sequence[jax.Device]) -> float | None:
     return max(used) / 1e9 if used else None
 
 
+#: Where the wall time of ``fit`` goes; every second lands in exactly one of them.
+GOODPUT = ("compile", "data_wait", "step", "eval", "checkpoint", "callbacks", "other")
+
+
 class StepReport:
-    """The last step's norms (left on the devices), and host times since the last read:
-    compiling, evaluating, and waiting for training batches."""
+    """The last step's norms (left on the devices), and where the host's time went.
+
+    Time is split without overlap (``timing`` blocks nest; an inner block's time is
+    its own, not its outer block's) into ``GOODPUT``: tracing and compiling,
+    waiting for training batches, training steps (dispatch and the waits of the
+    in-flight bound), evaluating, the blocked part of checkpoint saves, other
+    callbacks, and the rest. The parts add up to the wall time of ``fit``.
+    """
 
     def __init__(self, devices: Sequence[jax.Device]) -> None:
         self.devices = list(devices)
         self.norms: dict[str, jax.Array] = {}
-        #: Seconds over the trainer's life: tracing and compiling train steps, evaluating,
-        #: and the training loop waiting for its next batch (``Prefetch``).
-        self.seconds = {"compile": 0.0, "eval": 0.0, "data_wait": 0.0}
+        #: Seconds over the trainer's life, by ``GOODPUT`` part.
+        self.seconds = dict.fromkeys(GOODPUT, 0.0)
+        self._stack = ["other"]  # the part the time now goes to is the last
+        self._since = time.perf_counter()
         self.restart()
 
     def restart(self) -> None:
-        """The next read covers the time from now (a ``fit`` starts)."""
-        self._read_at, self._seconds_read = time.perf_counter(), dict(self.seconds)
+        """The next read covers the time from now, and so does goodput (a ``fit`` starts)."""
+        now = self._charge()
+        self._read_at, self._seconds_read = now, dict(self.seconds)
+        self._fit_start, self._seconds_at_fit = now, dict(self.seconds)
 
     @property
     def compile_seconds(self) -> float:
         return self.seconds["compile"]
 
+    def _charge(self) -> float:
+        now = time.perf_counter()
+        self.seconds[self._stack[-1]] += now - self._since
+        self._since = now
+        return now
+
     def timing(self, what: str) -> _Timer:
-        """``with report.timing("compile"): ...`` adds the block's time to ``seconds[what]``."""
-        return _Timer(self.seconds, what)
+        """``with report.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
+        return _Timer(self, what)
+
+    def goodput(self) -> Logs:
+        """``goodput/<part>_s``: seconds of each part since ``fit`` began, and
+        ``goodput/wall_s``, their sum, the wall time since then."""
+        now = self._charge()
+        parts = {f"goodput/{k}_s": v - self._seconds_at_fit[k] for k, v in self.seconds.items()}
+        return {**parts, "goodput/wall_s": now - self._fit_start}
 
     def read(self) -> Logs:
         """``train/{grad,update,param}_norm`` of the last step; ``perf/compile_time_s`` when
         a step was compiled since the last read; ``perf/data_wait_fraction``, the share
         of the training time since then (compiling and evaluating left out) spent
-        waiting for batches; and ``perf/device_memory_gb``."""
+        waiting for batches; ``perf/device_memory_gb``; and the ``goodput``."""
         logs = {f"train/{k}": float(v) for k, v in jax.device_get(self.norms).items()}
-        now = time.perf_counter()
+        logs.update(self.goodput())
+        now = self._since
         spent = {k: v - self._seconds_read[k] for k, v in self.seconds.items()}
         if spent["compile"] > 0:
             logs["perf/compile_time_s"] = spent["compile"]
@@ -107,14 +134,16 @@ class StepReport:
 
 
 class _Timer:
-    def __init__(self, seconds: dict[str, float], what: str) -> None:
-        self.seconds, self.what = seconds, what
+    def __init__(self, report: StepReport, what: str) -> None:
+        self.report, self.what = report, what
 
     def __enter__(self) -> None:
-        self.start = time.perf_counter()
+        self.report._charge()
+        self.report._stack.append(self.what)
 
     def __exit__(self, *exc: Any) -> None:
-        self.seconds[self.what] += time.perf_counter() - self.start
+        self.report._charge()
+        self.report._stack.pop()
 
 
 class MetricsReport:

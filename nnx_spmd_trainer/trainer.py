@@ -548,9 +548,10 @@ class Trainer:
             self.progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             self.callbacks.on_train_batch_begin(self.step, {})
-            self._train_one(
-                batch, norms=self.report.track_norms and self.report.is_log_step(self.step + 1)
-            )
+            with self.report.perf.timing("step"):
+                self._train_one(
+                    batch, norms=self.report.track_norms and self.report.is_log_step(self.step + 1)
+                )
             logs = (
                 self.report.flush(self.progress.epoch) if self.report.is_log_step(self.step) else {}
             )

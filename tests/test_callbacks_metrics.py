@@ -7,6 +7,7 @@ from test_callbacks_helpers import make_batches, make_trainer, np_metrics, param
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.callbacks import LambdaCallback, MetricsLogger
+from nnx_spmd_trainer.report import GOODPUT
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,7 @@ def test_train_and_eval_metrics_equal_numpy_on_a_batch_sharded_over_8_devices(
     # The metrics, and what every log point reports with them (the compile, once).
     report = {"train/grad_norm", "train/update_norm", "train/param_norm", "epoch"}
     report.add("perf/data_wait_fraction")
+    report.update({f"goodput/{part}_s" for part in GOODPUT} | {"goodput/wall_s"})
     assert set(seen[2]) - {"perf/device_memory_gb"} == {
         "train/loss",
         "train/accuracy",

@@ -93,7 +93,9 @@ def test_the_share_of_time_waiting_for_input_is_reported():
     made, _ = trainer(prefetch=0, log_every_n_steps=3)
     made.fit(Slow(0.3), max_steps=6)
     waiting = made.history.history["perf/data_wait_fraction"]
-    assert len(waiting) == 2 and all(0.5 < w <= 1.0 for w in waiting)  # 0.3 s a batch
+    assert len(waiting) == 2 and all(0.0 < w <= 1.0 for w in waiting)
+    # 0.3 s a batch is waited for, however slow the steps are on a loaded machine
+    assert made.history.history["goodput/data_wait_s"][-1] >= 0.9 * 6 * 0.3
     fast, _ = trainer(log_every_n_steps=3)
     fast.fit(BATCHES, max_steps=6)
     assert all(0.0 <= w <= 1.0 for w in fast.history.history["perf/data_wait_fraction"])

@@ -28,7 +28,7 @@ def reported(trainer: Trainer) -> dict[str, list[tuple[int, float]]]:
     return {
         key: list(zip(history.steps[key], history.history[key], strict=True))
         for key in history.history
-        if not key.startswith("perf/")
+        if not key.startswith(("perf/", "goodput/"))
     }
 
 

@@ -1,0 +1,54 @@
+"""Where the wall time of fit went: the parts add up, input waits and checkpoints show."""
+
+import time
+
+import optax
+import pytest
+from toy_models import Net, classification_loss, make_batches
+
+from nnx_spmd_trainer import Trainer
+from nnx_spmd_trainer.report import GOODPUT
+
+
+def trainer_for(**kwargs) -> Trainer:
+    return Trainer(Net, optax.sgd(0.1), loss_fn=classification_loss, **kwargs)
+
+
+def parts(trainer: Trainer) -> dict[str, float]:
+    goodput = trainer.report.perf.goodput()
+    return {part: goodput[f"goodput/{part}_s"] for part in GOODPUT} | {
+        "wall": goodput["goodput/wall_s"]
+    }
+
+
+def test_the_parts_add_up_to_the_wall_time_of_fit_and_reach_the_history():
+    trainer = trainer_for(log_every_n_steps=4)
+    start = time.perf_counter()
+    trainer.fit(make_batches(8), make_batches(2, seed=1), max_steps=8, eval_every_n_steps=4)
+    wall = time.perf_counter() - start
+    seen = parts(trainer)
+    assert sum(seen[p] for p in GOODPUT) == pytest.approx(seen["wall"], rel=1e-9)
+    assert abs(seen["wall"] - wall) <= 0.05 * wall
+    assert seen["compile"] > 0 and seen["step"] > 0 and seen["eval"] > 0
+    assert trainer.history.steps["goodput/step_s"] == [4, 8]
+
+
+class Sleepy:
+    """A dataset whose every batch takes 50 ms to read."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(0.05)
+            yield batch
+
+
+def test_a_slow_dataset_shows_as_input_wait_not_as_step_time():
+    trainer = trainer_for()
+    trainer.fit(make_batches(2), max_steps=2)  # compiled here, not in the timed fit
+    trainer.fit(Sleepy(make_batches(10)), max_steps=12)
+    seen = parts(trainer)
+    assert seen["data_wait"] >= 0.8 * 10 * 0.05
+    assert seen["step"] < seen["data_wait"] / 2
