@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grain
 import jax
@@ -23,11 +23,14 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, RunState
 from nnx_spmd_trainer.prefetch import as_position, has_position
+from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
 
 from .checkpoint_checks import (
     DamagedCheckpoint,
     agree_on_damage,
+    as_stored,
     check_same_model,
+    stored_arrays,
 )
 from .fingerprint import (
     FingerprintRestore,
@@ -37,6 +40,9 @@ from .fingerprint import (
     summarize,
 )
 from .preemption import PreemptionNotice
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.trainer import Trainer
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
 
@@ -61,6 +67,29 @@ def _jsonable(config: Any) -> Any:
     return json.loads(json.dumps(config, default=repr))
 
 
+def _callback_items(run: RunState) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``{item name: (state_key, {"0": array, ...})}``: one Orbax item per callback whose
+    state holds arrays, so a restore reads only those of the callbacks it has."""
+    arrays = run.callback_arrays()
+    return {f"callback_arrays_{n}": (key, arrays[key]) for n, key in enumerate(sorted(arrays))}
+
+
+def _on_devices(leaves: dict[str, Any]) -> dict[str, Any]:
+    """The ``jax.Array`` leaves: what the fingerprints cover of a callback's arrays (its
+    NumPy values would be converted, 64-bit ones narrowed, on their way to the devices)."""
+    return {index: x for index, x in leaves.items() if isinstance(x, jax.Array)}
+
+
+def _lookup(state: Any, path: tuple[Any, ...]) -> Any:
+    """The value at ``path`` in a live callback state, or None where it has none."""
+    for part in path:
+        try:
+            state = state[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return state
+
+
 class OrbaxCheckpoint(Callback):
     """Saves the whole training run with Orbax, asynchronously, and resumes it exactly.
 
@@ -74,10 +103,16 @@ class OrbaxCheckpoint(Callback):
       when ``train_data`` is a Grain dataset; other iterables are resumed by
       reading and discarding the batches already trained on (with a warning);
     * ``meta`` (JSON): the run state's host part (step, epoch, batches into the
-      epoch, every callback's ``state_dict`` by ``state_key``), library
-      versions, strategy, mesh, config;
-    * ``fingerprints``: a fingerprint of every leaf and whether all are finite,
-      computed on the devices and written in the background, checked on restore.
+      epoch, every callback's ``state_dict`` by ``state_key``, arrays left out),
+      library versions, strategy, mesh, config;
+    * ``callback_arrays_<n>``: the arrays of one callback's ``state_dict`` (an EMA
+      of the weights, say), sharded like ``state``; ``meta["callback_arrays"]``
+      names the callback of each. What a callback state may hold:
+      ``Callback.state_dict``; anything else is refused, with the callback and key
+      named, by the save that meets it, before anything is written;
+    * ``fingerprints``: a fingerprint of every device array and whether the state
+      and metrics are all finite, computed on the devices and written in the
+      background, checked on restore.
 
     Saving blocks training only while the arrays are copied off the devices;
     the write goes on in the background and is waited for at the end of
@@ -94,6 +129,11 @@ class OrbaxCheckpoint(Callback):
     state turned out non-finite (``<step>.nonfinite``). Only the first ``fit``
     of this callback restores; restoring an older step than the latest moves
     the later ones aside (``<step>.after-<restored>``).
+
+    To evaluate, generate or export from a checkpoint without training, restore
+    it into any trainer of the same model and optimizer with
+    ``OrbaxCheckpoint(directory).restore_into(trainer)`` (``restore=`` picks the
+    step); it reads straight into the trainer's layout and sets ``trainer.step``.
 
     On SIGTERM (a preemption) it finishes the current step, saves, waits for
     the write, and stops training; ``fit`` runs ``on_train_end`` and returns
@@ -158,6 +198,7 @@ class OrbaxCheckpoint(Callback):
         #: The layouts the restored arrays arrived in (this trainer's, read straight in).
         self.restored_layouts: list[Any] = []
         self._fitted = False
+        self._restored_into: Trainer | None = None  # by restore_into, before any fit
         self._last_saved: tuple[int, jax.Array] | None = None
         self._manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
@@ -170,7 +211,7 @@ class OrbaxCheckpoint(Callback):
             self._manager = self._make_manager(self.directory)
         return self._manager
 
-    def _make_manager(self, directory: Path) -> ocp.CheckpointManager:
+    def _make_manager(self, directory: Path, *, read_only: bool = False) -> ocp.CheckpointManager:
         preserve: list[policies.PreservationPolicy] = [policies.LatestN(n=self.keep)]
         if self.keep_best is not None and self.monitor is not None:
             monitor = self.monitor
@@ -188,7 +229,8 @@ class OrbaxCheckpoint(Callback):
             # With a best_fn Orbax also writes each step's metrics, read back by "best".
             best_fn=(lambda metrics: metrics[self.monitor]) if self.monitor else None,
             best_mode=self.mode,
-            create=True,
+            create=not read_only,
+            read_only=read_only,
         )
         return ocp.CheckpointManager(directory, options=options)
 
@@ -210,20 +252,32 @@ class OrbaxCheckpoint(Callback):
         if not self._savable(step):
             return False
         run = self.trainer.run_state()
+        # A callback state that cannot be stored raises here (TypeError naming the callback
+        # and key), before Orbax is called: nothing is left half-written.
+        meta = self._meta(step, run)
+        callback_items = _callback_items(run)
+        meta["callback_arrays"] = {key: name for name, (key, _) in callback_items.items()}
         items: dict[str, Any] = {
             "state": ocp.args.StandardSave(run.state),
             "train_metrics": ocp.args.StandardSave(run.train_metrics),
-            "meta": ocp.args.JsonSave(self._meta(step, run)),
+            "meta": ocp.args.JsonSave(meta),
         }
+        for name, (_, leaves) in callback_items.items():
+            items[name] = ocp.args.StandardSave(leaves)
         if run.data is not None:  # where the next step's batch starts, even read ahead
             items["data"] = grain.checkpoint.CheckpointSave(as_position(run.data))
         pending = PendingSummary()
         items["fingerprints"] = FingerprintSave(pending)
         logged = self._seen.get(self.monitor) if self.monitor else None
         metric = logged[1] if logged is not None and logged[0] == step else None
+        fingerprinted = {
+            **run.arrays(),
+            **{name: _on_devices(leaves) for name, (_, leaves) in callback_items.items()},
+        }
 
         def summarize_state() -> None:
-            summary = summarize(run.arrays())
+            # Callback arrays are fingerprinted, but only the run's own state must be finite.
+            summary = summarize(fingerprinted, finite=run.arrays())
             pending.set(summary)
             self._last_saved = (step, summary["finite"])
 
@@ -271,16 +325,71 @@ class OrbaxCheckpoint(Callback):
         }
 
     # -- restoring -------------------------------------------------------------------------
-    def _candidates(self) -> tuple[ocp.CheckpointManager, list[int], bool]:
-        """(manager, steps to try newest first, whether falling back is allowed)."""
+    def restore_into(self, trainer: Trainer) -> int | None:
+        """Restores a checkpoint into ``trainer`` without training: to ``evaluate``,
+        generate or export from it, before (or instead of) any ``fit``.
+
+        Restores the ``restore`` choice (``"latest"`` by default, ``"best"``, a step
+        number or a step directory) straight into ``trainer.run_state(abstract=True)``:
+        each array is read into the trainer's own layout (any strategy, any device
+        count) and no initial state is ever built. ``trainer.step``, the train metrics,
+        the callback states of the trainer's callbacks and the data position are
+        restored, and ``restored_step`` is set. The trainer need not hold this callback;
+        if it does, its next ``fit`` goes on from the restored step without restoring
+        again. The directory is only read: a damaged step is skipped with a warning
+        (not moved aside) and the step before it restored; a step asked for by number
+        that is damaged raises ``DamagedCheckpoint``.
+
+        Returns the step restored, or ``None`` when the directory holds no step.
+
+        Example::
+
+            trainer = Trainer(make_model, optax.adamw(1e-3), strategy=FSDP(), loss_fn=loss)
+            step = OrbaxCheckpoint("runs/a/ckpt").restore_into(trainer)  # or restore=2000
+            print(step, trainer.evaluate(eval_data))
+        """
+        bound = getattr(self, "trainer", None)
+        if bound is not None and bound is not trainer:
+            raise ValueError(
+                "this OrbaxCheckpoint is a callback of another trainer; restore into "
+                "that one, or make a new OrbaxCheckpoint(directory) for this trainer."
+            )
+        if self.restore is None:
+            raise ValueError("restore_into needs a step to restore; this has restore=None.")
+        by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
+        manager = None  # a step directory is read through a manager of its own
+        if not by_path:
+            if not self.directory.is_dir():
+                self.restored_step = None
+                return None
+            # Kept open: the next fit of the trainer reads the Grain position through it.
+            manager = self._make_manager(self.directory, read_only=True)
+        step = self._restore(trainer, manager, set_aside=False)
+        self.restored_step = step
+        self._restored_into = trainer if step is not None else None
+        if step is not None and self.report is not None:
+            self.report(f"restored checkpoint step {step} from {self.directory}")
+        return step
+
+    def restore_into_trainer(self) -> int | None:
+        """What ``fit`` restores at its start: the ``restore`` choice into this callback's
+        trainer, moving damaged steps aside. Prefer ``restore_into(trainer)``."""
+        return self._restore(self.trainer, self.manager, set_aside=True)
+
+    def _candidates(
+        self, manager: ocp.CheckpointManager | None
+    ) -> tuple[ocp.CheckpointManager, list[int], bool]:
+        """(manager, steps to try newest first, whether falling back is allowed); the
+        ``manager`` of ``directory`` is needed unless ``restore`` is a step directory."""
         restore = self.restore
-        if restore == "latest":
-            return self.manager, self.steps()[::-1], True
-        if restore == "best":
-            return self.manager, self._by_monitor(), True
-        if isinstance(restore, int):
-            return self.manager, [restore], False
-        assert restore is not None  # fit restores nothing then
+        assert restore is not None  # nothing is restored then
+        if restore in ("latest", "best") or isinstance(restore, int):
+            assert manager is not None
+            if restore == "latest":
+                return manager, sorted(manager.all_steps(), reverse=True), True
+            if restore == "best":
+                return manager, self._by_monitor(manager), True
+            return manager, [int(restore)], False
         path = Path(os.fspath(restore)).absolute()  # a step directory, of any run
         if not path.name.isdigit():
             raise ValueError(f"restore={str(restore)!r} is not a step directory (…/<step>).")
@@ -289,34 +398,44 @@ class OrbaxCheckpoint(Callback):
         )
         return other, [int(path.name)], False
 
-    def _by_monitor(self) -> list[int]:
+    def _by_monitor(self, manager: ocp.CheckpointManager) -> list[int]:
         scored = []
-        for step in self.steps():
-            value = (self.manager.metrics(step) or {}).get(self.monitor)
+        for step in sorted(manager.all_steps()):
+            value = (manager.metrics(step) or {}).get(self.monitor)
             if value is not None:
                 scored.append((value if self.mode == "min" else -value, step))
         return [step for _, step in sorted(scored)]
 
-    def restore_into_trainer(self) -> int | None:
-        """Restores the ``restore`` choice into the trainer; the step restored, or None."""
-        manager, candidates, fall_back = self._candidates()
+    def _restore(
+        self, trainer: Trainer, manager: ocp.CheckpointManager | None, *, set_aside: bool
+    ) -> int | None:
+        """Restores the ``restore`` choice into ``trainer``; the step restored, or None."""
+        manager, candidates, fall_back = self._candidates(manager)
         for step in candidates:
             damaged: DamagedCheckpoint | None = None
             try:
-                saved = self._read_step(manager, step)
+                saved = self._read_step(trainer, manager, step)
             except DamagedCheckpoint as error:
                 damaged = error
             # Every process must take the same branch: one that read damage makes all skip.
             damaged = agree_on_damage(damaged, step, manager.directory)
             if damaged is None:
-                self._apply(manager, step, saved)
+                self._apply(trainer, manager, step, saved)
                 return step
             if not fall_back:
                 raise damaged
-            self._set_aside(manager, step, damaged)
+            if set_aside:
+                self._set_aside(manager, step, damaged)
+            else:
+                message = f"{damaged}; restoring an earlier step (left where it is)."
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                if self.report is not None:
+                    self.report(message)
         return None
 
-    def _read_step(self, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    def _read_step(
+        self, trainer: Trainer, manager: ocp.CheckpointManager, step: int
+    ) -> dict[str, Any]:
         """The step's items, read into this trainer's layout and checked; nothing applied."""
         path = Path(manager.directory) / str(step)
         if not path.is_dir():
@@ -324,12 +443,35 @@ class OrbaxCheckpoint(Callback):
             raise FileNotFoundError(
                 f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
             )
-        target = self.trainer.run_state(abstract=True)  # shapes and layouts: no array built
+        target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
         check_same_model(path, step, target.state)
         if not (path / "commit_success.txt").exists():
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} has no commit marker: it was not finished"
             )
+
+        def unreadable(error: Exception) -> DamagedCheckpoint:
+            return DamagedCheckpoint(
+                f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
+                f"{str(error)[:300]})"
+            )
+
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = dict(meta["meta"])
+            # The arrays of the callbacks this trainer has; others' are not read at all.
+            stored = {
+                name: stored_arrays(path / name)
+                for key, name in meta.get("callback_arrays", {}).items()
+                if key in target.callbacks
+            }
+        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+            raise unreadable(error) from error
+        callback_targets = {
+            name: self._callback_targets(trainer, meta, key, target.callbacks, stored[name])
+            for key, name in meta.get("callback_arrays", {}).items()
+            if name in stored
+        }
         try:
             saved = dict(
                 manager.restore(
@@ -337,25 +479,31 @@ class OrbaxCheckpoint(Callback):
                     args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(target.state),
                         train_metrics=ocp.args.StandardRestore(target.train_metrics),
-                        meta=ocp.args.JsonRestore(),
                         fingerprints=FingerprintRestore(),
+                        **{
+                            name: ocp.args.StandardRestore(item)
+                            for name, item in callback_targets.items()
+                        },
                     ),
                 )
             )
         except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise DamagedCheckpoint(
-                f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
-                f"{str(error)[:300]})"
-            ) from error
+            raise unreadable(error) from error
+        saved["meta"] = meta
         record = saved["fingerprints"]
         if not record["finite"]:
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} holds non-finite values (the run diverged "
                 "before it was saved)"
             )
-        bad = mismatches(
-            record["leaves"], {"state": saved["state"], "train_metrics": saved["train_metrics"]}
-        )
+        read = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
+        read.update({name: _on_devices(saved[name]) for name in callback_targets})
+        expected = {
+            leaf: value
+            for leaf, value in record["leaves"].items()
+            if leaf.split("/", 1)[0] in read  # a callback's arrays not read are not checked
+        }
+        bad = mismatches(expected, read)
         if bad:
             raise DamagedCheckpoint(
                 f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
@@ -363,14 +511,60 @@ class OrbaxCheckpoint(Callback):
             )
         return saved
 
-    def _apply(self, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]) -> None:
+    @staticmethod
+    def _callback_targets(
+        trainer: Trainer,
+        meta: dict[str, Any],
+        key: str,
+        live_states: Any,
+        stored: dict[str, Any],
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """Where each saved array of callback ``key`` is read to.
+
+        A ``jax.Array`` goes where the callback's live state has an array or a
+        ``jax.ShapeDtypeStruct`` of the same shape and dtype at the same key: into its
+        sharding. With none there (the callback builds its arrays later, at
+        ``on_train_begin``, say), it is replicated on the trainer's mesh. A NumPy value
+        comes back as NumPy.
+        """
+        live = live_states.get(key)
+        targets = {}
+        for path, mark in array_marks(meta["callbacks"][key]):
+            index = mark[ARRAY_MARK]
+            shape, dtype = stored[index]
+            if mark.get("kind") != "jax":
+                targets[index] = jax.ShapeDtypeStruct(shape, dtype)  # restored as NumPy
+                continue
+            here = _lookup(live, path)
+            if (
+                isinstance(here, jax.Array | jax.ShapeDtypeStruct)
+                and getattr(here, "sharding", None) is not None
+                and as_stored(here) == (shape, str(dtype))
+            ):
+                targets[index] = jax.ShapeDtypeStruct(
+                    here.shape, here.dtype, sharding=here.sharding
+                )
+                continue
+            targets[index] = jax.ShapeDtypeStruct(shape, dtype, sharding=trainer.plan.replicated)
+        return targets
+
+    def _apply(
+        self, trainer: Trainer, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]
+    ) -> None:
         meta = saved["meta"]
         self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
         restore_data = None
         if meta["data"] == "grain":
             restore_data = lambda iterator: self._restore_iterator(manager, step, iterator, meta)  # noqa: E731
         arrays = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
-        self.trainer.load_run_state(RunState.from_saved(arrays, meta, data=restore_data))
+        callback_arrays = {
+            key: saved[name]
+            for key, name in meta.get("callback_arrays", {}).items()
+            if name in saved
+        }
+        trainer.load_run_state(
+            RunState.from_saved(arrays, meta, callback_arrays=callback_arrays, data=restore_data)
+        )
 
     def _restore_iterator(
         self, manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict
@@ -433,7 +627,11 @@ class OrbaxCheckpoint(Callback):
     @override
     def on_fit_start(self, logs: Logs) -> None:
         self._seen = {}
-        if self.restore is not None and not self._fitted:
+        if self._restored_into is self.trainer and not self._fitted:
+            # restore_into(trainer) already restored: fit goes on from there.
+            assert self.restored_step is not None
+            self._set_aside_later_than(self.restored_step)
+        elif self.restore is not None and not self._fitted:
             # Only the first fit resumes: a later fit of this trainer goes on from where
             # the previous one left its state, as it would without checkpoints.
             self.restored_step = self.restore_into_trainer()

@@ -18,7 +18,7 @@ class DamagedCheckpoint(Exception):
     """A checkpoint step that cannot be trusted; the message names its step and path."""
 
 
-def _as_stored(x: Any) -> tuple[tuple[int, ...], str]:
+def as_stored(x: Any) -> tuple[tuple[int, ...], str]:
     """Shape and dtype as Orbax records them: a typed PRNG key as its uint32 key data."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.eval_shape(jax.random.key_data, x)
@@ -37,7 +37,7 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
         path_str(p): (tuple(x.shape), str(x.dtype))
         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
-    ours = {path_str(p): _as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    ours = {path_str(p): as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
     differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     if differ:
         shown = ", ".join(f"{k}: saved {theirs.get(k)}, here {ours.get(k)}" for k in differ[:4])
@@ -61,3 +61,10 @@ def agree_on_damage(
             f"processes {np.flatnonzero(flags).tolist()}"
         )
     return damaged
+
+
+def stored_arrays(item: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{name: (shape, dtype)}`` of the arrays of a flat ``StandardSave`` item, as stored."""
+    saved = ocp.StandardCheckpointHandler().metadata(item)  # type: ignore[arg-type]
+    tree = getattr(saved, "tree", saved)
+    return {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in tree.items()}

@@ -69,14 +69,16 @@ def fingerprints(tree: Any) -> dict[str, int]:
     return _resolve(summarize(tree))["leaves"]
 
 
-def summarize(tree: Any) -> dict[str, Any]:
+def summarize(tree: Any, *, finite: Any = None) -> dict[str, Any]:
     """Fingerprints and whether every float leaf is finite, dispatched to the devices and
-    not waited for: ``{"leaves": {path: scalar}, "finite": scalar}`` of ``jax.Array`` s."""
+    not waited for: ``{"leaves": {path: scalar}, "finite": scalar}`` of ``jax.Array`` s.
+
+    ``finite``: the part of ``tree`` checked for finiteness (default: all of it)."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
     values = _fingerprints(list(leaves))
     return {
         "leaves": {path_str(p): v for p, v in zip(paths, values, strict=True)},
-        "finite": _all_finite(list(leaves)),
+        "finite": _all_finite(jax.tree.leaves(tree if finite is None else finite)),
     }
 
 

@@ -103,10 +103,34 @@ class Callback:
         self._state_key = key
 
     def state_dict(self) -> dict[str, Any]:
-        """What to checkpoint so a resumed run continues where it stopped."""
+        """What to checkpoint so a resumed run continues where it stopped.
+
+        It may hold arrays and plain values, nested in dicts with ``str`` keys, lists
+        and tuples:
+
+        * ``jax.Array`` s (an EMA of the weights, sharded like them) are saved as
+          sharded arrays and restored into the sharding of the array, or of the
+          ``jax.ShapeDtypeStruct``, at the same key of this callback's ``state_dict()``
+          at restore time. A restore comes before ``on_train_begin``: a callback that
+          builds its arrays there can give their layout in their place until then (e.g.
+          from ``trainer.plan.state_targets()``); with nothing there, they are restored
+          replicated on the trainer's mesh.
+        * NumPy arrays and scalars are saved as arrays and come back as NumPy.
+        * ``None``, ``bool``, ``int``, ``float``, ``str`` are saved as JSON; tuples come
+          back as lists.
+
+        Anything else (a set, a dict with non-``str`` keys, an object) is refused by the
+        checkpoint's first save with a ``TypeError`` naming ``state_key`` and the key
+        path; a ``jax.ShapeDtypeStruct`` must be replaced by its array before then. The
+        plain values are copied when the save is taken; arrays are written after it
+        returns, so replace a NumPy array rather than change it in place.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Puts back a ``state_dict()`` a checkpoint saved, before ``on_train_begin`` (of
+        the ``fit`` whose ``on_fit_start`` restored it) or by ``restore_into``; with the
+        types ``state_dict`` documents."""
         del state
 
 
@@ -257,11 +281,13 @@ class CallbackList:
 
     # -- checkpointed state ------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        """``{state_key: callback.state_dict()}`` for every callback that has state."""
+        """``{state_key: callback.state_dict()}`` for every callback that has state (what
+        each may hold: ``Callback.state_dict``)."""
         return {key: callback.state_dict() for key, callback in self._stateful.items()}
 
     def load_state_dict(self, states: dict[str, dict[str, Any]]) -> None:
-        """Gives each callback its saved state; a callback absent from ``states`` keeps its own."""
+        """Gives each callback its saved state; a callback absent from ``states`` keeps its
+        own, and a state whose callback is not in this list is ignored."""
         for key, state in states.items():
             if key in self._stateful:
                 self._stateful[key].load_state_dict(state)
