@@ -160,6 +160,8 @@ class OrbaxCheckpoint(Callback):
         trainer.fit(data, max_steps=10_000)   # run again: continues where it stopped
     """
 
+    goodput = "checkpoint"  # its hooks block training while arrays leave the devices
+
     def __init__(
         self,
         directory: str | os.PathLike[str],

@@ -38,6 +38,8 @@ class Callback:
       state_key: the key of this callback's ``state_dict`` in a checkpoint; two
         callbacks with state must have different keys (set it to tell two
         instances of one class apart).
+      goodput: the part of ``fit``'s wall time this callback's hooks count as
+        (``"callbacks"``; a checkpoint callback: ``"checkpoint"``).
 
     >>> class PrintLoss(Callback):
     ...     def on_logs(self, step, logs):
@@ -46,6 +48,7 @@ class Callback:
     """
 
     order: int = 0
+    goodput: str = "callbacks"
     trainer: Trainer
     _state_key: str | None = None
 
@@ -209,8 +212,9 @@ class CallbackList:
                 )
             keys[callback.state_key] = callback
         self._stateful = keys
+        #: hook -> (bound method, the goodput part its time counts as), per overriding callback
         self._bound = {
-            hook: [getattr(c, hook) for c in self.callbacks if _overrides(c, hook)]
+            hook: [(getattr(c, hook), c.goodput) for c in self.callbacks if _overrides(c, hook)]
             for hook in HOOKS
         }
 
@@ -218,8 +222,10 @@ class CallbackList:
         return iter(self.callbacks)
 
     def _call(self, hook: str, *args: Any) -> None:
-        for method in self._bound[hook]:
-            method(*args)
+        timing = self.trainer.report.perf.timing
+        for method, part in self._bound[hook]:
+            with timing(part):
+                method(*args)
 
     def _call_with_logs(self, hook: str, *args: Any) -> None:
         self._call(hook, *args)
@@ -268,7 +274,7 @@ class CallbackList:
 
     def on_exception(self, error: BaseException) -> None:
         """Every callback gets the hook, even if one of them fails in it (that is warned)."""
-        for method in self._bound["on_exception"]:
+        for method, _ in self._bound["on_exception"]:
             try:
                 method(error)
             except Exception as cleanup_error:  # noqa: BLE001 - the original error wins

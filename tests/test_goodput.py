@@ -6,7 +6,8 @@ import optax
 import pytest
 from toy_models import Net, classification_loss, make_batches
 
-from nnx_spmd_trainer import Trainer
+from nnx_spmd_trainer import Callback, Trainer
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 from nnx_spmd_trainer.report import GOODPUT
 
 
@@ -52,3 +53,29 @@ def test_a_slow_dataset_shows_as_input_wait_not_as_step_time():
     seen = parts(trainer)
     assert seen["data_wait"] >= 0.8 * 10 * 0.05
     assert seen["step"] < seen["data_wait"] / 2
+
+
+class Sleeper(Callback):
+    def on_train_batch_end(self, step, logs):
+        time.sleep(0.02)
+
+
+def test_checkpoint_saves_and_other_callbacks_show_as_their_own_parts(tmp_path):
+    saved_seconds = []
+
+    class TimedCheckpoint(OrbaxCheckpoint):  # the blocked time of each save, measured here
+        def save(self, step, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super().save(step, **kwargs)
+            finally:
+                saved_seconds.append(time.perf_counter() - start)
+
+    checkpoint = TimedCheckpoint(tmp_path, save_every_n_steps=2, async_save=False)
+    trainer = trainer_for(callbacks=[checkpoint, Sleeper()])
+    trainer.fit(make_batches(6), max_steps=6)
+    seen = parts(trainer)
+    assert len(saved_seconds) >= 3
+    assert seen["checkpoint"] >= sum(saved_seconds)  # the saves, and its other hooks
+    assert seen["callbacks"] >= 0.9 * 6 * 0.02  # the sleeper's, not the checkpoint's
+    assert seen["callbacks"] < seen["checkpoint"] + 6 * 0.02 * 3
