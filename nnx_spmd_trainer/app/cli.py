@@ -9,6 +9,12 @@
 key the config does not have is an error. Logs and TensorBoard events go
 under ``--workdir`` (default ``runs/<config name>``).
 
+A configuration error (an unknown key, a value of the wrong type or out of
+range, a layout that does not fit the devices or the model, a batch the mesh
+cannot split, an unwritable ``--workdir``, an occupied ``--export``) is found
+before anything is written: one line on stderr naming the key and the fix,
+``nnx-spmd-train: error: config.max_steps=-1: must be ...``, and exit status 2.
+
 Without an accelerator, ``config.num_devices`` CPU devices are simulated
 (``--xla_force_host_platform_device_count``) unless ``XLA_FLAGS`` already sets a count.
 
@@ -21,6 +27,7 @@ or name ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.resources
@@ -29,10 +36,11 @@ import os
 import pkgutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grain
 import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
 import ml_collections
 import numpy as np
@@ -42,7 +50,7 @@ from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Callback, History, Trainer, callbacks, distributed  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Callback, History, Trainer, callbacks, data, distributed  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.export import check_export_path, export_params
 from nnx_spmd_trainer.sharding import ShardingError
@@ -141,42 +149,118 @@ def set_old_checkpoints_aside(workdir: Path) -> None:
     _say(f"resume=False: starting over; the earlier checkpoints are now in {aside}")
 
 
+def check_writable(path: str | os.PathLike[str], flag: str) -> Path:
+    """The absolute ``path``; a ``ConfigError`` naming ``flag`` unless it is, or can be
+    created as, a directory this process may write to. Writes nothing."""
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the nearest ancestor that exists: where mkdir would write
+    if not existing.is_dir():
+        where = "it" if existing == path else str(existing)
+        raise tasks.ConfigError(
+            f"{flag}={path} is not writable: {where} is a file, not a directory; "
+            f"pass a {flag} you can write to."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" (its parent {existing} is not)"
+        raise tasks.ConfigError(
+            f"{flag}={path} is not writable{where}: permission denied; "
+            f"pass a {flag} you can write to."
+        )
+    return path
+
+
+@contextlib.contextmanager
+def blamed_on(key: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Re-raises ``errors`` (default ``ValueError``, ``TypeError``) raised inside as a
+    ``ConfigError`` whose message starts with ``key``; a ``ConfigError`` names its own key."""
+    caught = errors or (ValueError, TypeError)
+    try:
+        yield
+    except tasks.ConfigError:
+        raise
+    except caught as error:
+        raise tasks.ConfigError(f"{key}: {error}") from error
+
+
+def _first_batch(data: Any) -> Any:
+    """The first batch of ``data`` without consuming it (``None``: none, or a one-pass
+    iterator); a Grain ``MapDataset`` or a sequence is indexed, starting no workers."""
+    if isinstance(data, grain.MapDataset | Sequence):
+        try:
+            return data[0]
+        except IndexError:
+            return None
+    iterator = iter(data)
+    return None if iterator is data else next(iterator, None)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> RunResult:
     """Trains the model ``config`` describes and evaluates it: ``main`` without the flags.
 
     JAX must already see enough devices for ``config.strategy`` (see
     ``simulate_host_devices``). Writes ``config.json``, ``metrics.csv``, ``tb/``
-    under ``workdir``.
+    and ``checkpoints/`` under ``workdir``, and nothing before the whole run is
+    built and checked: a config that cannot run (a value out of range, a
+    layout that does not fit, a batch the mesh cannot split, an unwritable
+    ``workdir``) raises a ``tasks.ConfigError`` naming the key, with nothing written.
     """
+    tasks.check_config(config)
     workdir = Path(workdir)
-    # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
-    spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
-    strategy = tasks.parse_strategy(spec)
-    # Which rows this process reads is a question of the layout: the strategy answers it.
-    task = tasks.build_task(config, shard=strategy.data_shard(strategy.make_mesh()))
+    check_writable(workdir, "--workdir")
+    with blamed_on(f"config.strategy={config.strategy!r}"):
+        # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
+        spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
+        strategy = tasks.parse_strategy(spec)
+        mesh = strategy.make_mesh()
+        # Which rows this process reads is a question of the layout: the strategy answers it.
+        shard = strategy.data_shard(mesh)
+    with blamed_on(f"config.{config.model}"):
+        task = tasks.build_task(config, shard=shard)
     splits = task.splits
+    with blamed_on("--workdir", OSError):
+        run_callbacks = make_callbacks(config, workdir)
+    try:  # the state is built lazily: this traces the model, allocates nothing
+        trainer = Trainer(
+            task.model,
+            tasks.make_optimizer(config),
+            strategy=strategy,
+            loss_fn=task.loss_fn,
+            metrics=tasks.Metrics,
+            callbacks=[*run_callbacks, BaselineReport(splits.baseline, splits.baseline_name)],
+            seed=config.seed,
+            grad_accum_steps=config.grad_accum_steps,
+            max_steps_in_flight=config.max_steps_in_flight,
+            config=config,
+        )
+    except ShardingError as error:  # a parameter the layout cannot split
+        raise tasks.ConfigError(
+            f"config.strategy={spec!r} (or config.{config.model}): {error}"
+        ) from error
+    except (ValueError, TypeError) as error:
+        raise tasks.ConfigError(f"config.{config.model}: {error}") from error
+    accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
+    with blamed_on(
+        f"config.batch_size={config.batch_size}"
+        f"{accumulation if config.grad_accum_steps > 1 else ''}"
+    ):
+        if (batch := _first_batch(splits.train)) is not None:  # as fit will place it
+            data.check_batch(
+                batch,
+                trainer.placement.shardings(batch),
+                divisor=config.grad_accum_steps,
+                data_shards=trainer.placement.data_shard.count,
+            )
+    # Checked: from here on the run writes.
     if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+        with blamed_on(f"--workdir={workdir} is not writable", OSError):
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     if not config.resume:
         set_old_checkpoints_aside(workdir)
         if jax.process_count() > 1:  # the others look for checkpoints only after the move
             multihost_utils.sync_global_devices("old checkpoints set aside")
-    trainer = Trainer(
-        task.model,
-        tasks.make_optimizer(config),
-        strategy=strategy,
-        loss_fn=task.loss_fn,
-        metrics=tasks.Metrics,
-        callbacks=[
-            *make_callbacks(config, workdir),
-            BaselineReport(splits.baseline, splits.baseline_name),
-        ],
-        seed=config.seed,
-        grad_accum_steps=config.grad_accum_steps,
-        max_steps_in_flight=config.max_steps_in_flight,
-        config=config,
-    )
     _say(
         f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
@@ -244,22 +328,25 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, plus a clear message for an override naming a key the config lacks."""
+    """absl's parser; a flag it refuses (an unknown flag or config key, a value of the wrong
+    type) is one line on stderr and exit status 2, as every configuration error."""
     try:
-        return app.parse_flags_with_usage(argv)
+        return flags.FLAGS(argv)
+    except flags.Error as error:  # e.g. "flag --config.max_steps=abc: invalid literal ..."
+        _fail(f"{str(error).removeprefix('flag ')} (see --help for the keys and their values)")
     except (AttributeError, KeyError) as error:  # ml_collections raises these, not flags.Error
         detail: object = error
         while isinstance(detail, BaseException) and detail.args:
             detail = detail.args[0]
         key, _, hint = str(detail).partition("\n")
         overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+        name = key.strip("'\"")
+        flag = next((o for o in overrides if o.endswith(f".{name}")), ", ".join(overrides))
         files = [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
-        sys.stderr.write(
-            f"FATAL Flags parsing error: the config has no key {key} "
-            f"(overrides given: {', '.join(overrides)}).{' ' + hint if hint else ''}\n"
-            f"A --config.KEY=VALUE override must name a key defined in {', '.join(files)}.\n"
+        _fail(
+            f"{flag}: the config has no key {key}; an override must name a key defined in "
+            f"{', '.join(files)} (see --help).{' ' + hint if hint else ''}"
         )
-        sys.exit(1)
 
 
 def _shipped() -> str:
@@ -268,7 +355,8 @@ def _shipped() -> str:
 
 def _fail(message: str) -> NoReturn:
     """A configuration error: one line on stderr, exit status 2 (as argparse does)."""
-    sys.stderr.write(f"nnx-spmd-train: error: {message}\n")
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    sys.stderr.write(f"nnx-spmd-train: error: {line}\n")
     sys.exit(2)
 
 
@@ -324,6 +412,20 @@ def _main(argv: Sequence[str]) -> int:
     config = flags.FLAGS.config
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     workdir = flags.FLAGS.workdir or os.path.join("runs", Path(config_path).stem)
+    try:  # the values first: num_devices decides the devices to simulate
+        tasks.check_config(config)
+        if flags.FLAGS.export:  # refuse an occupied or unwritable path before training
+            try:
+                check_export_path(flags.FLAGS.export)
+            except FileExistsError:
+                raise tasks.ConfigError(
+                    f"--export={Path(flags.FLAGS.export).absolute()} exists and is not an "
+                    "empty directory: refusing to overwrite it; remove it or pass another "
+                    "--export."
+                ) from None
+            check_writable(flags.FLAGS.export, "--export")
+    except tasks.ConfigError as error:
+        _fail(str(error))
     processes = int(os.environ.get(distributed.NUM_PROCESSES, flags.FLAGS.num_processes))
     simulate_host_devices(max(1, config.num_devices // processes))  # this process's share
     distributed.initialize(
@@ -331,8 +433,6 @@ def _main(argv: Sequence[str]) -> int:
         flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None,
         flags.FLAGS.process_id,
     )
-    if flags.FLAGS.export:
-        check_export_path(flags.FLAGS.export)  # refuse an occupied path before training
     try:
         result = run(config, workdir)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code

@@ -13,6 +13,7 @@ import optax
 from clu import metrics as clu_metrics
 
 from nnx_spmd_trainer.app import datasets, models
+from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
@@ -82,6 +83,75 @@ def compute_dtype(config: ml_collections.ConfigDict) -> Any:
     if name not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"config.compute_dtype={name!r}; use 'float32', 'bfloat16' or 'float16'.")
     return jnp.dtype(name)
+
+
+#: Integer keys every config has (``_base.training_config``): the least value, what it means.
+INT_RANGES: dict[str, tuple[int, str]] = {
+    "max_steps": (1, "the global step to stop at"),
+    "batch_size": (1, "examples per step over all devices"),
+    "grad_accum_steps": (1, "microbatches per step; 1: no accumulation"),
+    "max_steps_in_flight": (1, "steps the host may dispatch ahead"),
+    "log_every_n_steps": (1, "steps between logged metrics"),
+    "num_devices": (1, "devices to simulate on the CPU"),
+    "eval_every_n_steps": (0, "0: evaluate only at the end"),
+    "checkpoint_every_n_steps": (0, "0: save only at the end"),
+    "max_eval_batches": (0, "0: every held-out batch"),
+    "warmup_steps": (0, "steps of linear warmup"),
+}
+#: Float keys: the least value, whether it may equal it, what it means.
+FLOAT_RANGES: dict[str, tuple[float, bool, str]] = {
+    "learning_rate": (0.0, True, "the peak learning rate"),
+    "end_lr_fraction": (0.0, True, "the final learning rate as a fraction of the peak"),
+    "weight_decay": (0.0, True, "AdamW's decoupled weight decay"),
+    "grad_clip_norm": (0.0, False, "the global gradient norm clipped to"),
+}
+#: Keys that may be ``None`` as well (the same as 0: off).
+OPTIONAL = frozenset({"eval_every_n_steps", "checkpoint_every_n_steps", "max_eval_batches"})
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises a ``ConfigError`` naming the key and the fix for the first training key out of
+    range (``INT_RANGES``, ``FLOAT_RANGES``, ``compute_dtype``); reads nothing else.
+
+    Only the values are checked: whether the batch splits over the mesh, and
+    the model's own sizes, are questions for the strategy and the model.
+
+    >>> try:
+    ...     check_config(ml_collections.ConfigDict({"max_steps": -1}))
+    ... except ConfigError as error:
+    ...     print(str(error).partition(" (")[0])
+    config.max_steps=-1: must be an integer >= 1
+    """
+    defaults = _base.training_config()  # values known to work: the fix to suggest
+    for key, (least, meaning) in INT_RANGES.items():
+        if key not in config or (key in OPTIONAL and config[key] is None):
+            continue
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            fix = f"pass e.g. --config.{key}={defaults[key]}"
+            if key in OPTIONAL:
+                fix = f"pass --config.{key}=0 or a positive number"
+            raise ConfigError(
+                f"config.{key}={value!r}: must be an integer >= {least} ({meaning}); {fix}."
+            )
+    for key, (floor, inclusive, meaning) in FLOAT_RANGES.items():
+        if key not in config:
+            continue
+        number = config[key]
+        is_number = isinstance(number, int | float) and not isinstance(number, bool)
+        in_range = (
+            is_number
+            and math.isfinite(number)
+            and (number >= floor if inclusive else number > floor)
+        )
+        if not in_range:
+            bound = f"{'>=' if inclusive else '>'} {floor:g}"
+            raise ConfigError(
+                f"config.{key}={number!r}: must be a finite number {bound} ({meaning}); "
+                f"pass e.g. --config.{key}={defaults[key]}."
+            )
+    if "compute_dtype" in config:
+        compute_dtype(config)
 
 
 def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
