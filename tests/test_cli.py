@@ -166,8 +166,7 @@ def test_unknown_config_key_is_an_error(tmp_path):
 
 @pytest.mark.slow
 def test_default_job_end_to_end_in_a_subprocess(tmp_path):
-    proc = _cli(
-        "--workdir=out",
+    shrunk = (
         "--config.max_steps=3",
         "--config.batch_size=16",
         "--config.log_every_n_steps=1",
@@ -176,8 +175,8 @@ def test_default_job_end_to_end_in_a_subprocess(tmp_path):
         "--config.gpt.embed_dim=32",
         "--config.gpt.ff_dim=64",
         "--config.gpt.num_layers=1",
-        cwd=tmp_path,
     )
+    proc = _cli("--workdir=out", *shrunk, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on 8 cpu devices" in proc.stdout  # simulated by the CLI itself
     assert "final after 3 steps: eval loss" in proc.stdout
@@ -185,6 +184,22 @@ def test_default_job_end_to_end_in_a_subprocess(tmp_path):
     assert (out / "config.json").exists()
     assert "train/loss" in (out / "metrics.csv").read_text()
     assert list((out / "tb").glob("events.out.tfevents.*"))
+    # where the time went, in one line whose shares add up to the whole
+    (timeline,) = [line for line in proc.stdout.splitlines() if line.startswith("time: ")]
+    shares = [float(part.split()[-1].rstrip("%")) for part in timeline.split("=")[1].split(",")]
+    assert sum(shares) == pytest.approx(100, abs=0.5)
+
+    # --dry_run on the same workdir: the plan, and not one file added, changed or removed
+    def files():
+        return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in out.rglob("*")}
+
+    before = files()
+    dry = _cli("--workdir=out", "--dry_run", *shrunk, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "plan: Hybrid(FSDP(4), TensorParallel(2))" in dry.stdout
+    assert "compiled step per device" in dry.stdout and "collectives:" in dry.stdout
+    assert "final after" not in dry.stdout  # nothing trained
+    assert files() == before
 
 
 @pytest.mark.slow

@@ -196,7 +196,9 @@ def _first_batch(data: Any) -> Any:
     return None if iterator is data else next(iterator, None)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> RunResult:
+def run(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], *, dry_run: bool = False
+) -> RunResult:
     """Trains the model ``config`` describes and evaluates it: ``main`` without the flags.
 
     JAX must already see enough devices for ``config.strategy`` (see
@@ -205,6 +207,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     built and checked: a config that cannot run (a value out of range, a
     layout that does not fit, a batch the mesh cannot split, an unwritable
     ``workdir``) raises a ``tasks.ConfigError`` naming the key, with nothing written.
+    With ``dry_run`` it prints the plan of the train step (``Plan.report``) and
+    returns there: nothing trained, nothing written.
     """
     tasks.check_config(config)
     workdir = Path(workdir)
@@ -252,6 +256,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
                 divisor=config.grad_accum_steps,
                 data_shards=trainer.placement.data_shard.count,
             )
+    if dry_run:
+        first = batch if batch is not None else next(iter(splits.train))
+        _say(str(plan_of(trainer, first)))
+        return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
     # Checked: from here on the run writes.
     if jax.process_index() == 0:
         with blamed_on(f"--workdir={workdir} is not writable", OSError):
@@ -290,7 +298,31 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str]) -> R
     )
     if waits := history.history.get("perf/data_wait_fraction"):
         _say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
+    _say(goodput_line(trainer.report.perf.goodput()))
     return result
+
+
+def plan_of(trainer: Trainer, batch: Any) -> Any:
+    """The plan report of ``trainer``'s train step on global batches shaped like ``batch``
+    (this process's rows, times the row sets the processes feed)."""
+    rows = trainer.placement.data_shard.count
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * rows, *np.shape(x)[1:]), x.dtype),
+        jax.tree.map(np.asarray, batch),
+    )
+    return trainer.plan.report(shapes, train_step=trainer.train_step)
+
+
+def goodput_line(goodput: dict[str, float]) -> str:
+    """One line: where the wall time of ``fit`` went, in seconds and shares."""
+    wall = goodput["goodput/wall_s"]
+    parts = [
+        (key.removeprefix("goodput/").removesuffix("_s"), value)
+        for key, value in goodput.items()
+        if key != "goodput/wall_s"
+    ]
+    shares = ", ".join(f"{name} {100 * value / wall:.1f}%" for name, value in parts if wall > 0)
+    return f"time: {wall:.1f} s of fit = {shares}"
 
 
 def _say(line: str) -> None:
@@ -434,9 +466,11 @@ def _main(argv: Sequence[str]) -> int:
         flags.FLAGS.process_id,
     )
     try:
-        result = run(config, workdir)
+        result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
+    if flags.FLAGS.dry_run:
+        return 0
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
         assert result.trainer is not None
         path = export_params(result.trainer.model, flags.FLAGS.export)
@@ -485,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "export", None, "Write the trained parameters here as a plain Orbax checkpoint."
     )
     flags.DEFINE_integer("num_processes", 1, "Processes of the job (alone: launched here).")
+    flags.DEFINE_bool(
+        "dry_run", False, "Print the plan of the train step (memory, collectives) and exit."
+    )
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
     flags.DEFINE_integer("process_id", None, "This process's index (with coordinator_address).")
     app.run(_main, argv=argv, flags_parser=_parse_flags)
