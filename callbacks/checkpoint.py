@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import json
 import math
 import os
 import time
@@ -17,77 +14,22 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, RunState
-from nnx_spmd_trainer.prefetch import as_position, has_position
-from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
+from nnx_spmd_trainer.prefetch import as_position
 
-from .checkpoint_checks import (
-    DamagedCheckpoint,
-    agree_on_damage,
-    as_stored,
-    check_same_model,
-    stored_arrays,
-)
-from .fingerprint import (
-    FingerprintRestore,
-    FingerprintSave,
-    PendingSummary,
-    mismatches,
-    summarize,
-)
+from .checkpoint_checks import DamagedCheckpoint, agree_on_damage
+from .checkpoint_items import callback_items, jsonable, on_devices, versions
+from .checkpoint_restore import read_step, restore_iterator, set_aside
+from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    names = ("nnx-spmd-trainer", "jax", "flax", "optax", "orbax-checkpoint", "grain")
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return found
-
-
-def _jsonable(config: Any) -> Any:
-    if config is None:
-        return None
-    if hasattr(config, "to_json_best_effort"):  # ml_collections.ConfigDict
-        return json.loads(config.to_json_best_effort())
-    return json.loads(json.dumps(config, default=repr))
-
-
-def _callback_items(run: RunState) -> dict[str, tuple[str, dict[str, Any]]]:
-    """``{item name: (state_key, {"0": array, ...})}``: one Orbax item per callback whose
-    state holds arrays, so a restore reads only those of the callbacks it has."""
-    arrays = run.callback_arrays()
-    return {f"callback_arrays_{n}": (key, arrays[key]) for n, key in enumerate(sorted(arrays))}
-
-
-def _on_devices(leaves: dict[str, Any]) -> dict[str, Any]:
-    """The ``jax.Array`` leaves: what the fingerprints cover of a callback's arrays (its
-    NumPy values would be converted, 64-bit ones narrowed, on their way to the devices)."""
-    return {index: x for index, x in leaves.items() if isinstance(x, jax.Array)}
-
-
-def _lookup(state: Any, path: tuple[Any, ...]) -> Any:
-    """The value at ``path`` in a live callback state, or None where it has none."""
-    for part in path:
-        try:
-            state = state[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return state
 
 
 class OrbaxCheckpoint(Callback):
@@ -257,14 +199,14 @@ class OrbaxCheckpoint(Callback):
         # A callback state that cannot be stored raises here (TypeError naming the callback
         # and key), before Orbax is called: nothing is left half-written.
         meta = self._meta(step, run)
-        callback_items = _callback_items(run)
-        meta["callback_arrays"] = {key: name for name, (key, _) in callback_items.items()}
+        per_callback = callback_items(run)
+        meta["callback_arrays"] = {key: name for name, (key, _) in per_callback.items()}
         items: dict[str, Any] = {
             "state": ocp.args.StandardSave(run.state),
             "train_metrics": ocp.args.StandardSave(run.train_metrics),
             "meta": ocp.args.JsonSave(meta),
         }
-        for name, (_, leaves) in callback_items.items():
+        for name, (_, leaves) in per_callback.items():
             items[name] = ocp.args.StandardSave(leaves)
         if run.data is not None:  # where the next step's batch starts, even read ahead
             items["data"] = grain.checkpoint.CheckpointSave(as_position(run.data))
@@ -274,7 +216,7 @@ class OrbaxCheckpoint(Callback):
         metric = logged[1] if logged is not None and logged[0] == step else None
         fingerprinted = {
             **run.arrays(),
-            **{name: _on_devices(leaves) for name, (_, leaves) in callback_items.items()},
+            **{name: on_devices(leaves) for name, (_, leaves) in per_callback.items()},
         }
 
         def summarize_state() -> None:
@@ -306,9 +248,9 @@ class OrbaxCheckpoint(Callback):
         self._last_saved = None
         if not bool(np.asarray(finite.addressable_data(0))):
             self.manager.wait_until_finished()
-            self._set_aside(
+            set_aside(
                 self.manager, step, f"checkpoint step {step} holds non-finite values",
-                label="nonfinite",
+                label="nonfinite", report=self.report,
             )  # fmt: skip
 
     def _meta(self, step: int, run: RunState) -> dict[str, Any]:
@@ -318,11 +260,11 @@ class OrbaxCheckpoint(Callback):
             "step": step,
             "data": "grain" if run.data is not None else "skip",
             "monitor": {self.monitor: self._seen.get(self.monitor)} if self.monitor else {},
-            "versions": _versions(),
+            "versions": versions(),
             "strategy": repr(trainer.strategy),
             "mesh": dict(trainer.mesh.shape),
             "num_processes": jax.process_count(),
-            "config": _jsonable(trainer.config),
+            "config": jsonable(trainer.config),
             "time": time.time(),
         }
 
@@ -366,7 +308,7 @@ class OrbaxCheckpoint(Callback):
                 return None
             # Kept open: the next fit of the trainer reads the Grain position through it.
             manager = self._make_manager(self.directory, read_only=True)
-        step = self._restore(trainer, manager, set_aside=False)
+        step = self._restore(trainer, manager, move_damaged=False)
         self.restored_step = step
         self._restored_into = trainer if step is not None else None
         if step is not None and self.report is not None:
@@ -376,7 +318,7 @@ class OrbaxCheckpoint(Callback):
     def restore_into_trainer(self) -> int | None:
         """What ``fit`` restores at its start: the ``restore`` choice into this callback's
         trainer, moving damaged steps aside. Prefer ``restore_into(trainer)``."""
-        return self._restore(self.trainer, self.manager, set_aside=True)
+        return self._restore(self.trainer, self.manager, move_damaged=True)
 
     def _candidates(
         self, manager: ocp.CheckpointManager | None
@@ -409,14 +351,14 @@ class OrbaxCheckpoint(Callback):
         return [step for _, step in sorted(scored)]
 
     def _restore(
-        self, trainer: Trainer, manager: ocp.CheckpointManager | None, *, set_aside: bool
+        self, trainer: Trainer, manager: ocp.CheckpointManager | None, *, move_damaged: bool
     ) -> int | None:
         """Restores the ``restore`` choice into ``trainer``; the step restored, or None."""
         manager, candidates, fall_back = self._candidates(manager)
         for step in candidates:
             damaged: DamagedCheckpoint | None = None
             try:
-                saved = self._read_step(trainer, manager, step)
+                saved = read_step(trainer, manager, step)
             except DamagedCheckpoint as error:
                 damaged = error
             # Every process must take the same branch: one that read damage makes all skip.
@@ -426,129 +368,14 @@ class OrbaxCheckpoint(Callback):
                 return step
             if not fall_back:
                 raise damaged
-            if set_aside:
-                self._set_aside(manager, step, damaged)
+            if move_damaged:
+                set_aside(manager, step, damaged, report=self.report)
             else:
                 message = f"{damaged}; restoring an earlier step (left where it is)."
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
                 if self.report is not None:
                     self.report(message)
         return None
-
-    def _read_step(
-        self, trainer: Trainer, manager: ocp.CheckpointManager, step: int
-    ) -> dict[str, Any]:
-        """The step's items, read into this trainer's layout and checked; nothing applied."""
-        path = Path(manager.directory) / str(step)
-        if not path.is_dir():
-            found = sorted(manager.all_steps())
-            raise FileNotFoundError(
-                f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
-            )
-        target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
-        check_same_model(path, step, target.state)
-        if not (path / "commit_success.txt").exists():
-            raise DamagedCheckpoint(
-                f"checkpoint step {step} at {path} has no commit marker: it was not finished"
-            )
-
-        def unreadable(error: Exception) -> DamagedCheckpoint:
-            return DamagedCheckpoint(
-                f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
-                f"{str(error)[:300]})"
-            )
-
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = dict(meta["meta"])
-            # The arrays of the callbacks this trainer has; others' are not read at all.
-            stored = {
-                name: stored_arrays(path / name)
-                for key, name in meta.get("callback_arrays", {}).items()
-                if key in target.callbacks
-            }
-        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise unreadable(error) from error
-        callback_targets = {
-            name: self._callback_targets(trainer, meta, key, target.callbacks, stored[name])
-            for key, name in meta.get("callback_arrays", {}).items()
-            if name in stored
-        }
-        try:
-            saved = dict(
-                manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target.state),
-                        train_metrics=ocp.args.StandardRestore(target.train_metrics),
-                        fingerprints=FingerprintRestore(),
-                        **{
-                            name: ocp.args.StandardRestore(item)
-                            for name, item in callback_targets.items()
-                        },
-                    ),
-                )
-            )
-        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise unreadable(error) from error
-        saved["meta"] = meta
-        record = saved["fingerprints"]
-        if not record["finite"]:
-            raise DamagedCheckpoint(
-                f"checkpoint step {step} at {path} holds non-finite values (the run diverged "
-                "before it was saved)"
-            )
-        read = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
-        read.update({name: _on_devices(saved[name]) for name in callback_targets})
-        expected = {
-            leaf: value
-            for leaf, value in record["leaves"].items()
-            if leaf.split("/", 1)[0] in read  # a callback's arrays not read are not checked
-        }
-        bad = mismatches(expected, read)
-        if bad:
-            raise DamagedCheckpoint(
-                f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
-                f"the fingerprints saved with them ({', '.join(bad[:5])})"
-            )
-        return saved
-
-    @staticmethod
-    def _callback_targets(
-        trainer: Trainer,
-        meta: dict[str, Any],
-        key: str,
-        live_states: Any,
-        stored: dict[str, Any],
-    ) -> dict[str, jax.ShapeDtypeStruct]:
-        """Where each saved array of callback ``key`` is read to.
-
-        A ``jax.Array`` goes where the callback's live state has an array or a
-        ``jax.ShapeDtypeStruct`` of the same shape and dtype at the same key: into its
-        sharding. With none there (the callback builds its arrays later, at
-        ``on_train_begin``, say), it is replicated on the trainer's mesh. A NumPy value
-        comes back as NumPy.
-        """
-        live = live_states.get(key)
-        targets = {}
-        for path, mark in array_marks(meta["callbacks"][key]):
-            index = mark[ARRAY_MARK]
-            shape, dtype = stored[index]
-            if mark.get("kind") != "jax":
-                targets[index] = jax.ShapeDtypeStruct(shape, dtype)  # restored as NumPy
-                continue
-            here = _lookup(live, path)
-            if (
-                isinstance(here, jax.Array | jax.ShapeDtypeStruct)
-                and getattr(here, "sharding", None) is not None
-                and as_stored(here) == (shape, str(dtype))
-            ):
-                targets[index] = jax.ShapeDtypeStruct(
-                    here.shape, here.dtype, sharding=here.sharding
-                )
-                continue
-            targets[index] = jax.ShapeDtypeStruct(shape, dtype, sharding=trainer.plan.replicated)
-        return targets
 
     def _apply(
         self, trainer: Trainer, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]
@@ -557,7 +384,7 @@ class OrbaxCheckpoint(Callback):
         self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
         restore_data = None
         if meta["data"] == "grain":
-            restore_data = lambda iterator: self._restore_iterator(manager, step, iterator, meta)  # noqa: E731
+            restore_data = lambda iterator: restore_iterator(manager, step, iterator, meta)  # noqa: E731
         arrays = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
         callback_arrays = {
             key: saved[name]
@@ -568,58 +395,14 @@ class OrbaxCheckpoint(Callback):
             RunState.from_saved(arrays, meta, callback_arrays=callback_arrays, data=restore_data)
         )
 
-    def _restore_iterator(
-        self, manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict
-    ) -> bool:
-        if not has_position(iterator):
-            return False  # the data given now is not a Grain pipeline: skip batches instead
-        if int(meta.get("num_processes", 1)) != jax.process_count():
-            # Grain saved one state file per process of the old count. A MapDataset
-            # iterator's state is its index in batches, and every process of a
-            # per-process pipeline (rows[i::n], batched to global/n) is at the same
-            # index at a step, whatever n: set it from the run's own position.
-            if set(iterator.get_state()) != {"next_index"}:
-                return False  # another kind of pipeline: skip batches instead
-            iterator.set_state({"next_index": int(meta["batches_in_epoch"])})
-            return True
-        manager.restore(
-            step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
-        )
-        return True
-
     def _set_aside_later_than(self, step: int) -> None:
         """After restoring an older step (best, or by number), the later steps are moved
         aside so new saves from here are not refused; nothing is deleted."""
         for later in [s for s in self.steps() if s > step]:
-            self._set_aside(
+            set_aside(
                 self.manager, later, f"step {later} is later than restored step {step}",
-                label=f"after-{step}", warn=False,
+                label=f"after-{step}", warn=False, report=self.report,
             )  # fmt: skip
-
-    def _set_aside(
-        self,
-        manager: ocp.CheckpointManager,
-        step: int,
-        why: Exception | str,
-        *,
-        label: str = "damaged",
-        warn: bool = True,
-    ) -> None:
-        path = Path(manager.directory) / str(step)
-        aside = path.with_name(f"{step}.{label}")
-        suffix = 1
-        while aside.exists():
-            aside, suffix = path.with_name(f"{step}.{label}-{suffix}"), suffix + 1
-        if jax.process_index() == 0:
-            path.rename(aside)  # kept for inspection: nothing is deleted automatically
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
-        manager.reload()
-        message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
-        if warn:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        if self.report is not None:
-            self.report(message)
 
     def _note(self, logs: Logs) -> None:
         for key, value in logs.items():

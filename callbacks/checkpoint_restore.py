@@ -1,0 +1,187 @@
+"""Reading one checkpoint step back: every item read into a trainer's layout and
+checked before anything is applied, and a step that fails moved aside, never deleted."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from nnx_spmd_trainer.prefetch import has_position
+from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
+
+from .checkpoint_checks import DamagedCheckpoint, as_stored, check_same_model, stored_arrays
+from .checkpoint_items import on_devices
+from .fingerprint import FingerprintRestore, mismatches
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.trainer import Trainer
+
+
+def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """The step's items, read into this trainer's layout and checked; nothing applied."""
+    path = Path(manager.directory) / str(step)
+    if not path.is_dir():
+        found = sorted(manager.all_steps())
+        raise FileNotFoundError(
+            f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
+        )
+    target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
+    check_same_model(path, step, target.state)
+    if not (path / "commit_success.txt").exists():
+        raise DamagedCheckpoint(
+            f"checkpoint step {step} at {path} has no commit marker: it was not finished"
+        )
+
+    def unreadable(error: Exception) -> DamagedCheckpoint:
+        return DamagedCheckpoint(
+            f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
+            f"{str(error)[:300]})"
+        )
+
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = dict(meta["meta"])
+        # The arrays of the callbacks this trainer has; others' are not read at all.
+        stored = {
+            name: stored_arrays(path / name)
+            for key, name in meta.get("callback_arrays", {}).items()
+            if key in target.callbacks
+        }
+    except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+        raise unreadable(error) from error
+    targets = {
+        name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
+        for key, name in meta.get("callback_arrays", {}).items()
+        if name in stored
+    }
+    try:
+        saved = dict(
+            manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target.state),
+                    train_metrics=ocp.args.StandardRestore(target.train_metrics),
+                    fingerprints=FingerprintRestore(),
+                    **{name: ocp.args.StandardRestore(item) for name, item in targets.items()},
+                ),
+            )
+        )
+    except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+        raise unreadable(error) from error
+    saved["meta"] = meta
+    record = saved["fingerprints"]
+    if not record["finite"]:
+        raise DamagedCheckpoint(
+            f"checkpoint step {step} at {path} holds non-finite values (the run diverged "
+            "before it was saved)"
+        )
+    read = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
+    read.update({name: on_devices(saved[name]) for name in targets})
+    expected = {
+        leaf: value
+        for leaf, value in record["leaves"].items()
+        if leaf.split("/", 1)[0] in read  # a callback's arrays not read are not checked
+    }
+    bad = mismatches(expected, read)
+    if bad:
+        raise DamagedCheckpoint(
+            f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
+            f"the fingerprints saved with them ({', '.join(bad[:5])})"
+        )
+    return saved
+
+
+def callback_targets(
+    trainer: Trainer,
+    meta: dict[str, Any],
+    key: str,
+    live_states: Any,
+    stored: dict[str, Any],
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Where each saved array of callback ``key`` is read to.
+
+    A ``jax.Array`` goes where the callback's live state has an array or a
+    ``jax.ShapeDtypeStruct`` of the same shape and dtype at the same key: into its
+    sharding. With none there (the callback builds its arrays later, at
+    ``on_train_begin``, say), it is replicated on the trainer's mesh. A NumPy value
+    comes back as NumPy.
+    """
+    live = live_states.get(key)
+    targets = {}
+    for path, mark in array_marks(meta["callbacks"][key]):
+        index = mark[ARRAY_MARK]
+        shape, dtype = stored[index]
+        if mark.get("kind") != "jax":
+            targets[index] = jax.ShapeDtypeStruct(shape, dtype)  # restored as NumPy
+            continue
+        here = lookup(live, path)
+        if (
+            isinstance(here, jax.Array | jax.ShapeDtypeStruct)
+            and getattr(here, "sharding", None) is not None
+            and as_stored(here) == (shape, str(dtype))
+        ):
+            targets[index] = jax.ShapeDtypeStruct(here.shape, here.dtype, sharding=here.sharding)
+            continue
+        targets[index] = jax.ShapeDtypeStruct(shape, dtype, sharding=trainer.plan.replicated)
+    return targets
+
+
+def lookup(state: Any, path: tuple[Any, ...]) -> Any:
+    """The value at ``path`` in a live callback state, or None where it has none."""
+    for part in path:
+        try:
+            state = state[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return state
+
+
+def restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict) -> bool:
+    if not has_position(iterator):
+        return False  # the data given now is not a Grain pipeline: skip batches instead
+    if int(meta.get("num_processes", 1)) != jax.process_count():
+        # Grain saved one state file per process of the old count. A MapDataset
+        # iterator's state is its index in batches, and every process of a
+        # per-process pipeline (rows[i::n], batched to global/n) is at the same
+        # index at a step, whatever n: set it from the run's own position.
+        if set(iterator.get_state()) != {"next_index"}:
+            return False  # another kind of pipeline: skip batches instead
+        iterator.set_state({"next_index": int(meta["batches_in_epoch"])})
+        return True
+    manager.restore(
+        step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
+    )
+    return True
+
+
+def set_aside(
+    manager: ocp.CheckpointManager,
+    step: int,
+    why: Exception | str,
+    *,
+    label: str = "damaged",
+    warn: bool = True,
+    report: Callable[[str], None] | None = None,
+) -> None:
+    path = Path(manager.directory) / str(step)
+    aside = path.with_name(f"{step}.{label}")
+    suffix = 1
+    while aside.exists():
+        aside, suffix = path.with_name(f"{step}.{label}-{suffix}"), suffix + 1
+    if jax.process_index() == 0:
+        path.rename(aside)  # kept for inspection: nothing is deleted automatically
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+    manager.reload()
+    message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
+    if warn:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    if report is not None:
+        report(message)
