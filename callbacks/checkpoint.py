@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, RunState
 from nnx_spmd_trainer.prefetch import as_position
+from nnx_spmd_trainer.run_lock import RunLock
 
 from .checkpoint_checks import DamagedCheckpoint, agree_on_damage
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
@@ -147,6 +148,7 @@ class OrbaxCheckpoint(Callback):
         self._manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preemption = PreemptionNotice()
+        self._lock = RunLock(self.directory)  # one run writes the directory at a time
 
     # -- the manager -------------------------------------------------------------------
     @property
@@ -412,6 +414,8 @@ class OrbaxCheckpoint(Callback):
     @override
     def on_fit_start(self, logs: Logs) -> None:
         self._seen = {}
+        if jax.process_index() == 0:  # one holder per job: the others write only shards
+            self._lock.acquire()  # DirectoryInUse naming the other run's process
         if self._restored_into is self.trainer and not self._fitted:
             # restore_into(trainer) already restored: fit goes on from there.
             assert self.restored_step is not None
@@ -471,9 +475,13 @@ class OrbaxCheckpoint(Callback):
             self._check_last_saved()
         finally:
             self._preemption.stop()
+            self._lock.release()
 
     @override
     def on_exception(self, error: BaseException) -> None:
         self._preemption.stop()
-        if self._manager is not None:
-            self._manager.wait_until_finished()  # a save in flight completes; nothing half-done
+        try:
+            if self._manager is not None:
+                self._manager.wait_until_finished()  # a save in flight completes
+        finally:
+            self._lock.release()

@@ -5,6 +5,7 @@ from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Lo
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.pipeline import grain_pipeline
 from nnx_spmd_trainer.plan import Plan
+from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.run_state import Progress, RunState
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import sharding_table
@@ -24,10 +25,12 @@ __all__ = [
     "Callback",
     "CallbackList",
     "DataParallel",
+    "DirectoryInUse",
     "History",
     "Logs",
     "Plan",
     "Progress",
+    "RunLock",
     "RunState",
     "Hybrid",
     "ShardingError",

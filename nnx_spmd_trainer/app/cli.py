@@ -51,8 +51,9 @@ from tqdm.auto import tqdm
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Callback, History, Trainer, callbacks, data, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.app import datasets, tasks
 from nnx_spmd_trainer.export import check_export_path, export_params
+from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.sharding import ShardingError
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -196,6 +197,20 @@ def _first_batch(data: Any) -> Any:
     return None if iterator is data else next(iterator, None)
 
 
+@contextlib.contextmanager
+def _workdir_lock(workdir: Path) -> Iterator[None]:
+    """Process 0 holds the workdir's ``RunLock`` for the run: a second run there is refused."""
+    if jax.process_index() != 0:
+        yield
+        return
+    try:
+        lock = RunLock(workdir).acquire()
+    except DirectoryInUse as error:
+        raise tasks.ConfigError(f"--workdir={workdir}: {error}") from None
+    with lock:
+        yield
+
+
 def run(
     config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], *, dry_run: bool = False
 ) -> RunResult:
@@ -260,7 +275,26 @@ def run(
         first = batch if batch is not None else next(iter(splits.train))
         _say(str(plan_of(trainer, first)))
         return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
-    # Checked: from here on the run writes.
+    started = (
+        f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
+        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
+        f"{': ' + why if why else ''}), {config.max_steps} steps of "
+        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
+        f"workdir {workdir}"
+    )
+    # Checked: from here on the run writes, and no other run may write here too.
+    with _workdir_lock(workdir):
+        return _train(config, workdir, trainer, splits, started)
+
+
+def _train(
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    trainer: Trainer,
+    splits: datasets.Splits,
+    started: str,
+) -> RunResult:
+    """The writing part of ``run``, with everything checked: trains, evaluates, reports."""
     if jax.process_index() == 0:
         with blamed_on(f"--workdir={workdir} is not writable", OSError):
             workdir.mkdir(parents=True, exist_ok=True)
@@ -269,13 +303,7 @@ def run(
         set_old_checkpoints_aside(workdir)
         if jax.process_count() > 1:  # the others look for checkpoints only after the move
             multihost_utils.sync_global_devices("old checkpoints set aside")
-    _say(
-        f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
-        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
-        f"{': ' + why if why else ''}), {config.max_steps} steps of "
-        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
-        f"workdir {workdir}"
-    )
+    _say(started)
     history = trainer.fit(
         iter(splits.train),  # one iterator: a second fit would continue the stream
         eval_data=splits.eval,
