@@ -7,9 +7,10 @@ reported as a ratio to the floor measured in the same run (the machine is
 shared and noisy: an absolute time alone means little).
 
 1. Step time of ``Trainer.fit`` (with its defaults, and with ``track_norms=False``)
-   against the floor, a hand-written ``jax.jit`` loop over split state doing
-   the same on-device loss averaging; against the seed documents' ``nnx.jit``
-   loop; and against Keras 3 on the JAX backend with
+   against the floor (``floor.py``: the fastest of four hand-written ``jax.jit``
+   loops over split state doing the same on-device loss averaging, with and
+   without donation and a placement thread, all in the table); against the seed
+   documents' ``nnx.jit`` loop; and against Keras 3 on the JAX backend with
    ``keras.distribution.DataParallel`` (when keras is installed:
    ``pip install -e ".[bench]"``), for the small MLP and the default GPT under
    DataParallel and FSDP.
@@ -31,7 +32,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,14 +45,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from clu import metrics as clu_metrics  # noqa: E402
 from flax import nnx  # noqa: E402
+from floor import Loss, floor, hand_written_loops, interleaved  # noqa: E402
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
 from nnx_spmd_trainer.state import sharding_table  # noqa: E402
 
-Loss = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "DataParallel": DataParallel,
     "FSDP": lambda: FSDP(min_size=1),
@@ -108,44 +107,6 @@ def trainer_loop(work: Workload, strategy: Any, **options: Any) -> Callable[[], 
         trainer.fit(work.batches, max_steps=trainer.step + len(work.batches))
         jax.block_until_ready(trainer.state)
         trainer.report.flush(trainer.progress.epoch)
-        return (time.perf_counter() - start) / len(work.batches)
-
-    return run
-
-
-def floor_loop(work: Workload, strategy: Any) -> Callable[[], float]:
-    """Split state, ``jax.jit`` with donation, the loss averaged on device, two in flight."""
-    trainer = Trainer(work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn)
-    graphdef, state = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
-    shardings = trainer.plan.shardings
-    batch_sharding = strategy.batch_sharding(work.batches[0], trainer.mesh)
-
-    def step(state: Any, metrics: Any, batch: dict) -> Any:
-        objects = nnx.merge(graphdef, state)
-        model, optimizer = objects["model"], objects["optimizer"]
-        loss, grads = nnx.value_and_grad(lambda m: work.loss_fn(m, batch)[0])(model)
-        optimizer.update(model, grads)
-        return nnx.state(objects), metrics.merge(Loss.single_from_model_output(loss=loss)), loss
-
-    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(shardings, None, None))
-
-    def run() -> float:
-        nonlocal state
-        state = jax.device_put(jax.tree.map(lambda x: x.copy(), state), shardings)
-        metrics = Loss.empty()
-        with jax.set_mesh(trainer.mesh):
-            state, metrics, loss = jitted(
-                state, metrics, jax.device_put(work.batches[0], batch_sharding)
-            )
-            jax.block_until_ready(loss)
-            start, pending = time.perf_counter(), []
-            for batch in work.batches:
-                state, metrics, loss = jitted(state, metrics, jax.device_put(batch, batch_sharding))
-                pending.append(loss)
-                if len(pending) > 2:
-                    pending.pop(0).block_until_ready()
-            jax.block_until_ready(state)
-            float(metrics.compute()["loss"])
         return (time.perf_counter() - start) / len(work.batches)
 
     return run
@@ -216,18 +177,6 @@ def keras_loop(work: Workload) -> Callable[[], float] | None:
     return run
 
 
-def interleaved(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median seconds per step of each loop, the loops taking turns every round, after
-    one untimed round (compiles and first-call caches)."""
-    for run in loops.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in loops}
-    for _ in range(rounds):
-        for name, run in loops.items():
-            times[name].append(run())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 # -- the sections ---------------------------------------------------------------------------
 def step_times(quick: bool) -> list[dict[str, Any]]:
     steps, rounds = (10, 1) if quick else (200, 5)
@@ -235,8 +184,11 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
     for work in (mlp_workload(steps), gpt_workload(steps // 10 if not quick else 4, quick)):
         for name in ("DataParallel",) if quick else ("DataParallel", "FSDP"):
             strategy = STRATEGIES[name]()
+            reference = Trainer(
+                work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn
+            )
             loops = {
-                "floor: hand-written jax.jit": floor_loop(work, strategy),
+                **hand_written_loops(reference, work.batches, work.loss_fn),
                 "Trainer.fit": trainer_loop(work, strategy),
                 "Trainer.fit, track_norms=False": trainer_loop(work, strategy, track_norms=False),
                 "nnx.jit loop (seed documents)": nnx_jit_loop(work, strategy),
@@ -247,7 +199,7 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
                     loops["Keras 3 fit, DataParallel"] = keras
             # The MLP's steps are short, so noise weighs more: twice the rounds.
             medians = interleaved(loops, rounds * 2 if work.name.startswith("MLP") else rounds)
-            floor = medians["floor: hand-written jax.jit"]
+            _, floor_seconds = floor(medians)
             for loop, seconds in medians.items():
                 rows.append(
                     {
@@ -255,7 +207,7 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
                         "strategy": name,
                         "loop": loop,
                         "ms_per_step": seconds * 1e3,
-                        "vs_floor": seconds / floor,
+                        "vs_floor": seconds / floor_seconds,
                     }
                 )
     return rows

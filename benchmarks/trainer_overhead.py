@@ -1,26 +1,30 @@
-"""Trainer step time vs a hand-written ``jax.jit`` loop, measured side by side.
+"""Trainer step time vs the floor (``floor.py``: the fastest hand-written loop), side by side.
 
-    python benchmarks/trainer_overhead.py [--steps 200] [--strategy dp|fsdp|hybrid]
+    python benchmarks/trainer_overhead.py [--steps 200] [--strategy dp|fsdp|hybrid] [--variants]
 
-Both loops run the same model, optimizer, batches and layout; the hand-written
-one is the Flax performance guide's functional loop (split state, ``jax.jit``
-with donation, ``nnx.merge`` inside). The machine is shared and noisy, so the
-two are interleaved over several rounds and the ratio of medians is printed.
+All loops run the same model, optimizer, batches and layout. The machine is
+shared and noisy, so they are interleaved over several rounds and the ratio of
+medians is printed. ``--variants`` also times the trainer with prefetching and
+donation each on and off: the measurement behind ``backend_defaults``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from floor import Loss, floor, hand_written_loops, interleaved  # noqa: E402
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer  # noqa: E402
 
@@ -61,46 +65,28 @@ def batches(n: int, size: int = 64) -> list[dict]:
     ]
 
 
-def time_trainer(trainer: Trainer, data: list[dict]) -> float:
-    trainer.fit(data[:2], max_steps=2)  # compile outside the timed region
-    start = time.perf_counter()
-    trainer.fit(data, max_steps=trainer.step + len(data))
-    return (time.perf_counter() - start) / len(data)
-
-
-def time_hand_written(trainer: Trainer, data: list[dict]) -> float:
-    """The reference loop, using the trainer only for its already-sharded state."""
-    graphdef, state = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
-    shardings = trainer.plan.shardings
-    batch_sharding = trainer.strategy.batch_sharding(data[0], trainer.mesh)
-
-    def step(state, batch):
-        objects = nnx.merge(graphdef, state)
-        model, optimizer = objects["model"], objects["optimizer"]
-        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch)[0])(model)
-        optimizer.update(model, grads)
-        return nnx.state(objects), loss
-
-    jitted = jax.jit(
-        step,
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
+def trainer_loop(strategy: str, data: list[dict], **options: object) -> Trainer:
+    return Trainer(
+        lambda r: MLP(r),
+        optax.adam(1e-3),
+        strategy=STRATEGIES[strategy](),
+        loss_fn=loss_fn,
+        metrics=Loss,
+        **options,  # type: ignore[arg-type]
     )
-    state = jax.device_put(jax.tree.map(lambda x: x.copy(), state), shardings)
-    place = lambda b: jax.device_put(b, batch_sharding)
-    with jax.set_mesh(trainer.mesh):
-        state, loss = jitted(state, place(data[0]))
-        loss.block_until_ready()
+
+
+def timed(trainer: Trainer, data: list[dict]) -> Callable[[], float]:
+    """Seconds per step of ``trainer.fit`` over ``data``, compiled beforehand."""
+    trainer.fit(data[:2], max_steps=2)
+
+    def run() -> float:
         start = time.perf_counter()
-        pending = []
-        for batch in data:
-            state, loss = jitted(state, place(batch))
-            pending.append(loss)
-            if len(pending) > 2:  # same in-flight bound as the trainer's default
-                pending.pop(0).block_until_ready()
-        jax.block_until_ready(state)
-    return (time.perf_counter() - start) / len(data)
+        trainer.fit(data, max_steps=trainer.step + len(data))
+        jax.block_until_ready(trainer.state)
+        return (time.perf_counter() - start) / len(data)
+
+    return run
 
 
 def main() -> None:
@@ -108,22 +94,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="hybrid")
+    parser.add_argument("--variants", action="store_true", help="prefetch and donation on/off")
     args = parser.parse_args()
     data = batches(args.steps)
-    trainer = Trainer(
-        lambda r: MLP(r), optax.adam(1e-3), strategy=STRATEGIES[args.strategy](), loss_fn=loss_fn
-    )
-    ours, hand = [], []
-    for _ in range(args.rounds):
-        ours.append(time_trainer(trainer, data))
-        hand.append(time_hand_written(trainer, data))
+    trainer = trainer_loop(args.strategy, data)
+    loops = {"trainer (defaults)": timed(trainer, data)}
+    if args.variants:
+        for prefetch in (0, 2):
+            for donate in (False, True):
+                name = f"trainer (prefetch={prefetch}, donate={donate})"
+                loops[name] = timed(
+                    trainer_loop(args.strategy, data, prefetch=prefetch, donate=donate), data
+                )
+    loops.update(hand_written_loops(trainer, data, loss_fn))
+    medians = interleaved(loops, args.rounds)
+    floor_name, floor_time = floor(medians)
     print(
-        f"devices={jax.device_count()} strategy={trainer.strategy!r} steps={args.steps} "
-        f"rounds={args.rounds}"
+        f"devices={jax.device_count()} platform={jax.devices()[0].platform} "
+        f"strategy={trainer.strategy!r} steps={args.steps} rounds={args.rounds}"
     )
-    print(f"trainer      median {statistics.median(ours) * 1e3:.3f} ms/step")
-    print(f"hand-written median {statistics.median(hand) * 1e3:.3f} ms/step")
-    print(f"ratio trainer/hand-written = {statistics.median(ours) / statistics.median(hand):.3f}")
+    for name, seconds in medians.items():
+        print(f"{seconds * 1e3:8.3f} ms/step  x{seconds / floor_time:.3f}  {name}")
+    print(f"floor: {floor_name}")
+    print(f"ratio trainer/floor = {medians['trainer (defaults)'] / floor_time:.3f}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import plan_report, step
+from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -45,6 +46,10 @@ class Plan:
       grad_accum_steps: microbatches per step.
       wrt: an NNX filter of what trains (default every ``nnx.Param``).
       devices: the devices the mesh spans; default all of ``jax.devices()``.
+      donate: give the state's buffers to the train step, which writes the new
+        state into them (one copy of the state on the devices); default: measured
+        per backend (``backend_defaults``: on for accelerators, off on the CPU,
+        where it costs step time).
 
     Attributes:
       strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
@@ -73,6 +78,7 @@ class Plan:
         grad_accum_steps: int = 1,
         wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
+        donate: bool | None = None,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
@@ -88,7 +94,9 @@ class Plan:
         self.abstract_state = self._init.abstract_state
         self.shardings = self._init.shardings
         self.treedef = jax.tree.structure(self.abstract_state)
-        self.steps = step.StepCompiler(self.strategy, self.mesh, self.leaf_shardings)
+        if donate is None:
+            donate = backend_default("donate", self.mesh)
+        self.steps = step.StepCompiler(self.strategy, self.mesh, self.leaf_shardings, donate=donate)
 
     @functools.cached_property
     def leaf_shardings(self) -> list[NamedSharding]:

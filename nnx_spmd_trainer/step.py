@@ -337,9 +337,17 @@ class StepCompiler:
     how to wrap the step (``transform_step``).
     """
 
-    def __init__(self, strategy: Any, mesh: Mesh, state_shardings: list[NamedSharding]) -> None:
+    def __init__(
+        self,
+        strategy: Any,
+        mesh: Mesh,
+        state_shardings: list[NamedSharding],
+        *,
+        donate: bool = True,
+    ) -> None:
         self.strategy, self.mesh = strategy, mesh
         self.state_shardings = state_shardings
+        self.donate = donate  # the train step's state and metrics buffers, to its outputs
         self._compiled: dict[Any, Callable[..., Any]] = {}
 
     @property
@@ -373,7 +381,7 @@ class StepCompiler:
         if kind == "train":
             built = make_train_step(graphdef, fn, wrt=wrt, norms=norms)
             out: Any = (self.state_shardings, replicated, replicated, replicated)
-            donate: tuple[int, ...] = (0, 1)
+            donate: tuple[int, ...] = (0, 1) if self.donate else ()
         else:
             built = make_eval_step(graphdef, fn)
             out, donate = replicated, ()

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_spmd_trainer import data, step
+from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.placement import Placement
@@ -76,7 +77,10 @@ class Trainer:
       prefetch: training batches placed on the devices ahead of the steps, by a
         background thread (0: each is placed when its step starts). The data
         position a checkpoint saves stays exact; a one-shot iterator without
-        ``get_state`` is never read ahead.
+        ``get_state`` is never read ahead. Default: measured per backend
+        (``backend_defaults``: 2 on accelerators, 0 on the CPU).
+      donate: the state's buffers given to each train step (``Plan``'s ``donate``);
+        default: measured per backend (on for accelerators, off on the CPU).
       config: the run's configuration, for callbacks that record it.
 
     The state is built when first needed (``model``, ``optimizer``, ``state``,
@@ -122,7 +126,8 @@ class Trainer:
         wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
         track_norms: bool = True,
-        prefetch: int = 2,
+        prefetch: int | None = None,
+        donate: bool | None = None,
         config: Any = None,
     ) -> None:
         if isinstance(model, Plan):
@@ -134,6 +139,7 @@ class Trainer:
                 "grad_accum_steps": grad_accum_steps != 1,
                 "wrt": wrt is not nnx.Param,
                 "devices": devices is not None,
+                "donate": donate is not None,
             }
             if any(given.values()):
                 names = ", ".join(name for name, was in given.items() if was)
@@ -156,6 +162,7 @@ class Trainer:
                 grad_accum_steps=grad_accum_steps,
                 wrt=wrt,
                 devices=devices,
+                donate=donate,
             )
         self._loss_fn = loss_fn or self.plan.loss_fn
         self._eval_fn = eval_fn or self.plan.eval_fn
@@ -166,7 +173,7 @@ class Trainer:
             self.plan.strategy,
             self.plan.mesh,
             self.plan.data_shard,
-            prefetch=prefetch,
+            prefetch=backend_default("prefetch", self.plan.mesh) if prefetch is None else prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
         self.report = MetricsReport(

@@ -21,9 +21,14 @@ def test_run_all_writes_the_table_and_the_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     loops = {row["loop"] for row in results["step_time"]}
-    assert {"floor: hand-written jax.jit", "Trainer.fit", "nnx.jit loop (seed documents)"} <= loops
-    floors = [r["vs_floor"] for r in results["step_time"] if r["loop"].startswith("floor")]
-    assert floors and all(f == 1.0 for f in floors)  # each ratio is to its own run's floor
+    assert {"Trainer.fit", "nnx.jit loop (seed documents)"} <= loops
+    runs: dict[tuple[str, str], list[float]] = {}
+    for row in results["step_time"]:
+        if row["loop"].startswith("hand-written jax.jit"):
+            runs.setdefault((row["workload"], row["strategy"]), []).append(row["vs_floor"])
+    assert runs and all(len(hand) == 4 for hand in runs.values())  # four ways, each run
+    # The floor is the fastest hand-written loop of its own run: a ratio of 1, none below.
+    assert all(min(hand) == 1.0 for hand in runs.values())
     assert {row["strategy"] for row in results["memory"]} >= {"DataParallel", "FSDP"}
     table = (tmp_path / "results.md").read_text()
     assert "| workload | strategy | loop | ms_per_step | vs_floor |" in table

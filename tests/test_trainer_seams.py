@@ -142,15 +142,15 @@ def test_an_exception_at_step_5_keeps_step_4_closes_profiler_and_writer_and_fit_
     assert_params_match(trainer, reference)
 
 
-def test_a_failure_after_the_state_was_donated_says_the_state_is_lost():
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_failure_after_the_state_was_donated_says_the_state_is_lost(donate):
+    calls: list[int] = []  # over every compiled step (the last one reports norms)
+
     class FailsOnThirdStep(DataParallel):
         """A step whose result never arrives, as when a device fails mid-step."""
 
-        calls: list[int] = []  # over every compiled step (the last one reports norms)
-
         def compile_step(self, step_fn, **kwargs):
             compiled = super().compile_step(step_fn, **kwargs)
-            calls = self.calls
 
             def run(*args):
                 out = compiled(*args)  # the state arrays were donated to this call
@@ -161,11 +161,16 @@ def test_a_failure_after_the_state_was_donated_says_the_state_is_lost():
 
             return run
 
-    trainer = net_trainer(optax.sgd(0.1), strategy=FailsOnThirdStep())
+    trainer = net_trainer(optax.sgd(0.1), strategy=FailsOnThirdStep(), donate=donate)
     with pytest.raises(RuntimeError, match="device failed") as caught:
         trainer.fit(make_batches(3), max_steps=3)
     notes = " ".join(getattr(caught.value, "__notes__", []))
-    assert "after step 2" in notes and "restore a checkpoint" in notes
+    if donate:
+        assert "after step 2" in notes and "restore a checkpoint" in notes
+    else:  # nothing was given away: the state is step 2's, and training goes on from it
+        assert not notes
+        reference, _ = train_reference(lambda r: Net(r), optax.sgd(0.1), make_batches(2))
+        assert_params_match(trainer, reference)
 
 
 # -- the live iterator and the epoch --------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Settings whose best value depends on the backend: measured there, overridable everywhere.
+
+``benchmarks/trainer_overhead.py --variants`` times the trainer with each
+setting on and off, interleaved with the hand-written floor; the table holds
+what paid on each backend. A backend not in it gets what pays on accelerators:
+batches placed by a thread while the devices compute, and the state's buffers
+donated to the step (no second copy of the state on the devices).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+ON_ACCELERATORS = {"prefetch": 2, "donate": True}
+MEASURED: dict[str, dict[str, Any]] = {
+    # On the CPU the "device" is the host: a placement thread takes cores from the
+    # step, and donating makes XLA wait for the previous step's readers of the buffers.
+    "cpu": {"prefetch": 0, "donate": False},
+}
+
+
+def backend_default(name: str, mesh: Mesh) -> Any:
+    """The measured default of setting ``name`` on the backend of ``mesh``'s devices."""
+    platform = mesh.devices.flat[0].platform
+    return MEASURED.get(platform, ON_ACCELERATORS)[name]
