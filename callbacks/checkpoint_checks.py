@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +70,44 @@ def stored_arrays(item: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     saved = ocp.StandardCheckpointHandler().metadata(item)  # type: ignore[arg-type]
     tree = getattr(saved, "tree", saved)
     return {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in tree.items()}
+
+
+def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
+    """This process's saved Grain position in step ``step``, read and checked now, with
+    the other items, so that the read inside ``fit`` finds nothing wrong with it.
+
+    Grain writes one ``data/process_<i>-of-<n>.json`` per process, the iterator's
+    ``get_state()`` as JSON, and keeps no checksum. A file that is missing or does not
+    parse is damage. Where the metadata records the position itself
+    (``meta["data_position"]``: process 0's, as JSON), process 0's file must equal
+    it: one changed digit is then found. Without that record, a ``{"next_index": n}``
+    state is checked against the batches the epoch took: ``n`` counts what the iterator consumed
+    (a MapDataset's elements, an IterDataset batch's rows, the elements a filter
+    dropped), at least one per batch, so an ``n`` below ``batches_in_epoch`` is damage;
+    one above it cannot be told from a pipeline that counts more than batches.
+    """
+    if meta.get("data") != "grain" or int(meta.get("num_processes", 1)) != jax.process_count():
+        return  # none saved, or not read (restore_iterator sets it from the metadata)
+    file = path / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    where = f"checkpoint step {step} at {path}"
+    try:
+        text = file.read_text()
+        state = json.loads(text)
+    except (OSError, ValueError) as error:  # missing, unreadable, not UTF-8, not JSON
+        raise DamagedCheckpoint(
+            f"{where} is damaged: its data position {file} cannot be read "
+            f"({type(error).__name__}: {str(error)[:200]})"
+        ) from error
+    recorded = meta.get("data_position")
+    if recorded is not None and jax.process_index() == 0 and state != recorded:
+        raise DamagedCheckpoint(
+            f"{where} is damaged: its data position {file} holds {text.strip()[:200]!r}, "
+            f"not the position recorded with the step ({recorded!r:.200})"
+        )
+    if isinstance(state, dict) and state.keys() == {"next_index"}:
+        index, taken = state["next_index"], int(meta.get("batches_in_epoch", 0))
+        if not isinstance(index, int) or isinstance(index, bool) or index < taken:
+            raise DamagedCheckpoint(
+                f"{where} is damaged: its data position {file} says next_index {index!r}, "
+                f"but the step had taken {taken} batches of its epoch"
+            )

@@ -16,7 +16,13 @@ from jax.experimental import multihost_utils
 from nnx_spmd_trainer.prefetch import has_position
 from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
 
-from .checkpoint_checks import DamagedCheckpoint, as_stored, check_same_model, stored_arrays
+from .checkpoint_checks import (
+    DamagedCheckpoint,
+    as_stored,
+    check_data_position,
+    check_same_model,
+    stored_arrays,
+)
 from .checkpoint_items import on_devices
 from .fingerprint import FingerprintRestore, mismatches
 
@@ -56,6 +62,8 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
         }
     except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
         raise unreadable(error) from error
+    # Grain's position is read back inside fit, after this loop: its file is read here.
+    check_data_position(path, step, meta)
     targets = {
         name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
         for key, name in meta.get("callback_arrays", {}).items()
