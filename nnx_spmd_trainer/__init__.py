@@ -15,6 +15,7 @@ from nnx_spmd_trainer.strategies import (
     AxisStrategy,
     DataParallel,
     Hybrid,
+    SequenceParallel,
     Strategy,
     TensorParallel,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "RunLock",
     "RunState",
     "Hybrid",
+    "SequenceParallel",
     "ShardingError",
     "Strategy",
     "TensorParallel",

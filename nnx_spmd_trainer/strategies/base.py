@@ -257,7 +257,11 @@ class Strategy(abc.ABC):
         The slice is along each batch leaf's fed dimension
         (``sharding.fed_dimension``: the first dimension its spec splits, the
         rows unless the strategy splits another), read from the answer to
-        question 2 for one (rows, features) leaf.
+        question 2 for one (rows, features) leaf. A later dimension is fed
+        split only over the strategy's ``batch_axes``: an axis that splits it
+        without being one (``SequenceParallel``'s) gives each process that
+        whole dimension, so processes holding different sequence chunks of the
+        same rows feed the same rows.
 
         Args:
           mesh: the mesh from ``make_mesh``.
@@ -279,10 +283,12 @@ class Strategy(abc.ABC):
             )
         if process_ids is None:
             process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+        fed = sh.fed_dimension(sharding.spec)
+        axes = fed.axes if fed.dim == 0 else tuple(a for a in fed.axes if a in self.batch_axes())
         return sh.data_shard_of(
             process_ids,
             mesh.axis_names,
-            sh.fed_dimension(sharding.spec).axes,
+            axes,
             jax.process_index() if process_index is None else process_index,
         )
 

@@ -14,13 +14,16 @@ seed has them) must be divisible by the ``model`` axis size.
 Mixed precision: ``dtype`` is the compute dtype (``jnp.bfloat16`` for speed on
 GPUs and TPUs) and ``param_dtype`` the parameters' (fp32 master weights; the
 optimizer state follows the parameters); the logits come back in fp32.
-Attention is ``jax.nn.dot_product_attention`` with a causal mask: cuDNN's
-fused kernel on a GPU computing in bf16/fp16, XLA's everywhere else.
+Attention is ``nnx_spmd_trainer.attention.causal_attention``:
+``jax.nn.dot_product_attention`` with a causal mask, cuDNN's fused kernel on a
+GPU computing in bf16/fp16, XLA's everywhere else; exact under
+``SequenceParallel`` too (keys and values gathered along the split sequence),
+with the position embedding read at global positions.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +31,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
+from nnx_spmd_trainer.attention import attention_implementation, causal_attention
 from nnx_spmd_trainer.step import masked_mean
 
 __all__ = ["GPT", "TransformerBlock", "attention_implementation", "causal_attention", "loss_fn"]
@@ -41,21 +45,6 @@ def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.Laye
         bias_init=annotated(nnx.initializers.zeros_init(), MODEL),
         dtype=dtype,
         rngs=rngs,
-    )
-
-
-def attention_implementation(dtype: jnp.dtype) -> Literal["cudnn", "xla"]:
-    """cuDNN's fused attention where it runs (a GPU, bf16/fp16), XLA's elsewhere (PITFALLS)."""
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
-
-
-def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, **_: object) -> jax.Array:
-    """An ``attention_fn`` for ``nnx.MultiHeadAttention``: position i attends to positions
-    <= i, through ``jax.nn.dot_product_attention`` (``[batch, seq, heads, head_dim]``, the
-    heads still split by the ``model`` axis)."""
-    return jax.nn.dot_product_attention(
-        query, key, value, is_causal=True, implementation=attention_implementation(query.dtype)
     )
 
 

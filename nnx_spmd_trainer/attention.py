@@ -1,0 +1,98 @@
+"""Causal attention that stays exact when the sequence is split over devices.
+
+``causal_attention`` is an ``attention_fn`` for ``nnx.MultiHeadAttention``.
+Under ``SequenceParallel`` (whose ``trace_context`` maps the logical name
+``length`` to its mesh axis) the queries stay split along the sequence and
+the keys and values are gathered along it (the all-gather form of context
+parallelism), so each device computes the scores of its own query positions
+against every key: ``(seq / n) x seq`` per head, never the whole matrix.
+The program is still written over global arrays (the sharding constraints
+only guide the compiler), so positions, the causal mask and the result are
+those of one device. With no ``length`` rule, or its axis absent from the
+current mesh, it is ordinary causal attention.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd as flax_spmd
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["attention_implementation", "causal_attention", "length_axes"]
+
+#: The logical names of a sequence dimension, looked up in this order.
+LENGTH_NAMES = ("length", "seq")
+
+
+def attention_implementation(dtype: jnp.dtype) -> Literal["cudnn", "xla"]:
+    """cuDNN's fused attention where it runs (a GPU, bf16/fp16), XLA's elsewhere (PITFALLS)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def length_axes() -> tuple[str, ...]:
+    """The mesh axes splitting the sequence while a step is traced: where the enclosing
+    ``nnx.logical_axis_rules`` map ``length`` (else ``seq``), kept if the current mesh has
+    them with more than one device; ``()`` when the sequence is not split.
+
+    >>> length_axes()  # no rules, no mesh
+    ()
+    """
+    rules = dict(flax_spmd.get_logical_axis_rules())
+    target = next((rules[n] for n in LENGTH_NAMES if rules.get(n) is not None), None)
+    if target is None:
+        return ()
+    names = (target,) if isinstance(target, str) else tuple(target)
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
+    return tuple(n for n in names if sizes.get(n, 1) > 1)
+
+
+def causal_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    **_: object,
+) -> jax.Array:
+    """Causal dot-product attention, exact whether or not the sequence is split.
+
+    An ``attention_fn`` for ``nnx.MultiHeadAttention``: arrays are
+    ``[batch, seq, heads, head_dim]`` (the heads may be split by a ``model``
+    axis, the batch by data axes; both are left as they are). Position ``i``
+    attends to positions ``<= i``; ``mask`` (``[batch, heads, q, k]``, True
+    to keep) and ``bias`` are applied on top. When the sequence is split
+    (``length_axes()``), keys and values are gathered along it and the
+    queries stay split; XLA's implementation is used then, whose causal mask
+    is built over global positions.
+
+    >>> q = k = v = jnp.ones((1, 4, 2, 8))
+    >>> causal_attention(q, k, v).shape
+    (1, 4, 2, 8)
+    """
+    axes = length_axes()
+    implementation = attention_implementation(query.dtype)
+    free = P.UNCONSTRAINED  # the batch and heads keep whatever layout they have
+    split = P(free, axes, free, free)
+    if axes:
+        whole = P(free, None, free, free)
+        query = jax.lax.with_sharding_constraint(query, split)
+        key = jax.lax.with_sharding_constraint(key, whole)
+        value = jax.lax.with_sharding_constraint(value, whole)
+        implementation = "xla"  # cuDNN's kernel knows no global positions of a query chunk
+    out = jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        is_causal=True,
+        implementation=implementation,
+    )
+    if axes:
+        out = jax.lax.with_sharding_constraint(out, split)
+    return out

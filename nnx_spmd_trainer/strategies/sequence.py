@@ -1,0 +1,108 @@
+"""SequenceParallel: split the batch's sequence dimension; parameters as the others lay them out."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.strategies.axis import AxisStrategy
+from nnx_spmd_trainer.strategies.base import context_rules
+
+#: Logical activation names of the sequence dimension, mapped to the axis while tracing.
+LENGTH_NAMES = ("length", "seq")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class SequenceParallel(AxisStrategy):
+    """Sequence (context) parallelism over one mesh axis: long sequences, split activations.
+
+    - Batch: every leaf with a dimension 1 (the sequence) is split along it
+      over this axis; its rows keep the layout the other members of a
+      ``Hybrid`` give them (data / FSDP axes). Leaves of one dimension (a
+      ``mask``, per-row weights) keep the rows' layout; a batch with no
+      leaf of two dimensions or more, or whose sequence the axis does not
+      divide, is refused with a ``ShardingError`` naming the leaf.
+    - Which rows a process feeds (``data_shard``): processes holding
+      different sequence chunks of the same rows feed the same rows, whole
+      sequences included; each keeps the chunk its devices need. The axis
+      never changes the ``DataShard`` (``Strategy.data_shard``: a dimension
+      after the rows is fed split only over batch axes, and this axis is not one).
+    - Tracing (``trace_context``): the logical activation names ``length``
+      and ``seq`` map to this axis, so ``nnx_spmd_trainer.attention.causal_attention``
+      gathers keys and values along it (the queries stay split) and
+      ``flax.linen.with_logical_constraint`` splits activations along it. A rule
+      for them in an enclosing ``nnx.logical_axis_rules`` wins.
+    - Parameters: as the other members lay them out, replicated along this
+      axis (gradients are reduced over it like over a data axis).
+
+    The step is still one program over global arrays (the compiler inserts
+    the collectives), so results equal one device's; what the axis changes is
+    the layout of the activations. Attention chooses it well when it is
+    ``nnx_spmd_trainer.attention.causal_attention`` (the shipped GPT's):
+    queries split, keys and values gathered along the axis.
+
+    >>> SequenceParallel(4).mesh_axes(), SequenceParallel(4).batch_axes()
+    ((('seq', 4),), ())
+    """
+
+    usual_axis: ClassVar[str] = "seq"
+    shards_batch: ClassVar[bool] = False  # it splits the sequence, not the rows
+
+    axis: str = usual_axis
+
+    def batch_sharding(self, batch: Any, mesh: Mesh, proposed: Any = None) -> Any:
+        """The answer so far, with dimension 1 of every leaf of two dimensions or more
+        split over this axis as well."""
+        shardings = super().batch_sharding(batch, mesh, proposed)
+        if self.axis not in mesh.shape:
+            return shardings
+        size = mesh.shape[self.axis]
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        if leaves and all(len(np.shape(x)) < 2 for _, x in leaves):
+            shapes = {jax.tree_util.keystr(p) or "<root>": tuple(np.shape(x)) for p, x in leaves}
+            raise sh.ShardingError(
+                f"{self!r}: the batch has no sequence dimension (leaf shapes {shapes}); it "
+                "splits dimension 1 of the batch's arrays over mesh axis "
+                f"{self.axis!r} ({size} devices). Feed (rows, sequence, ...) arrays, e.g. "
+                "token ids of shape (batch_size, seq_len), or use a strategy that splits "
+                "only the rows (DataParallel, FSDP)."
+            )
+
+        def one(path: Any, x: Any, sharding: NamedSharding) -> NamedSharding:
+            shape = tuple(np.shape(x))
+            if len(shape) < 2:
+                return sharding  # per-row values (a mask): no sequence to split
+            if shape[1] % size:
+                raise sh.ShardingError(
+                    f"{self!r}: batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                    f"{shape}; its sequence (dimension 1) of length {shape[1]} cannot be split "
+                    f"over mesh axis {self.axis!r} of {size} devices on mesh "
+                    f"{dict(mesh.shape)}. Use a sequence length divisible by {size} (pad "
+                    f"the sequences), or SequenceParallel(n) with n dividing {shape[1]}."
+                )
+            entries = list(sh.dimension_axes(sharding.spec, len(shape)))
+            rows = tuple(a for a in entries[0] if a != self.axis)
+            entries[0] = rows
+            entries[1] = (*entries[1], self.axis)
+            spec = [None if not e else e[0] if len(e) == 1 else e for e in entries]
+            while spec and spec[-1] is None:
+                spec.pop()
+            return NamedSharding(mesh, P(*spec))
+
+        return jax.tree_util.tree_map_with_path(one, batch, shardings)
+
+    def trace_context(self, mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
+        """The enclosing logical rules, with ``length`` and ``seq`` mapped to this axis."""
+        del mesh
+        enclosing = context_rules()
+        given = {name for name, _ in enclosing}
+        own = [(name, self.axis) for name in LENGTH_NAMES if name not in given]
+        return nnx.logical_axis_rules([*enclosing, *own])
