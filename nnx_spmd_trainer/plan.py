@@ -48,8 +48,7 @@ class Plan:
       devices: the devices the mesh spans; default all of ``jax.devices()``.
       donate: give the state's buffers to the train step, which writes the new
         state into them (one copy of the state on the devices); default: measured
-        per backend (``backend_defaults``: on for accelerators, off on the CPU,
-        where it costs step time).
+        per backend (``backend_defaults``; on wherever measured so far).
 
     Attributes:
       strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
