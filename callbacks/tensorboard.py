@@ -62,6 +62,11 @@ def sharding_text(trainer: Trainer) -> tuple[str, int]:
     return header + table, total
 
 
+def _code(text: str) -> str:
+    """Preformatted text for TensorBoard's Markdown: each line indented four spaces."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
 def _hparam_value(value: Any) -> bool | int | float | str:
     return value if isinstance(value, bool | int | float | str) else str(value)
 
@@ -84,7 +89,11 @@ class TensorBoard(Callback):
     * at the start: the run config (``trainer.config``) and the sharding
       table of the whole state, parameters and optimizer state (path, shape,
       spec, bytes per device, and the total each device holds) as text, and
-      the parameter count as ``model/parameters``;
+      the parameter count as ``model/parameters``; with ``strategy="auto"``,
+      the ranking of the layouts (``layout``); and the plan report of the train
+      step (``plan``: the mesh, each leaf's layout, the compiled memory and
+      collectives; ``PlanReport``), from the ``auto`` choice, else at the first
+      step from its batch's shapes (the step is compiled by then: a cache hit);
     * every ``histogram_every_n_steps`` steps: histograms of the parameters;
     * at the end: hparams (the flattened config, and the run's scalars as
       their metrics) in the run itself, so TensorBoard's HParams tab lists the
@@ -108,6 +117,7 @@ class TensorBoard(Callback):
         write_config: bool = True,
         write_sharding: bool = True,
         write_hparams: bool = True,
+        write_plan: bool = True,
         flush_secs: int = 30,
     ) -> None:
         self.logdir = os.fspath(logdir)
@@ -117,6 +127,8 @@ class TensorBoard(Callback):
         self.write_config = write_config
         self.write_sharding = write_sharding
         self.write_hparams = write_hparams
+        self.write_plan = write_plan
+        self._plan_due = False
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
         self._timer = Throughput()
@@ -175,6 +187,26 @@ class TensorBoard(Callback):
         text, _ = sharding_text(self.trainer)
         writer.add_text("sharding", text, step)
 
+    def _write_layout(self, writer: SummaryWriter, step: int) -> None:
+        """The ``auto`` ranking and the chosen plan's report, where the trainer chose."""
+        choice = getattr(self.trainer, "layout_choice", None)
+        if choice is not None:
+            writer.add_text("layout", choice.markdown(), step)
+        if not self.write_plan:
+            return
+        if choice is not None:
+            writer.add_text("plan", _code(str(choice.report)), step)
+        else:
+            self._plan_due = True  # at the first step: its batch gives the shapes
+
+    def _write_plan_report(self, step: int) -> None:
+        self._plan_due = False
+        batch = self.trainer.report.last_batch
+        if batch is None or (writer := self.writer) is None:
+            return
+        report = self.trainer.plan.report(batch, train_step=self.trainer.train_step)
+        writer.add_text("plan", _code(str(report)), step)
+
     def write_histograms(self, step: int) -> None:
         if (writer := self.writer) is None:
             return
@@ -211,12 +243,15 @@ class TensorBoard(Callback):
             self._write_config(writer, self.trainer.step)
         if self.write_sharding:
             self._write_sharding(writer, self.trainer.step)
+        self._write_layout(writer, self.trainer.step)
         parameters = sum(x.size for x in jax.tree.leaves(nnx.state(self.trainer.model, nnx.Param)))
         writer.add_scalar("model/parameters", parameters, self.trainer.step)
         writer.flush()
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        if self._plan_due:
+            self._write_plan_report(step)
         if self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0:
             self.write_histograms(step)
 

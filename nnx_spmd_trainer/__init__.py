@@ -1,6 +1,7 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
-from nnx_spmd_trainer import distributed
+from nnx_spmd_trainer import auto, distributed
+from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.pipeline import grain_pipeline
@@ -23,6 +24,10 @@ from nnx_spmd_trainer.trainer import Trainer
 
 __all__ = [
     "FSDP",
+    "Auto",
+    "Choice",
+    "LayoutNotChosen",
+    "NoLayoutFits",
     "Callback",
     "CallbackList",
     "DataParallel",
@@ -42,6 +47,7 @@ __all__ = [
     "AxisStrategy",
     "DataShard",
     "HOOKS",
+    "auto",
     "distributed",
     "export_params",
     "grain_pipeline",

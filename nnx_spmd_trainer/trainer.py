@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import data, step
+from nnx_spmd_trainer import auto, data, step
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
@@ -30,6 +31,8 @@ from nnx_spmd_trainer.run_state import Progress, RunState
 from nnx_spmd_trainer.state import LiveState, ModelFactory
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
+
+_T = TypeVar("_T")
 
 
 def _any_deleted(leaves: Sequence[Any]) -> bool:
@@ -56,6 +59,9 @@ class Trainer:
       optimizer: any optax ``GradientTransformation``; its ``update`` also gets
         ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
+        ``"auto"`` (or ``auto.Auto(...)``): the first ``fit`` plans every layout the
+        devices allow, times those that fit on its first batches and trains with the
+        fastest (``choose_layout``).
       loss_fn: ``(model, batch) -> (loss, aux)``; or override ``Trainer.loss_fn``.
       eval_fn: like ``loss_fn`` for evaluation; defaults to ``loss_fn``.
       metrics: a ``clu.metrics.Collection`` subclass fed ``loss=`` and ``**aux``
@@ -81,6 +87,8 @@ class Trainer:
         (``backend_defaults``: 2 on accelerators, 0 on the CPU).
       donate: the state's buffers given to each train step (``Plan``'s ``donate``);
         default: measured per backend (on for accelerators, off on the CPU).
+      memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
+        compiled step must fit in (default: the device's own limit, where reported).
       config: the run's configuration, for callbacks that record it.
 
     The state is built when first needed (``model``, ``optimizer``, ``state``,
@@ -90,7 +98,10 @@ class Trainer:
 
     Attributes:
       plan: the layout and the compiled steps (``Plan``); ``mesh`` and
-        ``strategy`` are its.
+        ``strategy`` are its. With ``strategy="auto"``, these, ``placement``,
+        ``report`` and the state exist once the layout is chosen (``choose_layout``).
+      layout_choice: with ``strategy="auto"``, the ranking of the layouts and the
+        one chosen (``auto.Choice``); ``None`` otherwise.
       progress: where the running (or last) ``fit`` is (``Progress``: epoch,
         batches, the train iterator and its position, preemption). Read-only
         for callbacks: they ask with ``request_stop``.
@@ -114,7 +125,7 @@ class Trainer:
         model: ModelFactory | nnx.Module | Plan,
         optimizer: optax.GradientTransformation | None = None,
         *,
-        strategy: Strategy | None = None,
+        strategy: Strategy | str | auto.Auto | None = None,
         loss_fn: step.LossFn | None = None,
         eval_fn: step.LossFn | None = None,
         metrics: type[clu_metrics.Collection] | None = None,
@@ -128,8 +139,15 @@ class Trainer:
         track_norms: bool = True,
         prefetch: int | None = None,
         donate: bool | None = None,
+        memory_budget_bytes: int | None = None,
         config: Any = None,
     ) -> None:
+        auto_layout = auto.as_auto(strategy, memory_budget_bytes)
+        plan: Plan | None = None
+        #: strategy="auto" until the layout is chosen: its settings and the chooser
+        self._auto: tuple[auto.Auto, Callable[..., auto.Choice]] | None = None
+        self.layout_choice: auto.Choice | None = None
+        self._layout_logs: dict[str, float] = {}  # the choice, for the next fit's first logs
         if isinstance(model, Plan):
             given = {
                 "optimizer": optimizer is not None,
@@ -147,40 +165,46 @@ class Trainer:
                     f"Trainer(plan, ...) takes the layout from the plan; {names} belong to "
                     "Plan(...). Give them there."
                 )
-            self.plan = model
+            plan = model
         else:
             if optimizer is None:
                 raise TypeError("Trainer needs an optimizer: Trainer(model, optax.adam(1e-3)).")
-            self.plan = Plan(
-                model,
-                optimizer,
-                strategy=strategy,
-                loss_fn=loss_fn,
-                eval_fn=eval_fn,
-                metrics=metrics,
-                seed=seed,
-                grad_accum_steps=grad_accum_steps,
-                wrt=wrt,
-                devices=devices,
-                donate=donate,
-            )
-        self._loss_fn = loss_fn or self.plan.loss_fn
-        self._eval_fn = eval_fn or self.plan.eval_fn
+            settings: dict[str, Any] = {
+                "loss_fn": loss_fn,
+                "eval_fn": eval_fn,
+                "metrics": metrics,
+                "seed": seed,
+                "grad_accum_steps": grad_accum_steps,
+                "wrt": wrt,
+                "devices": devices,
+                "donate": donate,
+            }
+            if auto_layout is None:
+                assert not isinstance(strategy, str | auto.Auto)
+                plan = Plan(model, optimizer, strategy=strategy, **settings)
+            else:
+                choose = functools.partial(
+                    auto.choose,
+                    model,
+                    optimizer,
+                    memory_budget_bytes=auto_layout.memory_budget_bytes,
+                    strategies=auto_layout.candidates,
+                    steps=auto_layout.steps,
+                    rounds=auto_layout.rounds,
+                    **settings,
+                )
+                self._auto = (auto_layout, choose)
+        self._loss_fn = loss_fn or (plan.loss_fn if plan else None)
+        self._eval_fn = eval_fn or (plan.eval_fn if plan else None)
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
-        self.placement = Placement(
-            self.plan.strategy,
-            self.plan.mesh,
-            self.plan.data_shard,
-            prefetch=backend_default("prefetch", self.plan.mesh) if prefetch is None else prefetch,
-            max_steps_in_flight=max_steps_in_flight,
-        )
-        self.report = MetricsReport(
-            self.plan.empty_metrics, self.plan.mesh.local_devices, track_norms=track_norms
-        )
-        if log_every_n_steps is not None:
-            self.report.request_log_every(log_every_n_steps)
+        self._plan: Plan | None = None
+        self._placement: Placement | None = None
+        self._report: MetricsReport | None = None
+        self._layout_settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
+        if plan is not None:
+            self._adopt(plan)
         self.progress = Progress()
         self.stop_training = False
         self._live: LiveState | None = None  # built when first needed
@@ -192,6 +216,98 @@ class Trainer:
         self._last_eval_step = -1
         self.history = History()
         self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
+
+    # -- the layout: given, or chosen by strategy="auto" at the first fit --------------
+    def _adopt(self, plan: Plan) -> None:
+        prefetch, max_steps_in_flight, track_norms, log_every_n_steps = self._layout_settings
+        self._plan = plan
+        self._placement = Placement(
+            plan.strategy,
+            plan.mesh,
+            plan.data_shard,
+            prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
+            max_steps_in_flight=max_steps_in_flight,
+        )
+        self._report = MetricsReport(
+            plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
+        )
+        if log_every_n_steps is not None:
+            self._report.request_log_every(log_every_n_steps)
+
+    def _chosen(self, value: _T | None, name: str) -> _T:
+        if value is None:
+            raise auto.LayoutNotChosen(
+                f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
+                "placement, state): it chooses one on real batches. Call "
+                "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
+            )
+        return value
+
+    @property
+    def plan(self) -> Plan:
+        """The layout and the compiled steps (``Plan``)."""
+        return self._chosen(self._plan, "plan")
+
+    @property
+    def placement(self) -> Placement:
+        """Batch placement (``Placement``)."""
+        return self._chosen(self._placement, "placement")
+
+    @property
+    def report(self) -> MetricsReport:
+        """The on-device metrics and the log schedule (``MetricsReport``)."""
+        return self._chosen(self._report, "report")
+
+    def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:
+        """``strategy="auto"``: plans every layout the devices allow, times those that fit
+        on the first batches of ``batches`` and keeps the fastest (``auto.choose``).
+
+        The ranking is printed (``Auto.report``), kept in ``layout_choice`` and put in
+        the next ``fit``'s first logs (``layout/...``); no candidate's arrays stay on the
+        devices, and the state is then built as for the chosen strategy given
+        explicitly. ``fit`` calls this with its first batches when it was not called.
+        """
+        if self._auto is None:
+            if self.layout_choice is not None:
+                return self.layout_choice
+            raise TypeError(
+                f"choose_layout is for Trainer(strategy='auto'); this trainer's layout is "
+                f"{self.strategy!r}."
+            )
+        settings, choose = self._auto
+        choice = choose(batches, lower=self._lower_candidate)
+        self._adopt(choice.plan)
+        self._auto, self.layout_choice, self._layout_logs = None, choice, choice.logs()
+        if settings.report is not None:
+            settings.report(choice.table())
+        return choice
+
+    def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
+        self._plan = plan  # the train step reads trainer.plan as it is traced: the candidate's
+        try:
+            return plan.lower(shapes, train_step=self.train_step)
+        finally:
+            self._plan = None
+
+    def _choose_on(self, train_data: Iterable[Any]) -> Iterable[Any]:
+        """Chooses the layout on the first batches of ``train_data``; returns data that
+        still yields every batch (a one-shot iterator is set back, or its batches put
+        back in front)."""
+        assert self._auto is not None
+        steps = self._auto[0].steps
+        iterator = iter(train_data)
+        if iterator is not train_data:  # re-iterable: fit starts a pass of its own
+            self.choose_layout(itertools.islice(iterator, steps))
+            return train_data
+        if has_position(iterator):  # a Grain iterator: set back where it was
+            positioned: Any = iterator
+            position = positioned.get_state()
+            self.choose_layout(list(itertools.islice(iterator, steps)))
+            positioned.set_state(position)
+            return train_data
+        taken = list(itertools.islice(iterator, steps))
+        self.choose_layout(taken)
+        return itertools.chain(taken, iterator)
 
     @property
     def mesh(self) -> Mesh:
@@ -430,6 +546,8 @@ class Trainer:
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
+        if self._auto is not None:
+            train_data = self._choose_on(train_data)
         self.stop_training = False
         self.progress.preempted, self.progress.nonfinite_step = False, None
         self._resume_point = None
@@ -443,6 +561,9 @@ class Trainer:
         try:
             self.callbacks.on_fit_start({})  # may restore a run state (load_run_state)
             self.callbacks.on_train_begin({})
+            if self._layout_logs:  # strategy="auto": the choice, in the run's first logs
+                self.callbacks._call("on_logs", self.step, self._layout_logs)
+                self._layout_logs = {}
             if max_steps is not None and self.step >= max_steps:
                 warnings.warn(
                     f"fit(max_steps={max_steps}) trains no step: the trainer is already at "

@@ -1,0 +1,395 @@
+"""``strategy="auto"``: plan every layout the devices allow, time those that fit, take the fastest.
+
+Each candidate is planned from shapes alone (``Plan`` and its compiled train
+step: ``PlanReport``), so one that does not fit the per-device memory never
+has its state built. The candidates that fit are timed on real batches, a
+few steps each, taking turns round after round (the median of the rounds),
+with only one candidate's state on the devices at a time and every array of
+a timing deleted after it: what stays is the chosen ``Plan``, whose state is
+then built afresh (the initial state, as if the layout had been given).
+
+>>> candidates(8, tp_sizes=[2])  # doctest: +NORMALIZE_WHITESPACE
+[DataParallel(), FSDP(), Hybrid(DataParallel(4), TensorParallel(2)),
+ Hybrid(FSDP(4), TensorParallel(2))]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from nnx_spmd_trainer import plan_report
+from nnx_spmd_trainer.placement import Placement
+from nnx_spmd_trainer.plan import Plan, abstract_batch
+from nnx_spmd_trainer.plan_report import PlanReport, size
+from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.state import ModelFactory
+from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+
+#: How a candidate's train step is lowered: ``(plan, global batch shapes) -> Lowered``.
+Lower = Callable[[Plan, Any], jax.stages.Lowered]
+
+
+class NoLayoutFits(ValueError):
+    """No candidate layout fits the per-device memory; the message lists each one's bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """``strategy="auto"`` with its settings: ``Trainer(..., strategy=Auto(steps=5))``.
+
+    Attributes:
+      memory_budget_bytes: per device; a candidate whose compiled step's peak is
+        over it is not timed. Default: the device's own limit where it reports one
+        (GPUs, TPUs), else no limit (the CPU).
+      candidates: the strategies to choose from; default ``candidates(devices)``.
+      steps: train steps each candidate is timed for in a round (on the first
+        ``steps`` batches).
+      rounds: timed rounds (after one untimed round); each candidate's time is the
+        median of its rounds.
+      report: where the ranking table goes (default ``print``; ``None``: nowhere).
+    """
+
+    memory_budget_bytes: int | None = None
+    candidates: Sequence[Strategy] | None = None
+    steps: int = 3
+    rounds: int = 3
+    report: Callable[[str], Any] | None = print
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.rounds < 1:
+            raise ValueError(f"Auto needs steps >= 1 and rounds >= 1, got {self}.")
+
+
+def as_auto(strategy: Any, memory_budget_bytes: int | None = None) -> Auto | None:
+    """``Auto`` for ``strategy="auto"`` or an ``Auto``; ``None`` for a strategy object."""
+    if isinstance(strategy, str):
+        if strategy.strip().lower() != "auto":
+            raise ValueError(
+                f"strategy={strategy!r}: the only strategy given by name is 'auto'; otherwise "
+                "give a strategy object (DataParallel(), FSDP(), Hybrid(FSDP(4), "
+                "TensorParallel(2)))."
+            )
+        strategy = Auto()
+    if isinstance(strategy, Auto):
+        if memory_budget_bytes is not None:
+            strategy = dataclasses.replace(strategy, memory_budget_bytes=memory_budget_bytes)
+        return strategy
+    if memory_budget_bytes is not None:
+        raise TypeError(
+            "memory_budget_bytes is what strategy='auto' chooses within; with a strategy of "
+            "your own, check the fit with Plan(...).report(shapes, memory_budget_bytes=...)."
+        )
+    return None
+
+
+def candidates(device_count: int, tp_sizes: Iterable[int] | None = None) -> list[Strategy]:
+    """The layouts ``device_count`` devices allow: ``DataParallel()``, ``FSDP()``, and for
+    each tensor-parallel size (default: every divisor of ``device_count`` above 1)
+    ``DataParallel`` and ``FSDP`` over the devices left, times ``TensorParallel`` (just
+    ``TensorParallel(n)`` when it takes every device)."""
+    sizes = range(2, device_count + 1) if tp_sizes is None else sorted(set(tp_sizes))
+    found: list[Strategy] = [DataParallel(), FSDP()]
+    for tp in sizes:
+        if tp < 2 or device_count % tp:
+            continue
+        rest = device_count // tp
+        if rest == 1:
+            found.append(TensorParallel(tp))
+        else:
+            found.append(Hybrid(DataParallel(rest), TensorParallel(tp)))
+            found.append(Hybrid(FSDP(rest), TensorParallel(tp)))
+    return found
+
+
+def _splits_model_axis(plan: Plan) -> bool:
+    return any("model" in str(s.spec) for s in plan.leaf_shardings)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One row of the ranking.
+
+    Attributes:
+      strategy: the layout; ``mesh`` its axes and sizes.
+      status: ``"timed"``, ``"does not fit"`` or ``"cannot split"``.
+      reason: why it was not timed (``""`` when it was).
+      state_bytes, peak_bytes: per device: the state the plan lays out, and the compiled
+        step's peak (``PlanReport.memory["peak"]``); ``None`` when it could not be planned.
+      step_time_s: median seconds per step over the rounds (timed candidates only).
+      ratio: ``step_time_s`` over the fastest's.
+      report: its ``PlanReport`` (``None`` when it could not be planned).
+    """
+
+    strategy: Strategy
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    status: str = "cannot split"
+    reason: str = ""
+    state_bytes: int | None = None
+    peak_bytes: int | None = None
+    step_time_s: float | None = None
+    ratio: float | None = None
+    report: PlanReport | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        return repr(self.strategy)
+
+    def cells(self) -> list[str]:
+        """layout, mesh, state, peak, step time, ratio (or why it was not timed)."""
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items()) or "-"
+        state = size(self.state_bytes) if self.state_bytes is not None else "-"
+        peak = size(self.peak_bytes) if self.peak_bytes is not None else "-"
+        if self.step_time_s is None:
+            return [self.layout, mesh, state, peak, f"{self.status}: {self.reason}", ""]
+        time_text, ratio = f"{self.step_time_s * 1e3:.3f} ms", f"{self.ratio or 1.0:.2f}x"
+        return [self.layout, mesh, state, peak, time_text, ratio]
+
+
+HEADER = ["layout", "mesh", "state/device", "peak/device", "step time", "vs best"]
+
+
+@dataclasses.dataclass
+class Choice:
+    """What ``choose`` found: the fastest layout that fits, and the ranking.
+
+    Attributes:
+      plan: the chosen layout's ``Plan`` (no state built: ``plan.materialize()``
+        builds the initial state); ``strategy`` its strategy.
+      rows: every candidate (``Candidate``), the timed ones fastest first, then those
+        that do not fit (smallest peak first), then those that cannot split.
+      budget_bytes: the per-device memory the candidates were checked against.
+      steps, rounds: how they were timed.
+    """
+
+    plan: Plan
+    rows: list[Candidate]
+    budget_bytes: int | None
+    steps: int
+    rounds: int
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.rows[0]
+
+    @property
+    def report(self) -> PlanReport:
+        """The chosen layout's ``PlanReport``."""
+        assert self.chosen.report is not None
+        return self.chosen.report
+
+    def title(self) -> str:
+        budget = f"{size(self.budget_bytes)} per device" if self.budget_bytes else "no memory limit"
+        return (
+            f'strategy="auto" chose {self.chosen.layout} ({budget}; {self.steps} steps x '
+            f"{self.rounds} rounds, median)"
+        )
+
+    def table(self) -> str:
+        """The ranking as aligned text: what ``Trainer`` prints at the start of the run."""
+        lines = [HEADER, *(row.cells() for row in self.rows)]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+        text = [self.title()]
+        for at, line in enumerate(lines):
+            mark = "  <- chosen" if at == 1 else ""
+            cells = "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
+            text.append(f"  {cells.rstrip()}{mark}")
+        return "\n".join(text)
+
+    def markdown(self) -> str:
+        """The ranking as a Markdown table (TensorBoard's text tab)."""
+        rows = [HEADER, ["---"] * len(HEADER), *(row.cells() for row in self.rows)]
+        body = "\n".join("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows)
+        return f"{self.title()}\n\n{body}"
+
+    def logs(self) -> dict[str, float]:
+        """The choice as host floats for ``logs``: its step time, bytes, candidates timed,
+        and its mesh (``layout/mesh/<axis>``: the size of each axis)."""
+        chosen = self.chosen
+        logs = {
+            "layout/step_time_s": float(chosen.step_time_s or 0.0),
+            "layout/peak_bytes_per_device": float(chosen.peak_bytes or 0),
+            "layout/state_bytes_per_device": float(chosen.state_bytes or 0),
+            "layout/candidates_timed": float(sum(r.status == "timed" for r in self.rows)),
+        }
+        logs.update({f"layout/mesh/{axis}": float(n) for axis, n in chosen.mesh.items()})
+        return logs
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _bytes_or_reason(row: Candidate) -> str:
+    if row.peak_bytes is None:
+        return f"cannot split: {row.reason}"
+    return f"a peak of {size(row.peak_bytes)} ({row.peak_bytes} bytes)"
+
+
+def _delete(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+class _Timed:
+    """A candidate that fits: its plan, compiled step and batch placement."""
+
+    def __init__(self, row: Candidate, plan: Plan, compiled: Any, placement: Placement) -> None:
+        self.row, self.plan, self.compiled, self.placement = row, plan, compiled, placement
+
+    def run(self, batches: Sequence[Any], in_flight: int = 2) -> float:
+        """Seconds per step over ``batches`` from a fresh state, then every array deleted."""
+        placed = [self.placement.place(b, divisor=self.plan.grad_accum_steps) for b in batches]
+        state = jax.tree.leaves(self.plan.materialize())
+        metrics = self.plan.empty_metrics()
+        outputs: list[Any] = []
+        try:
+            with jax.set_mesh(self.plan.mesh):
+                jax.block_until_ready((state, metrics, placed))
+                start = time.perf_counter()
+                for batch in placed:
+                    state, metrics, loss, norms = self.compiled(state, metrics, batch)
+                    outputs.append((loss, norms))
+                    if len(outputs) > in_flight:  # bounded: see PITFALLS.md
+                        jax.block_until_ready(outputs[-in_flight - 1])
+                jax.block_until_ready((state, metrics, outputs))
+                return (time.perf_counter() - start) / len(placed)
+        finally:
+            _delete((state, metrics, placed, outputs))
+
+
+def _agreed(times: list[float]) -> list[float]:
+    """Process 0's times on every process: all must choose the same layout."""
+    if jax.process_count() == 1:
+        return times
+    from jax.experimental import multihost_utils
+
+    return [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times))]
+
+
+def choose(
+    model: ModelFactory,
+    optimizer: optax.GradientTransformation,
+    batches: Iterable[Any],
+    *,
+    loss_fn: Any = None,
+    memory_budget_bytes: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    strategies: Sequence[Strategy] | None = None,
+    steps: int = 3,
+    rounds: int = 3,
+    lower: Lower | None = None,
+    data_shard: DataShard | None = None,
+    **plan_kwargs: Any,
+) -> Choice:
+    """Plans every candidate layout, times those that fit, and returns the fastest.
+
+    Args:
+      model: a factory ``rngs -> nnx.Module`` (each timing builds a fresh state).
+      optimizer, loss_fn, devices, **plan_kwargs: as for ``Plan``.
+      batches: this process's host batches; the first ``steps`` are used (repeated
+        when there are fewer).
+      memory_budget_bytes: per device (default the device's limit where reported).
+      strategies: the candidates (default ``candidates(len(devices))``).
+      steps, rounds: see ``Auto``.
+      lower: how a candidate's train step is lowered (default ``plan.lower(shapes)``);
+        ``Trainer`` lowers its own ``train_step``.
+      data_shard: the rows this process's batches are (multi-process runs); a
+        candidate whose processes would feed other rows cannot take them. Default:
+        the first candidate's.
+
+    Raises:
+      NoLayoutFits: no candidate fits; the message lists every candidate's bytes.
+    """
+    if isinstance(model, nnx.Module) or not callable(model):
+        raise TypeError(
+            "strategy='auto' builds the state once per timed layout, so it needs a model "
+            "factory: model=lambda rngs: MyModel(..., rngs=rngs), not a built module."
+        )
+    taken = list(itertools.islice(iter(batches), steps))
+    if not taken:
+        raise ValueError("strategy='auto' needs batches to time the layouts on; none came.")
+    timing_batches = list(itertools.islice(itertools.cycle(taken), steps))
+    devices = list(jax.devices() if devices is None else devices)
+    if strategies is None:
+        strategies = candidates(len(devices))
+    lower = lower or (lambda plan, shapes: plan.lower(shapes))
+    rows: list[Candidate] = []
+    timed: list[_Timed] = []
+    budget = memory_budget_bytes
+    for strategy in strategies:
+        row = Candidate(strategy)
+        rows.append(row)
+        try:
+            plan = Plan(
+                model, optimizer, strategy=strategy, loss_fn=loss_fn, devices=devices, **plan_kwargs
+            )
+            row.mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+            if "model" in row.mesh and not _splits_model_axis(plan):
+                row.reason = "no dimension of the model is annotated for the 'model' axis"
+                continue
+            if jax.process_count() > 1:
+                data_shard = data_shard or plan.data_shard
+                if plan.data_shard != data_shard:
+                    row.reason = f"its processes feed {plan.data_shard}, the data is {data_shard}"
+                    continue
+            placement = Placement(strategy, plan.mesh, plan.data_shard, prefetch=0)
+            first = placement.place(taken[0], divisor=plan.grad_accum_steps)
+            shapes = abstract_batch(first)
+            _delete(first)
+            compiled = lower(plan, shapes).compile()
+        except (ShardingError, ValueError) as error:
+            row.reason = _first_line(error)
+            continue
+        report = plan_report.build(plan, compiled, memory_budget_bytes=memory_budget_bytes)
+        budget = report.budget_bytes
+        row.report, row.peak_bytes = report, report.memory["peak"]
+        row.state_bytes = sum(r["bytes_per_device"] for r in report.leaves)
+        if report.fits is False:
+            row.status = "does not fit"
+            row.reason = f"a peak of {size(row.peak_bytes)} > {size(budget or 0)}"
+            continue
+        timed.append(_Timed(row, plan, compiled, placement))
+    if not timed:
+        listing = "\n".join(f"  {r.layout}: {_bytes_or_reason(r)}" for r in rows)
+        budget_text = f"{size(budget)} ({budget} bytes)" if budget is not None else "unknown"
+        raise NoLayoutFits(
+            f"strategy='auto': no layout fits the memory budget of {budget_text} per device. "
+            f"The candidates, per device:\n{listing}\nGive more devices or memory, a smaller "
+            "batch, or gradient accumulation (grad_accum_steps)."
+        )
+    for _ in range(rounds + 1):  # the first round untimed: first calls, caches
+        for candidate in timed:
+            candidate.row.times.append(candidate.run(timing_batches))
+    medians = _agreed([statistics.median(c.row.times[1:]) for c in timed])
+    best = min(medians)
+    for candidate, median in zip(timed, medians, strict=True):
+        candidate.row.status, candidate.row.step_time_s = "timed", median
+        candidate.row.ratio = median / best if best > 0 else 1.0
+    order = {"timed": 0, "does not fit": 1, "cannot split": 2}
+    rows.sort(key=lambda r: (order[r.status], r.step_time_s or 0.0, r.peak_bytes or 0))
+    winner = next(c.plan for c in timed if c.row is rows[0])
+    return Choice(plan=winner, rows=rows, budget_bytes=budget, steps=steps, rounds=rounds)
+
+
+class LayoutNotChosen(RuntimeError):
+    """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
+    was chosen (``fit`` or ``choose_layout``)."""

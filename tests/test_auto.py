@@ -1,0 +1,288 @@
+"""strategy="auto": every layout planned from shapes, those that fit timed, the fastest kept."""
+
+import gc
+import itertools
+import statistics
+import time
+
+import grain
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from live_memory import live_bytes
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from toy_models import (
+    Net,
+    RecordLosses,
+    assert_params_match,
+    classification_loss,
+    flat_params,
+    make_batches,
+    train_reference,
+)
+
+from nnx_spmd_trainer import (
+    FSDP,
+    Auto,
+    DataParallel,
+    Hybrid,
+    LayoutNotChosen,
+    NoLayoutFits,
+    Plan,
+    TensorParallel,
+    Trainer,
+    auto,
+)
+from nnx_spmd_trainer.callbacks import TensorBoard
+
+
+def big_net(rngs):
+    return Net(rngs, din=256, hidden=512, dout=16)
+
+
+def big_batches(n):
+    return make_batches(n, din=256, classes=16)
+
+
+def collected_live_bytes():
+    """Device bytes of live arrays, once Python's garbage (cycles holding arrays) is gone."""
+    gc.collect()
+    return live_bytes()
+
+
+def shapes_of(batch):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+
+def test_candidates_are_every_layout_the_device_count_allows():
+    assert auto.candidates(8) == [
+        DataParallel(),
+        FSDP(),
+        Hybrid(DataParallel(4), TensorParallel(2)),
+        Hybrid(FSDP(4), TensorParallel(2)),
+        Hybrid(DataParallel(2), TensorParallel(4)),
+        Hybrid(FSDP(2), TensorParallel(4)),
+        TensorParallel(8),
+    ]
+    assert auto.candidates(8, tp_sizes=[3, 4]) == [
+        DataParallel(),
+        FSDP(),
+        Hybrid(DataParallel(2), TensorParallel(4)),
+        Hybrid(FSDP(2), TensorParallel(4)),
+    ]
+    assert auto.candidates(1) == [DataParallel(), FSDP()]
+    with pytest.raises(ValueError, match="'auto'"):
+        Trainer(Net, optax.adam(1e-3), strategy="fastest", loss_fn=classification_loss)
+    with pytest.raises(TypeError, match="memory_budget_bytes"):
+        Trainer(Net, optax.adam(1e-3), loss_fn=classification_loss, memory_budget_bytes=10**6)
+
+
+def test_auto_within_a_budget_picks_a_layout_that_fits_trains_as_it_given_and_leaks_nothing():
+    batches = big_batches(3)
+    tx = optax.adam(1e-3)
+
+    def report(strategy, budget):
+        plan = Plan(big_net, tx, strategy=strategy, loss_fn=classification_loss)
+        return plan.report(shapes_of(batches[0]), memory_budget_bytes=budget)
+
+    budget = report(DataParallel(), None).memory["peak"] // 2
+    dp, fsdp = report(DataParallel(), budget), report(FSDP(min_size=64), budget)
+    assert dp.fits is False and dp.verdict.startswith("does not fit")
+    assert fsdp.fits is True and fsdp.verdict.startswith("fits")
+
+    printed: list[str] = []
+    strategies = [
+        DataParallel(),
+        FSDP(min_size=64),
+        Hybrid(FSDP(4, min_size=64), TensorParallel(2)),
+    ]
+    base = collected_live_bytes()
+    trainer = Trainer(
+        big_net,
+        tx,
+        strategy=Auto(candidates=strategies, steps=2, rounds=1, report=printed.append),
+        memory_budget_bytes=budget,
+        loss_fn=classification_loss,
+        callbacks=[losses := RecordLosses()],
+    )
+    with pytest.raises(LayoutNotChosen, match="choose_layout"):
+        trainer.plan  # noqa: B018
+    with pytest.raises(LayoutNotChosen, match="no layout yet"):
+        trainer.mesh  # noqa: B018
+    with pytest.raises(LayoutNotChosen, match="no layout yet"):
+        trainer.model  # noqa: B018
+    trainer.fit(batches, max_steps=3)
+    auto_bytes = collected_live_bytes() - base
+
+    choice = trainer.layout_choice
+    assert choice is not None and trainer.strategy == choice.strategy != DataParallel()
+    rows = {row.layout: row for row in choice.rows}
+    assert rows["DataParallel()"].status == "does not fit"
+    assert rows["DataParallel()"].report.verdict.startswith("does not fit")
+    assert rows["FSDP(min_size=64)"].status == "timed"
+    assert choice.chosen.status == "timed" and choice.chosen.peak_bytes <= budget
+    assert choice.chosen.step_time_s == min(r.step_time_s for r in choice.rows if r.step_time_s)
+    assert printed == [choice.table()]
+    assert "does not fit" in printed[0] and "<- chosen" in printed[0]
+    # the choice in the run's first logs: its mesh and step time, at step 0
+    mesh = dict(trainer.mesh.shape)
+    for axis, n in mesh.items():
+        assert trainer.history.history[f"layout/mesh/{axis}"] == [n]
+    assert trainer.history.steps["layout/step_time_s"] == [0]
+
+    # The same numbers as the chosen strategy given explicitly, and as plain optax.
+    explicit = Trainer(
+        big_net, tx, strategy=choice.strategy, loss_fn=classification_loss,
+        callbacks=[explicit_losses := RecordLosses()],
+    )  # fmt: skip
+    # Copies: on the CPU a placed shard may alias its NumPy rows, and an alias of the
+    # first run's batch would be counted once for both runs.
+    explicit.fit([jax.tree.map(np.copy, b) for b in batches], max_steps=3)
+    explicit_bytes = collected_live_bytes() - base - auto_bytes
+    assert losses.losses == explicit_losses.losses
+    got, want = flat_params(trainer.state), flat_params(explicit.state)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    reference_params, reference_losses = train_reference(big_net, tx, batches)
+    np.testing.assert_allclose(losses.losses, reference_losses, rtol=1e-5)
+    assert_params_match(trainer, reference_params)
+    # No candidate's arrays left behind: the devices hold what the explicit run holds.
+    assert auto_bytes == explicit_bytes
+
+
+def _time_trainers(trainers, batches, rounds):
+    """The test's own timing: each trainer's fit over ``batches``, interleaved, median."""
+    for trainer in trainers:  # compile, first calls
+        trainer.fit(batches, max_steps=trainer.step + len(batches))
+    times = [[] for _ in trainers]
+    for _ in range(rounds):
+        for i, trainer in enumerate(trainers):
+            start = time.perf_counter()
+            trainer.fit(batches, max_steps=trainer.step + len(batches))
+            times[i].append((time.perf_counter() - start) / len(batches))
+    return [statistics.median(t) for t in times]
+
+
+def test_auto_picks_a_layout_as_fast_as_the_fastest_the_test_measures():
+    batches = big_batches(4)
+    strategies = [
+        DataParallel(),
+        TensorParallel(8),
+        Hybrid(FSDP(4, min_size=64), TensorParallel(2)),
+    ]
+    trainer = Trainer(
+        big_net, optax.sgd(1e-3), strategy=Auto(candidates=strategies, report=None),
+        loss_fn=classification_loss,
+    )  # fmt: skip
+    choice = trainer.choose_layout(batches)
+    assert [r.status for r in choice.rows] == ["timed"] * 3
+    trainers = [
+        Trainer(big_net, optax.sgd(1e-3), strategy=s, loss_fn=classification_loss)
+        for s in strategies
+    ]
+    measured = _time_trainers(trainers, batches, rounds=5)
+    picked = measured[strategies.index(choice.strategy)]
+    # A shared 2-core machine is noisy: "within noise" is a generous factor here.
+    assert picked <= 1.5 * min(measured), (
+        choice.table(),
+        dict(zip(map(repr, strategies), measured, strict=True)),
+    )
+
+
+@pytest.mark.parametrize("kind", ["list", "generator", "grain iterator"])
+def test_auto_times_on_the_first_batches_without_taking_them_from_training(kind):
+    batches = make_batches(4)
+    data = {
+        "list": lambda: batches,
+        "generator": lambda: (b for b in batches),
+        "grain iterator": lambda: iter(grain.MapDataset.source(batches).to_iter_dataset()),
+    }[kind]()
+    trainer = Trainer(
+        Net, optax.adam(1e-3),
+        strategy=Auto(candidates=[FSDP(min_size=64)], steps=2, rounds=1, report=None),
+        loss_fn=classification_loss, callbacks=[losses := RecordLosses()],
+    )  # fmt: skip
+    trainer.fit(data, max_steps=4)
+    _, reference_losses = train_reference(Net, optax.adam(1e-3), batches)
+    np.testing.assert_allclose(losses.losses, reference_losses, rtol=1e-5)
+    assert trainer.step == 4
+
+
+def test_nothing_fits_is_one_error_listing_every_candidate_and_the_budget():
+    # hidden=12: the "model" dimensions split over 2 and 4 devices, not over 8.
+    def factory(rngs):
+        return Net(rngs, hidden=12)
+
+    strategies = [DataParallel(), Hybrid(DataParallel(2), TensorParallel(4)), TensorParallel(8)]
+    with pytest.raises(NoLayoutFits) as raised:
+        auto.choose(
+            factory, optax.adam(1e-3), make_batches(1), loss_fn=classification_loss,
+            memory_budget_bytes=1000, strategies=strategies,
+        )  # fmt: skip
+    message = str(raised.value)
+    assert "1000 bytes" in message
+    peaks = {
+        repr(s): Plan(factory, optax.adam(1e-3), strategy=s, loss_fn=classification_loss)
+        .report(shapes_of(make_batches(1)[0]))
+        .memory["peak"]
+        for s in strategies[:2]
+    }
+    for layout, peak in peaks.items():
+        assert f"{layout}: a peak of" in message and f"({peak} bytes)" in message
+    assert "TensorParallel(8): cannot split:" in message and "12" in message
+    with nnx.use_eager_sharding(False):
+        built = Net(nnx.Rngs(0))
+    with pytest.raises(TypeError, match="factory"):
+        auto.choose(built, optax.adam(1e-3), make_batches(1), loss_fn=classification_loss)
+
+
+def _texts(logdir):
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0}).Reload()
+    return {
+        tag.removesuffix("/text_summary"): acc.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in acc.Tags()["tensors"]
+        if tag.endswith("/text_summary")
+    }
+
+
+def test_tensorboard_shows_the_ranking_and_the_plan_report(tmp_path):
+    trainer = Trainer(
+        Net, optax.adam(1e-3), strategy=Auto(candidates=[DataParallel(), FSDP(min_size=64)],
+        steps=1, rounds=1, report=None), loss_fn=classification_loss,
+        callbacks=[TensorBoard(tmp_path / "auto")],
+    )  # fmt: skip
+    trainer.fit(make_batches(2), max_steps=2)
+    texts = _texts(tmp_path / "auto")
+    assert texts["layout"].startswith('strategy="auto" chose ' + repr(trainer.strategy))
+    assert "| DataParallel() |" in texts["layout"] and "| FSDP(min_size=64) |" in texts["layout"]
+    assert "plan: " + repr(trainer.strategy) in texts["plan"]
+    assert "collectives:" in texts["plan"]
+
+    # Without auto, the plan report of the first step's batch.
+    explicit = Trainer(
+        Net, optax.adam(1e-3), strategy=Hybrid(FSDP(4), TensorParallel(2)),
+        loss_fn=classification_loss, callbacks=[TensorBoard(tmp_path / "explicit")],
+    )  # fmt: skip
+    explicit.fit(make_batches(2), max_steps=2)
+    texts = _texts(tmp_path / "explicit")
+    assert "layout" not in texts
+    assert (
+        "plan: Hybrid(FSDP(4), TensorParallel(2)) on mesh {'fsdp': 4, 'model': 2}" in texts["plan"]
+    )
+    assert "l1/kernel" in texts["plan"] and "compiled step per device" in texts["plan"]
+
+
+def test_a_trainer_that_chose_keeps_its_choice():
+    trainer = Trainer(
+        Net, optax.adam(1e-3),
+        strategy=Auto(candidates=[FSDP(min_size=64)], steps=1, rounds=1, report=None),
+        loss_fn=classification_loss,
+    )  # fmt: skip
+    choice = trainer.choose_layout(itertools.repeat(make_batches(1)[0]))
+    assert trainer.choose_layout([]) is choice
+    trainer.fit(make_batches(2), max_steps=2)
+    assert trainer.layout_choice is choice and trainer.step == 2
+    with pytest.raises(TypeError, match="strategy='auto'"):
+        Trainer(Net, optax.adam(1e-3), loss_fn=classification_loss).choose_layout([])
