@@ -5,6 +5,8 @@ trained through ``Trainer.fit`` is checked against plain optax on one device
 (``toy_models.train_reference``), not against the library.
 """
 
+import importlib
+
 import jax
 import numpy as np
 import optax
@@ -24,6 +26,7 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
 )
+from nnx_spmd_trainer.app import cli, tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.attention import causal_attention, length_axes
 from nnx_spmd_trainer.strategies.base import context_rules
@@ -50,6 +53,12 @@ def gpt_loss(model, batch):
 
 
 # -- trained through Trainer.fit, it equals one device ------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    """Plain optax on one device, the same for every layout: computed once."""
+    return train_reference(tiny_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=gpt_loss)
+
+
 @pytest.mark.parametrize(
     ("strategy", "spec"),
     [
@@ -60,7 +69,7 @@ def gpt_loss(model, batch):
     ],
     ids=["seq8", "fsdp2-seq4", "seq4-tp2", "dp2-seq2-tp2"],
 )
-def test_gpt_trains_like_one_device(strategy, spec):
+def test_gpt_trains_like_one_device(strategy, spec, reference):
     batches = token_batches(STEPS)
     recorder = RecordLosses()
     # SGD: Adam would amplify the float noise of the key bias's zero gradient (PITFALLS).
@@ -69,7 +78,7 @@ def test_gpt_trains_like_one_device(strategy, spec):
     )
     trainer.fit(batches, max_steps=STEPS)
 
-    ref_params, ref_losses = train_reference(tiny_gpt, optax.sgd(0.5), batches, loss_fn=gpt_loss)
+    ref_params, ref_losses = reference
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_params_match(trainer, ref_params)
     # The batch is split along its sequence; the rows as the other members say.
@@ -202,3 +211,24 @@ def test_repr_and_exports():
     assert repr(SequenceParallel(axis="cp")) == "SequenceParallel(axis='cp')"
     assert nnx_spmd_trainer.SequenceParallel is SequenceParallel
     assert "SequenceParallel" in nnx_spmd_trainer.__all__
+
+
+# -- the command line -----------------------------------------------------------------------
+def test_mesh_specs_name_the_sequence_axis():
+    assert tasks.parse_strategy("fsdp=2,seq=4") == Hybrid(FSDP(2), SequenceParallel(4))
+    assert tasks.parse_strategy("seq=8") == tasks.parse_strategy("sp=8") == SequenceParallel(8)
+    with pytest.raises(tasks.ConfigError, match=r"seq \(or sp\)"):
+        tasks.parse_strategy("context=8")
+
+
+@pytest.mark.slow
+def test_the_default_job_runs_with_the_sequence_split(tmp_path):
+    spec = "fsdp=2,seq=4"  # --config.strategy=fsdp=2,seq=4
+    config = importlib.import_module("nnx_spmd_trainer.configs.default").get_config()
+    config.update(strategy=spec, max_steps=2, batch_size=8, log_every_n_steps=1, max_eval_batches=1)
+    config.eval_every_n_steps = 0
+    config.gpt.update(seq_len=16, embed_dim=16, num_heads=4, ff_dim=32, num_layers=1)
+    result = cli.run(config, tmp_path)
+    assert repr(result.trainer.strategy) == repr(tasks.parse_strategy(spec))
+    assert result.history.steps["train/loss"][-1] == 2
+    assert np.isfinite(result.eval_loss)

@@ -19,6 +19,7 @@ from nnx_spmd_trainer.strategies import (
     AxisStrategy,
     DataParallel,
     Hybrid,
+    SequenceParallel,
     Strategy,
     TensorParallel,
 )
@@ -39,13 +40,16 @@ def parse_strategy(spec: str) -> Strategy:
     """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
 
     Members are ``name[=size]`` (``name:size`` also works), in mesh order;
-    names ``data``/``dp``, ``fsdp``, ``model``/``tp``; a missing size is -1
+    names ``data``/``dp``, ``fsdp``, ``model``/``tp``, ``seq``/``sp``
+    (``SequenceParallel``: the sequence split); a missing size is -1
     ("all devices left"). One member gives that strategy, several a Hybrid.
 
     >>> parse_strategy("data")
     DataParallel()
     >>> parse_strategy("data=2, fsdp=2, tp=2")
     Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
+    >>> parse_strategy("fsdp=2,seq=4")
+    Hybrid(FSDP(2), SequenceParallel(4))
     """
     kinds: dict[str, type[AxisStrategy]] = {
         "data": DataParallel,
@@ -53,6 +57,8 @@ def parse_strategy(spec: str) -> Strategy:
         "fsdp": FSDP,
         "model": TensorParallel,
         "tp": TensorParallel,
+        "seq": SequenceParallel,
+        "sp": SequenceParallel,
     }
     members = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -61,7 +67,7 @@ def parse_strategy(spec: str) -> Strategy:
         if kind is None:
             raise ConfigError(
                 f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
-                "data (or dp), fsdp, model (or tp), e.g. 'fsdp=4,model=2'."
+                "data (or dp), fsdp, model (or tp), seq (or sp), e.g. 'fsdp=4,model=2'."
             )
         try:
             members.append(kind(int(size) if size.strip() else -1))
@@ -166,11 +172,7 @@ def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
     ('fsdp=4,model=2', '')
     >>> fit_to_devices("fsdp=-1,model=2", 1)
     ('fsdp=1,model=1', 'model=2 does not fit 1 device, so model=1')
-    >>> fit_to_devices("auto", 8)
-    ('auto', '')
     """
-    if spec.strip().lower() == "auto":
-        return spec, ""
     parts = [p.strip().replace(":", "=").partition("=") for p in spec.split(",") if p.strip()]
     sizes = [int(size) if size.strip() else -1 for _, _, size in parts]
     if -1 not in sizes:
