@@ -172,7 +172,11 @@ def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
     ('fsdp=4,model=2', '')
     >>> fit_to_devices("fsdp=-1,model=2", 1)
     ('fsdp=1,model=1', 'model=2 does not fit 1 device, so model=1')
+    >>> fit_to_devices("auto", 8)
+    ('auto', '')
     """
+    if spec.strip().lower() == "auto":
+        return spec, ""
     parts = [p.strip().replace(":", "=").partition("=") for p in spec.split(",") if p.strip()]
     sizes = [int(size) if size.strip() else -1 for _, _, size in parts]
     if -1 not in sizes:
