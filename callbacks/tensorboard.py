@@ -204,7 +204,11 @@ class TensorBoard(Callback):
         batch = self.trainer.report.last_batch
         if batch is None or (writer := self.writer) is None:
             return
-        report = self.trainer.plan.report(batch, train_step=self.trainer.train_step)
+        try:  # a cache hit of the step just compiled; a text must never stop the run
+            report = self.trainer.plan.report(batch, train_step=self.trainer.train_step)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(f"TensorBoard: no plan report ({error!r}).", stacklevel=2)
+            return
         writer.add_text("plan", _code(str(report)), step)
 
     def write_histograms(self, step: int) -> None:
