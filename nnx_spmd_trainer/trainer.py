@@ -86,7 +86,7 @@ class Trainer:
         ``get_state`` is never read ahead. Default: measured per backend
         (``backend_defaults``: 2 on accelerators, 0 on the CPU).
       donate: the state's buffers given to each train step (``Plan``'s ``donate``);
-        default: measured per backend (on for accelerators, off on the CPU).
+        default: measured per backend (on wherever measured so far).
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
       config: the run's configuration, for callbacks that record it.
