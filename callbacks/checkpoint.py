@@ -24,6 +24,7 @@ from nnx_spmd_trainer.run_lock import RunLock
 from .checkpoint_checks import DamagedCheckpoint, agree_on_damage
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import read_step, restore_iterator, set_aside
+from .checkpoint_save import CheckpointWriteError, check_writable, writing
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice
 
@@ -145,6 +146,7 @@ class OrbaxCheckpoint(Callback):
         self._fitted = False
         self._restored_into: Trainer | None = None  # by restore_into, before any fit
         self._last_saved: tuple[int, jax.Array] | None = None
+        self._writing: int | None = None  # the step whose write may still be going on
         self._manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preemption = PreemptionNotice()
@@ -193,10 +195,15 @@ class OrbaxCheckpoint(Callback):
         return loss is None or math.isfinite(float(np.asarray(jax.device_get(loss))))
 
     def save(self, step: int, *, force: bool = False) -> bool:
-        """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved)."""
+        """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved).
+
+        A step that cannot be written, now or by the background write of an earlier
+        save, raises ``CheckpointWriteError`` naming that step and ``directory``."""
+        self._finish_writing()
         self._check_last_saved()
         if not self._savable(step):
             return False
+        check_writable(self.directory, step)
         run = self.trainer.run_state()
         # A callback state that cannot be stored raises here (TypeError naming the callback
         # and key), before Orbax is called: nothing is left half-written.
@@ -227,19 +234,33 @@ class OrbaxCheckpoint(Callback):
             pending.set(summary)
             self._last_saved = (step, summary["finite"])
 
-        if not self.async_save:  # save returns once written: the summary must be there
-            summarize_state()
-        saved = self.manager.save(
-            step,
-            args=ocp.args.Composite(**items),
-            metrics={self.monitor: metric} if metric is not None else None,
-            force=force,
-        )
-        if self.async_save:
-            # Dispatched after Orbax's copy to the host, so the devices compute the
-            # fingerprints while the write goes on; the write waits for them, not training.
-            summarize_state()
+        self._writing = step
+        try:
+            if not self.async_save:  # save returns once written: the summary must be there
+                summarize_state()
+            with writing(self.directory, step):
+                saved = self.manager.save(
+                    step,
+                    args=ocp.args.Composite(**items),
+                    metrics={self.monitor: metric} if metric is not None else None,
+                    force=force,
+                )
+            if self.async_save:
+                # Dispatched after Orbax's copy to the host, so the devices compute the
+                # fingerprints while the write goes on; the write waits for them, not training.
+                summarize_state()
+        finally:
+            # Interrupted before that (Ctrl-C): the background write fails now instead of
+            # waiting for the fingerprints, which would keep the process alive.
+            pending.cancel()
         return bool(saved)
+
+    def _finish_writing(self) -> None:
+        """Waits for the save in flight; its failure raises ``CheckpointWriteError``."""
+        if self._manager is not None:
+            with writing(self.directory, self._writing):
+                self._manager.wait_until_finished()
+        self._writing = None
 
     def _check_last_saved(self) -> None:
         """A saved state that turned out non-finite (a finite loss, NaN gradients) is
@@ -249,7 +270,7 @@ class OrbaxCheckpoint(Callback):
         step, finite = self._last_saved
         self._last_saved = None
         if not bool(np.asarray(finite.addressable_data(0))):
-            self.manager.wait_until_finished()
+            self._finish_writing()
             set_aside(
                 self.manager, step, f"checkpoint step {step} holds non-finite values",
                 label="nonfinite", report=self.report,
@@ -458,7 +479,7 @@ class OrbaxCheckpoint(Callback):
 
     def _save_for_preemption(self, step: int) -> None:
         self.save(step, force=True)
-        self.manager.wait_until_finished()
+        self._finish_writing()
         self.trainer.request_stop(preempted=True)
         if self.report is not None:
             self.report(f"preempted: saved step {step} in {self.directory}; run again to resume")
@@ -471,7 +492,7 @@ class OrbaxCheckpoint(Callback):
     def on_fit_end(self, logs: Logs) -> None:
         try:
             self.save(self.trainer.step)  # the final state (a no-op if just saved)
-            self.manager.wait_until_finished()
+            self._finish_writing()
             self._check_last_saved()
         finally:
             self._preemption.stop()
@@ -481,7 +502,10 @@ class OrbaxCheckpoint(Callback):
     def on_exception(self, error: BaseException) -> None:
         self._preemption.stop()
         try:
-            if self._manager is not None:
-                self._manager.wait_until_finished()  # a save in flight completes
+            self._finish_writing()  # a save in flight completes; nothing half-done
+        except CheckpointWriteError:
+            # Already reported, or the save Ctrl-C interrupted: the committed steps stay.
+            if isinstance(error, Exception) and not isinstance(error, CheckpointWriteError):
+                raise
         finally:
             self._lock.release()

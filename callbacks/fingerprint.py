@@ -92,19 +92,28 @@ def _resolve(summary: dict[str, Any]) -> dict[str, Any]:
 
 class PendingSummary:
     """A ``summarize`` result handed to Orbax before it exists: the saver sets it right
-    after ``save`` returns, and the background write waits for it."""
+    after ``save`` returns, and the background write waits for it.
+
+    A save interrupted before ``set`` (Ctrl-C, an error) must ``cancel``: the writer
+    then fails at once, instead of keeping the process alive in a thread that waits."""
 
     def __init__(self) -> None:
         self._ready = threading.Event()
-        self._summary: dict[str, Any] = {}
+        self._summary: dict[str, Any] | None = None
 
     def set(self, summary: dict[str, Any]) -> None:
         self._summary = summary
         self._ready.set()
 
+    def cancel(self) -> None:
+        """Fails the waiting writer now; a no-op once ``set``."""
+        self._ready.set()
+
     def get(self, timeout: float = 600.0) -> dict[str, Any]:
         if not self._ready.wait(timeout):
             raise TimeoutError("the checkpoint's fingerprints were never computed")
+        if self._summary is None:
+            raise RuntimeError("the save was interrupted before its fingerprints were computed")
         return self._summary
 
 

@@ -32,12 +32,15 @@ import dataclasses
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import logging as std_logging
 import os
 import pkgutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import grain
@@ -413,11 +416,36 @@ def _shipped() -> str:
     return ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.py") if not p.stem.startswith("_")))
 
 
-def _fail(message: str) -> NoReturn:
-    """A configuration error: one line on stderr, exit status 2 (as argparse does)."""
+def _fail(message: str, status: int = 2) -> NoReturn:
+    """An error the user can act on: one line on stderr, exit status 2 (a configuration
+    error, as argparse does) unless ``status`` says otherwise."""
     line = " ".join(part.strip() for part in message.splitlines() if part.strip())
     sys.stderr.write(f"nnx-spmd-train: error: {line}\n")
-    sys.exit(2)
+    sys.exit(status)
+
+
+class _OrbaxLog(std_logging.Filter):
+    """Orbax logs a failed save with a traceback from each of its threads, though the
+    failure reaches the run as one ``CheckpointWriteError``: its lines keep no traceback,
+    and after Ctrl-C (which fails the save in flight on purpose) none is kept."""
+
+    interrupted = False
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return not self.interrupted
+
+
+ORBAX_LOG = _OrbaxLog()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C: Python's own ``KeyboardInterrupt``, with Orbax's logs quiet from here."""
+    del signum, frame
+    ORBAX_LOG.interrupted = True
+    raise KeyboardInterrupt
 
 
 def _config_keys(config_file: str) -> list[str]:
@@ -469,6 +497,7 @@ def _main(argv: Sequence[str]) -> int:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     if not flags.FLAGS["verbosity"].present:  # absl's INFO default floods the run's output
         logging.set_verbosity(logging.WARNING)
+        logging.get_absl_logger().addFilter(ORBAX_LOG)
     config = flags.FLAGS.config
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     workdir = flags.FLAGS.workdir or os.path.join("runs", Path(config_path).stem)
@@ -497,6 +526,8 @@ def _main(argv: Sequence[str]) -> int:
         result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
+    except callbacks.checkpoint_save.CheckpointWriteError as error:  # names step, path, cause
+        _fail(str(error), status=1)
     if flags.FLAGS.dry_run:
         return 0
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
@@ -552,7 +583,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
     flags.DEFINE_integer("process_id", None, "This process's index (with coordinator_address).")
-    app.run(_main, argv=argv, flags_parser=_parse_flags)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        app.run(_main, argv=argv, flags_parser=_parse_flags)
+    except KeyboardInterrupt:  # the checkpoint in flight was dropped; the committed ones stay
+        sys.stderr.write(
+            "nnx-spmd-train: interrupted; the checkpoints committed so far are kept: "
+            "run the same command to resume\n"
+        )
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":
