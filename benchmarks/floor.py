@@ -43,7 +43,8 @@ def hand_written_loops(
 ) -> dict[str, Callable[[], float]]:
     """``{name: run}``: each ``run()`` trains ``batches`` once from a copy of ``trainer``'s
     state (its layout, already sharded) and returns seconds per step."""
-    graphdef, initial = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
+    graphdef, live = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
+    initial = jax.tree.map(lambda x: x.copy(), live)  # the trainer's next step donates `live`
     shardings = trainer.plan.shardings
     batch_sharding = trainer.strategy.batch_sharding(batches[0], trainer.mesh)
 

@@ -99,7 +99,7 @@ def main() -> None:
     data = batches(args.steps)
     trainer = trainer_loop(args.strategy, data)
     loops = {"trainer (defaults)": timed(trainer, data)}
-    if args.variants:
+    if args.variants:  # each setting against the defaults, all else equal
         for prefetch in (0, 2):
             for donate in (False, True):
                 name = f"trainer (prefetch={prefetch}, donate={donate})"

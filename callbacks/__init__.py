@@ -7,6 +7,7 @@ do anything these do.
 from nnx_spmd_trainer import Callback, History
 
 from .checkpoint import DamagedCheckpoint, OrbaxCheckpoint
+from .checkpoint_save import CheckpointWriteError
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .lambda_callback import LambdaCallback
@@ -19,6 +20,7 @@ from .tensorboard import TensorBoard
 
 __all__ = [
     "CSVLogger",
+    "CheckpointWriteError",
     "DamagedCheckpoint",
     "Callback",
     "EarlyStopping",

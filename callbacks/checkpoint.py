@@ -278,10 +278,13 @@ class OrbaxCheckpoint(Callback):
 
     def _meta(self, step: int, run: RunState) -> dict[str, Any]:
         trainer = self.trainer
+        host = run.host()
         return {
-            **run.host(),
+            **host,
             "step": step,
             "data": "grain" if run.data is not None else "skip",
+            # Grain keeps no checksum of its file: the position is checked against this.
+            "data_position": host.get("data"),
             "monitor": {self.monitor: self._seen.get(self.monitor)} if self.monitor else {},
             "versions": versions(),
             "strategy": repr(trainer.strategy),

@@ -11,6 +11,9 @@ left". One member gives that strategy, several give a Hybrid::
     "fsdp=-1,model=2"          the default job: beside a -1, a size is a wish that
                                shrinks to fit (model=1 on one device), and the -1
                                member takes the rest (fsdp=4 on 8 devices)
+    "fsdp=2,seq=4"             Hybrid(FSDP(2), SequenceParallel(4)) (``seq`` or ``sp``)
+    "auto"                     every layout the devices allow, planned, those that fit
+                               ``memory_budget_bytes`` timed; the fastest trains
 
 ``compute_dtype`` ("float32" or "bfloat16") is the models' compute dtype; the
 parameters and optimizer state stay float32, and the metrics accumulate in float32.
@@ -24,6 +27,7 @@ def training_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.model = ""  # "gpt", "mlp" or "cnn": selects the model, its data and loss
     config.strategy = "data"
+    config.memory_budget_bytes = 0  # per device, for strategy "auto"; 0: the device's own
     config.num_devices = 8  # simulated on the CPU when no accelerator is present
     config.seed = 0
     config.max_steps = 300

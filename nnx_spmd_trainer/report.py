@@ -185,6 +185,11 @@ class MetricsReport:
             raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
         self._log_every = tuple(sorted({*self._log_every, n}))
 
+    @property
+    def log_every(self) -> tuple[int, ...]:
+        """The intervals asked for (``request_log_every``)."""
+        return self._log_every
+
     def is_log_step(self, step: int) -> bool:
         """Whether training metrics are flushed into ``logs`` after ``step``."""
         return any(step % n == 0 for n in self._log_every)

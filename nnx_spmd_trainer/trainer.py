@@ -24,7 +24,7 @@ from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.placement import Placement
-from nnx_spmd_trainer.plan import Plan
+from nnx_spmd_trainer.plan import DefaultMetrics, Plan
 from nnx_spmd_trainer.prefetch import Prefetch, has_position
 from nnx_spmd_trainer.report import MetricsReport
 from nnx_spmd_trainer.run_state import Progress, RunState
@@ -205,6 +205,9 @@ class Trainer:
         self._layout_settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
         if plan is not None:
             self._adopt(plan)
+        else:  # strategy="auto": until the choice, a report that keeps the log schedule asked
+            metrics_class = metrics if metrics is not None else DefaultMetrics
+            self._report = MetricsReport(metrics_class.empty, jax.local_devices())
         self.progress = Progress()
         self.stop_training = False
         self._live: LiveState | None = None  # built when first needed
@@ -228,11 +231,12 @@ class Trainer:
             prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
+        asked = self._report.log_every if self._report is not None else ()
         self._report = MetricsReport(
             plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
         )
-        if log_every_n_steps is not None:
-            self._report.request_log_every(log_every_n_steps)
+        for n in (*asked, *([log_every_n_steps] if log_every_n_steps is not None else [])):
+            self._report.request_log_every(n)
 
     def _chosen(self, value: _T | None, name: str) -> _T:
         if value is None:
@@ -255,7 +259,8 @@ class Trainer:
 
     @property
     def report(self) -> MetricsReport:
-        """The on-device metrics and the log schedule (``MetricsReport``)."""
+        """The on-device metrics and the log schedule (``MetricsReport``; with
+        ``strategy="auto"``, until the layout is chosen, the log schedule only)."""
         return self._chosen(self._report, "report")
 
     def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:

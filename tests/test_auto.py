@@ -286,3 +286,24 @@ def test_a_trainer_that_chose_keeps_its_choice():
     assert trainer.layout_choice is choice and trainer.step == 2
     with pytest.raises(TypeError, match="strategy='auto'"):
         Trainer(Net, optax.adam(1e-3), loss_fn=classification_loss).choose_layout([])
+
+
+def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing_fits(
+    tmp_path, capsys
+):
+    from test_cli import load, shrink
+
+    from nnx_spmd_trainer.app import cli, tasks
+
+    config = shrink(load("mlp"))
+    config.strategy = "auto"
+    result = cli.run(config, tmp_path / "run")  # its MetricsLogger asks the log schedule early
+    out = capsys.readouterr().out
+    assert result.trainer is not None and result.trainer.layout_choice is not None
+    chosen = result.trainer.layout_choice.strategy
+    assert "<- chosen" in out and f"({chosen!r}, from strategy 'auto')" in out
+    assert result.history.steps["train/loss"] == [1, 2]  # logged every step, as configured
+    config.memory_budget_bytes = 1024
+    with pytest.raises(tasks.ConfigError, match=r"config.memory_budget_bytes=1024.*1024"):
+        cli.run(config, tmp_path / "too-small")
+    assert not (tmp_path / "too-small").exists()  # refused before anything is written

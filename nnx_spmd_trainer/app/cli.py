@@ -32,6 +32,7 @@ import dataclasses
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import itertools
 import logging as std_logging
 import os
 import pkgutil
@@ -55,9 +56,11 @@ from tqdm.auto import tqdm
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Callback, History, Trainer, callbacks, data, distributed  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.auto import Auto
 from nnx_spmd_trainer.export import check_export_path, export_params
 from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.sharding import ShardingError
+from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 #: The shipped configs, wherever the install put them (package-dir mapping of configs/).
@@ -234,10 +237,14 @@ def run(
     with blamed_on(f"config.strategy={config.strategy!r}"):
         # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
         spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
-        strategy = tasks.parse_strategy(spec)
-        mesh = strategy.make_mesh()
-        # Which rows this process reads is a question of the layout: the strategy answers it.
-        shard = strategy.data_shard(mesh)
+        strategy: Strategy | Auto
+        if spec == "auto":  # chosen below, holding each process to DataParallel's rows
+            strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, report=_say)
+            shard = DataParallel().data_shard(DataParallel().make_mesh())
+        else:
+            strategy = tasks.parse_strategy(spec)
+            # Which rows this process reads is a question of the layout: the strategy says.
+            shard = strategy.data_shard(strategy.make_mesh())
     with blamed_on(f"config.{config.model}"):
         task = tasks.build_task(config, shard=shard)
     splits = task.splits
@@ -262,6 +269,13 @@ def run(
         ) from error
     except (ValueError, TypeError) as error:
         raise tasks.ConfigError(f"config.{config.model}: {error}") from error
+    if isinstance(strategy, Auto):  # planned and timed on the first batches, as fit would
+        with blamed_on(
+            f"config.strategy='auto' (config.memory_budget_bytes={strategy.memory_budget_bytes})"
+        ):
+            strategy = trainer.choose_layout(
+                itertools.islice(iter(splits.train), strategy.steps)
+            ).strategy
     accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
     with blamed_on(
         f"config.batch_size={config.batch_size}"

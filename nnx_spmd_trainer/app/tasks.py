@@ -103,6 +103,7 @@ INT_RANGES: dict[str, tuple[int, str]] = {
     "checkpoint_every_n_steps": (0, "0: save only at the end"),
     "max_eval_batches": (0, "0: every held-out batch"),
     "warmup_steps": (0, "steps of linear warmup"),
+    "memory_budget_bytes": (0, "per device, for strategy=auto; 0: the device's own"),
 }
 #: Float keys: the least value, whether it may equal it, what it means.
 FLOAT_RANGES: dict[str, tuple[float, bool, str]] = {
