@@ -18,7 +18,15 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from toy_models import Net, RecordLosses, classification_loss, make_batches
 
-from nnx_spmd_trainer import FSDP, Callback, DataParallel, Hybrid, TensorParallel, Trainer
+from nnx_spmd_trainer import (
+    FSDP,
+    Callback,
+    DataParallel,
+    Hybrid,
+    SequenceParallel,
+    TensorParallel,
+    Trainer,
+)
 from nnx_spmd_trainer.app.datasets.base import index_batches
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
@@ -133,3 +141,50 @@ def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
         },
     }
+
+
+SEQUENCE_STRATEGIES = {
+    "dp_x_seq2": lambda: Hybrid(DataParallel(), SequenceParallel(2)),  # rows over processes
+    "seq8": lambda: SequenceParallel(8),  # the sequence over both processes
+}
+GPT_ROWS, GPT_SEQ, GPT_VOCAB = 8, 16, 16
+
+
+def tiny_gpt(rngs: nnx.Rngs) -> nnx.Module:
+    from nnx_spmd_trainer.app.models import GPT
+
+    return GPT(
+        vocab_size=GPT_VOCAB, seq_len=GPT_SEQ, embed_dim=16, num_heads=4, ff_dim=32,
+        num_layers=1, dropout_rate=0.0, rngs=rngs,
+    )  # fmt: skip
+
+
+def token_batches(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(5)
+    windows = [rng.integers(0, GPT_VOCAB, (GPT_ROWS, GPT_SEQ + 1), np.int32) for _ in range(n)]
+    return [{"inputs": w[:, :-1], "targets": w[:, 1:]} for w in windows]
+
+
+def train_gpt_sequence(name: str) -> dict[str, np.ndarray]:
+    """The tiny GPT under ``SEQUENCE_STRATEGIES[name]`` through ``Trainer.fit``, each process
+    feeding the rows its ``data_shard`` names (whole sequences): losses and parameters."""
+    from nnx_spmd_trainer.app.models import gpt
+
+    recorder = RecordLosses()
+    trainer = Trainer(
+        tiny_gpt,
+        optax.sgd(0.5),
+        strategy=SEQUENCE_STRATEGIES[name](),
+        loss_fn=gpt.loss_fn,
+        callbacks=[recorder],
+    )
+    index, count = trainer.placement.data_shard
+    rows = GPT_ROWS // count
+    mine = [
+        {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}
+        for batch in token_batches(STEPS)
+    ]
+    trainer.fit(mine, max_steps=STEPS)
+    flat = gathered(nnx.state(trainer.model, nnx.Param), f"{name}/params/")
+    shard = np.array((index, count))
+    return {**flat, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": shard}

@@ -2,6 +2,7 @@
 
     python tests/mp_worker.py OUT.npz [STRATEGY ...]
     python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS   (mp_runs.py)
+    python tests/mp_worker.py OUT.npz --sequence NAME ...   (tiny GPT, SEQUENCE_STRATEGIES)
     python tests/mp_worker.py REPORT --a-slice-per-process   (fails: REPORT.0, REPORT.1)
 
 Joins the job from the launcher's variables, trains ``Net`` under every
@@ -23,7 +24,13 @@ assert distributed.initialize(), "run me through distributed.Launch"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from mp_runs import STRATEGIES, train, train_a_slice_per_process, train_grain  # noqa: E402
+from mp_runs import (  # noqa: E402
+    STRATEGIES,
+    train,
+    train_a_slice_per_process,
+    train_gpt_sequence,
+    train_grain,
+)
 
 if __name__ == "__main__":
     assert jax.process_count() == 2 and jax.local_device_count() == 4, jax.devices()
@@ -33,6 +40,9 @@ if __name__ == "__main__":
         sys.exit("the run fed against data_shard was not stopped")
     if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS
         results = train_grain(Path(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[2:3] == ["--sequence"]:  # OUT.npz --sequence NAME ... (SEQUENCE_STRATEGIES)
+        for name in sys.argv[3:]:
+            results.update(train_gpt_sequence(name))
     else:
         for name in sys.argv[2:] or STRATEGIES:
             results.update(train(name))

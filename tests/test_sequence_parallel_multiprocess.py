@@ -1,0 +1,61 @@
+"""SequenceParallel with 2 JAX processes x 4 simulated devices, through the public API.
+
+The tiny GPT trained through ``Trainer.fit`` gives one device's per-step losses
+(1e-5) and parameters (1e-4), plain optax, whether the processes split the rows
+(``Hybrid(DataParallel(), SequenceParallel(2))``: the sequence inside a process)
+or the sequence itself (``SequenceParallel(8)``: both processes feed the same
+whole rows, each device keeping its chunk).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from mp_runs import SEQUENCE_STRATEGIES, STEPS, tiny_gpt, token_batches
+from toy_models import train_reference
+
+from nnx_spmd_trainer import distributed
+from nnx_spmd_trainer.app.models import gpt
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).parent / "mp_worker.py"
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, np.ndarray]:
+    out = tmp_path_factory.mktemp("mp-seq") / "results.npz"
+    log = io.StringIO()
+    command = [sys.executable, str(WORKER), str(out), "--sequence", *SEQUENCE_STRATEGIES]
+    status = distributed.Launch(command, 2, out=log).run()
+    assert status == 0, log.getvalue()[-4000:]
+    return dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def one_device() -> tuple[dict[str, np.ndarray], list[float]]:
+    params, losses = train_reference(
+        tiny_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=gpt.loss_fn
+    )
+    # Named as mp_runs.gathered names the processes' parameters.
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in flat}, losses
+
+
+@pytest.mark.parametrize(("name", "feeders"), [("dp_x_seq2", 2), ("seq8", 1)])
+def test_two_processes_train_the_gpt_like_one_device(two_processes, one_device, name, feeders):
+    ref_params, ref_losses = one_device
+    np.testing.assert_allclose(two_processes[f"{name}/losses"], ref_losses, rtol=1e-5, atol=1e-5)
+    prefix = f"{name}/params/"
+    got = {k.removeprefix(prefix): v for k, v in two_processes.items() if k.startswith(prefix)}
+    assert got.keys() == ref_params.keys()
+    for key, want in ref_params.items():
+        np.testing.assert_allclose(got[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    # Rows split over the processes (each feeds its own), or a sequence split over them
+    # (both feed the same whole rows).
+    assert int(two_processes[f"{name}/shard"][1]) == feeders
