@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
 
-.PHONY: run test install
+.PHONY: run test install docs
 
 run: install  ## train the default job; extra flags with ARGS="--config.max_steps=20"
 	$(VENV)/bin/nnx-spmd-train $(ARGS)
@@ -14,6 +14,9 @@ test: install  ## lint, type-check and run the tests, as CI does
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
+
+docs: install  ## the API reference, into docs/_build/html; any warning is an error
+	$(VENV)/bin/sphinx-build -W --keep-going -n -b html docs docs/_build/html
 
 install: $(VENV)/bin/nnx-spmd-train
 

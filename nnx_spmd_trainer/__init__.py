@@ -1,5 +1,7 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
+import importlib.metadata
+
 from nnx_spmd_trainer import auto, distributed
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
@@ -21,6 +23,11 @@ from nnx_spmd_trainer.strategies import (
     TensorParallel,
 )
 from nnx_spmd_trainer.trainer import Trainer
+
+try:
+    __version__ = importlib.metadata.version("nnx-spmd-trainer")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "FSDP",

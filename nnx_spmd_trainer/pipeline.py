@@ -41,7 +41,7 @@ def grain_pipeline(
       batch_fn: applied to each batch, vectorised (e.g. gathering arrays by index).
 
     >>> ds = grain_pipeline(10, 4, DataShard(1, 2), seed=None, repeat=False)
-    >>> [list(b) for b in ds]
+    >>> [b.tolist() for b in ds]
     [[1, 3], [5, 7]]
     """
     index, count = shard
