@@ -1,6 +1,6 @@
 """GPT pretraining with FSDP x tensor parallelism, checkpoints and TensorBoard, then a resume.
 
-    python examples/gpt_fsdp_tp.py          # tiny: 2 x 12 steps on 8 simulated CPU devices
+    python examples/gpt_fsdp_tp.py          # tiny: 2 x 30 steps on 8 simulated CPU devices
     python examples/gpt_fsdp_tp.py --full   # the default job's GPT size, 2 x 150 steps
     python examples/gpt_fsdp_tp.py --workdir runs/gpt   # keep the checkpoints and logs
 
@@ -36,7 +36,7 @@ from nnx_spmd_trainer.callbacks import MetricsLogger, OrbaxCheckpoint, TensorBoa
 
 def make_trainer(vocab_size: int, full: bool, workdir: Path) -> tuple[Trainer, OrbaxCheckpoint]:
     width, layers, seq_len = (128, 2, 64) if full else (32, 1, 32)
-    every = 50 if full else 6  # log interval; a checkpoint every other one (and at fit's end)
+    every = 50 if full else 10  # log interval; a checkpoint every other one (and at fit's end)
     checkpoint = OrbaxCheckpoint(workdir / "checkpoints", save_every_n_steps=2 * every)
     trainer = Trainer(
         lambda rngs: GPT(
@@ -58,12 +58,13 @@ def make_trainer(vocab_size: int, full: bool, workdir: Path) -> tuple[Trainer, O
 
 
 def main(full: bool = False, workdir: str | None = None) -> float:
-    steps = 300 if full else 24
-    if workdir is None:  # a fresh directory: an old one would hold a finished run
-        workdir = tempfile.mkdtemp(prefix="gpt_fsdp_tp-")
+    if workdir is None:  # a fresh directory, removed at the end (an old one holds a finished run)
+        with tempfile.TemporaryDirectory(prefix="gpt_fsdp_tp-") as fresh:
+            return main(full, fresh)
+    steps = 300 if full else 60
     work = Path(workdir)
     tokenizer, splits = char_lm_splits(
-        seq_len=64 if full else 32, batch_size=32 if full else 8, seed=0, max_eval_batches=4
+        seq_len=64 if full else 32, batch_size=32 if full else 16, seed=0, max_eval_batches=4
     )
 
     # The first run: half the steps, checkpointed as it goes.
@@ -92,6 +93,9 @@ def main(full: bool = False, workdir: str | None = None) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="real sizes instead of tiny ones")
-    parser.add_argument("--workdir", help="checkpoints and TensorBoard logs (default: a temp dir)")
+    parser.add_argument(
+        "--workdir",
+        help="a new directory to keep the checkpoints and logs in (default: a temporary one)",
+    )
     args = parser.parse_args()
     main(args.full, args.workdir)
