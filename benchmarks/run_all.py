@@ -112,6 +112,12 @@ def trainer_loop(work: Workload, strategy: Any, **options: Any) -> Callable[[], 
     return run
 
 
+def floor_loops(work: Workload, strategy: Any) -> dict[str, Callable[[], float]]:
+    """The four hand-written loops of ``floor.py`` for ``work`` under ``strategy``."""
+    reference = Trainer(work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn)
+    return hand_written_loops(reference, work.batches, work.loss_fn)
+
+
 def nnx_jit_loop(work: Workload, strategy: Any) -> Callable[[], float]:
     """The seed documents' loop: ``nnx.jit`` over the model and optimizer objects."""
     trainer = Trainer(work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn)
@@ -184,11 +190,8 @@ def step_times(quick: bool) -> list[dict[str, Any]]:
     for work in (mlp_workload(steps), gpt_workload(steps // 10 if not quick else 4, quick)):
         for name in ("DataParallel",) if quick else ("DataParallel", "FSDP"):
             strategy = STRATEGIES[name]()
-            reference = Trainer(
-                work.factory, work.optimizer(), strategy=strategy, loss_fn=work.loss_fn
-            )
             loops = {
-                **hand_written_loops(reference, work.batches, work.loss_fn),
+                **floor_loops(work, strategy),
                 "Trainer.fit": trainer_loop(work, strategy),
                 "Trainer.fit, track_norms=False": trainer_loop(work, strategy, track_norms=False),
                 "nnx.jit loop (seed documents)": nnx_jit_loop(work, strategy),
