@@ -14,8 +14,8 @@ import grain
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from toy_models import Net, classification_loss, flat_params, make_batches
+from test_checkpoint import assert_bitwise, params
+from toy_models import Net, classification_loss, make_batches
 
 from nnx_spmd_trainer import Trainer
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
@@ -47,16 +47,6 @@ def rows_data() -> grain.IterDataset:
 
 def trainer_for(*callbacks) -> Trainer:
     return Trainer(Net, optax.adamw(1e-2), loss_fn=classification_loss, callbacks=list(callbacks))
-
-
-def params(trainer: Trainer) -> dict[str, np.ndarray]:
-    return flat_params(nnx.state(trainer.model, nnx.Param))
-
-
-def assert_bitwise(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 @pytest.fixture(scope="module")
