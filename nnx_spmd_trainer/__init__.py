@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from nnx_spmd_trainer import auto, distributed
+from nnx_spmd_trainer import auto, distributed, remat
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
@@ -59,5 +59,6 @@ __all__ = [
     "export_params",
     "grain_pipeline",
     "masked_mean",
+    "remat",
     "sharding_table",
 ]
