@@ -6,6 +6,7 @@ from nnx_spmd_trainer import auto, distributed, remat
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.pipeline import grain_pipeline
 from nnx_spmd_trainer.plan import Plan
 from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
@@ -55,6 +56,7 @@ __all__ = [
     "DataShard",
     "HOOKS",
     "auto",
+    "chunked_cross_entropy",
     "distributed",
     "export_params",
     "grain_pipeline",
