@@ -125,14 +125,20 @@ def test_fsdp_leaves_nothing_large_replicated(name):
             assert "fsdp" in str(array.sharding.spec), (path, array.shape, array.sharding.spec)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """Plain optax on one device over ``make_batches(STEPS)``: the same for every layout."""
+    return train_reference(lambda r: Net(r), optax.adam(1e-2), make_batches(STEPS))
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_training_matches_one_device_optax(name):
+def test_training_matches_one_device_optax(name, reference):
     strategy, _ = CASES[name]
     batches = make_batches(STEPS)
     recorder = RecordLosses()
     trainer = build(strategy, callbacks=[recorder])
     trainer.fit(batches, max_steps=STEPS)
-    ref_params, ref_losses = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
+    ref_params, ref_losses = reference
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_params_match(trainer, ref_params)
     assert trainer.step == STEPS
@@ -150,15 +156,14 @@ class ZeroByHand(DataParallel):
         return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def test_custom_strategy_overrides_one_hook():
+def test_custom_strategy_overrides_one_hook(reference):
     batches = make_batches(STEPS)
     trainer = build(ZeroByHand())
     trainer.fit(batches, max_steps=STEPS)
     assert trainer.model.l2.kernel.get_value().sharding.spec == P("data")
     assert trainer.optimizer.opt_state[0].mu["l3"]["kernel"].get_value().sharding.spec == P("data")
     assert trainer.model.l2.bias.get_value().sharding.spec == P()
-    ref_params, _ = train_reference(lambda r: Net(r), optax.adam(1e-2), batches)
-    assert_params_match(trainer, ref_params)
+    assert_params_match(trainer, reference[0])
 
 
 def test_prebuilt_module_is_placed_with_the_strategy():
