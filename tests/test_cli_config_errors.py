@@ -29,12 +29,13 @@ def assert_refused(proc, key: str) -> None:
 
 
 # -- through the command line, one process each ---------------------------------------------
+# One process per way a value is refused: a range (check_config), a batch the layout
+# cannot split, an unknown key, a value that does not parse. Other keys out of range take
+# check_config's path too: their messages are checked in this process below.
 @pytest.mark.parametrize(
     "override, key, fix",
     [
         ("--config.max_steps=-1", "config.max_steps=-1", "--config.max_steps=300"),
-        ("--config.checkpoint_every_n_steps=-1", "config.checkpoint_every_n_steps=-1", "=0"),
-        ("--config.grad_accum_steps=0", "config.grad_accum_steps=0", "grad_accum_steps=1"),
         ("--config.batch_size=3", "config.batch_size=3", "divisible by 4"),  # data=4 in mlp
         ("--config.nope=1", "--config.nope", "mlp.py"),
         ("--config.max_steps=abc", "--config.max_steps=abc", "invalid literal for int()"),
@@ -80,6 +81,25 @@ def test_an_occupied_export_path_is_one_line_exit_2(tmp_path):
 
 
 # -- in this process: every key's range, and run() checking before it writes ---------------
+@pytest.mark.parametrize(
+    "key, value, fix",
+    [
+        ("checkpoint_every_n_steps", -1, "=0"),
+        ("grad_accum_steps", 0, "grad_accum_steps=1"),
+    ],
+)
+def test_a_range_error_names_the_key_and_the_fix_and_writes_nothing(tmp_path, key, fix, value):
+    """What the command line prints for these (after ``nnx-spmd-train: error: ``, exit 2,
+    as for max_steps=-1 above): the key, its value and the fix, nothing written."""
+    config = load("mlp")
+    config.update({"max_steps": 2, key: value})
+    with pytest.raises(tasks.ConfigError) as refused:
+        cli.run(config, tmp_path / "run")
+    (line,) = str(refused.value).splitlines()
+    assert f"config.{key}={value}" in line and fix in line
+    assert tree(tmp_path) == set()
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
