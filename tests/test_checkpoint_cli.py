@@ -2,6 +2,7 @@
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,7 +129,9 @@ def test_sigterm_saves_the_step_exits_0_and_a_restart_continues_bitwise(tmp_path
 
 def test_resume_false_starts_over_and_keeps_the_old_checkpoints(tmp_path, uninterrupted):
     workdir = tmp_path / "run"
-    run_to_the_end(workdir)
+    # A finished run's workdir: a copy of the module's, the same command run to the end
+    # (running it again here would only repeat that run).
+    shutil.copytree(uninterrupted, workdir)
     proc = subprocess.run(
         command(workdir, "--config.resume=False", "--config.max_steps=4", export=False),
         env=environment(), capture_output=True, text=True, timeout=600,
