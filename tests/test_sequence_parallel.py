@@ -5,8 +5,6 @@ trained through ``Trainer.fit`` is checked against plain optax on one device
 (``toy_models.train_reference``), not against the library.
 """
 
-import importlib
-
 import jax
 import numpy as np
 import optax
@@ -26,7 +24,7 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
 )
-from nnx_spmd_trainer.app import cli, tasks
+from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.attention import causal_attention, length_axes
 from nnx_spmd_trainer.strategies.base import context_rules
@@ -221,14 +219,4 @@ def test_mesh_specs_name_the_sequence_axis():
         tasks.parse_strategy("context=8")
 
 
-@pytest.mark.slow
-def test_the_default_job_runs_with_the_sequence_split(tmp_path):
-    spec = "fsdp=2,seq=4"  # --config.strategy=fsdp=2,seq=4
-    config = importlib.import_module("nnx_spmd_trainer.configs.default").get_config()
-    config.update(strategy=spec, max_steps=2, batch_size=8, log_every_n_steps=1, max_eval_batches=1)
-    config.eval_every_n_steps = 0
-    config.gpt.update(seq_len=16, embed_dim=16, num_heads=4, ff_dim=32, num_layers=1)
-    result = cli.run(config, tmp_path)
-    assert repr(result.trainer.strategy) == repr(tasks.parse_strategy(spec))
-    assert result.history.steps["train/loss"][-1] == 2
-    assert np.isfinite(result.eval_loss)
+# The default job from the command line: tests/test_sequence_parallel_cli.py.

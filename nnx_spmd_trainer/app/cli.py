@@ -277,14 +277,25 @@ def run(
                 itertools.islice(iter(splits.train), strategy.steps)
             ).strategy
     accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
-    with blamed_on(
+    batch_key = (
         f"config.batch_size={config.batch_size}"
         f"{accumulation if config.grad_accum_steps > 1 else ''}"
+    )
+    with blamed_on(batch_key):
+        batch = _first_batch(splits.train)
+    # The layout's answer for the batch: a sequence SequenceParallel cannot split is the
+    # sequence length's fault (or the layout's), not the batch size's.
+    seq_len = config.get(config.model, {}).get("seq_len")
+    with blamed_on(
+        f"config.strategy={spec!r}"
+        + (f" with config.{config.model}.seq_len={seq_len}" if seq_len else "")
     ):
-        if (batch := _first_batch(splits.train)) is not None:  # as fit will place it
+        shardings = trainer.placement.shardings(batch) if batch is not None else None
+    with blamed_on(batch_key):
+        if batch is not None:  # as fit will place it
             data.check_batch(
                 batch,
-                trainer.placement.shardings(batch),
+                shardings,
                 divisor=config.grad_accum_steps,
                 data_shards=trainer.placement.data_shard.count,
             )

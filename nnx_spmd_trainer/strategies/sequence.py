@@ -45,9 +45,15 @@ class SequenceParallel(AxisStrategy):
 
     The step is still one program over global arrays (the compiler inserts
     the collectives), so results equal one device's; what the axis changes is
-    the layout of the activations. Attention chooses it well when it is
-    ``nnx_spmd_trainer.attention.causal_attention`` (the shipped GPT's):
-    queries split, keys and values gathered along the axis.
+    the layout of the activations. So any attention runs split and exact, a
+    plain one too (``nnx.MultiHeadAttention``'s default with a causal mask, as
+    the JAX tutorials write it): from the split queries the compiler computes
+    each device's chunk of the scores against gathered keys and values, the
+    same program, collectives and memory per device as
+    ``nnx_spmd_trainer.attention.causal_attention`` for the tutorials' GPT-2
+    block and for the shipped GPT. ``causal_attention`` pins that layout with
+    sharding constraints rather than leaving it to the compiler's propagation:
+    prefer it in models of your own.
 
     >>> SequenceParallel(4).mesh_axes(), SequenceParallel(4).batch_axes()
     ((('seq', 4),), ())
