@@ -279,9 +279,13 @@ def test_compute_dtype_is_checked():
         tasks.compute_dtype(config)
 
 
+# One process per device count is a CLI run of its own. 1 device takes the fallback
+# (model=1) and 2 devices a size-1 fsdp axis; 4 devices (fsdp=2,model=2) is the same
+# layout as 8 (fsdp=4,model=2, test_default_job_end_to_end_in_a_subprocess), with a
+# smaller axis, and fit_to_devices(spec, 4) is checked above.
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2, 4])
-def test_the_default_job_runs_on_1_2_and_4_devices(tmp_path, devices):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_default_job_runs_on_1_and_2_devices(tmp_path, devices):
     proc = _cli(
         "--workdir=out", "--config.max_steps=3", "--config.batch_size=16",
         "--config.max_eval_batches=1", "--config.gpt.seq_len=16", "--config.gpt.embed_dim=32",
