@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import plan_report, step
+from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
@@ -49,6 +50,13 @@ class Plan:
       donate: give the state's buffers to the train step, which writes the new
         state into them (one copy of the state on the devices); default: measured
         per backend (``backend_defaults``; on wherever measured so far).
+      remat: the activation-checkpointing policy the whole ``loss_fn`` runs under, a
+        name in ``remat.POLICIES`` (``"dots_saveable"``, ...): the backward pass
+        recomputes what the policy does not save, with no change to the model.
+        Default ``"none"``. Saving less of the whole loss is not always a lower
+        peak: under ``"full"`` the forward pass is recomputed in one piece before
+        the backward pass, so the peak is that of ``"none"``; checkpoint each block
+        instead (``remat.remat``), where saving nothing pays.
 
     Attributes:
       strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
@@ -78,11 +86,15 @@ class Plan:
         wrt: nnx.filterlib.Filter = nnx.Param,
         devices: Sequence[jax.Device] | None = None,
         donate: bool | None = None,
+        remat: str = "none",
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()
         self.mesh = self.strategy.make_mesh(devices)
+        self.remat = remat
+        platform = self.mesh.devices.flat[0].platform
+        self._checkpoint = remat_lib.checkpoint_policy(remat, platform=platform)
         self.data_shard = self.strategy.data_shard(self.mesh)
         self.optimizer = optimizer
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
@@ -149,6 +161,7 @@ class Plan:
             wrt=self.wrt,
             grad_accum_steps=self.grad_accum_steps,
             batch_sharding=self.strategy.batch_sharding(batch, self.mesh),
+            checkpoint=self._checkpoint,
         )
 
     def train_step(

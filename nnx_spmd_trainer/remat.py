@@ -4,7 +4,9 @@ A policy says which intermediate values of the forward pass are kept for the
 backward pass; the rest are recomputed there, trading compute for memory.
 ``Trainer(..., remat="dots_saveable")`` (or ``Plan(remat=...)``) checkpoints
 the whole ``loss_fn`` with no change to the model; ``remat(Block, policy)``
-checkpoints each block of a model the user writes.
+checkpoints each block of a model the user writes. Saving nothing (``"full"``)
+pays per block: over the whole loss the forward pass is recomputed in one
+piece before the backward pass, and the peak is that of ``"none"``.
 
 >>> sorted(POLICIES)  # doctest: +NORMALIZE_WHITESPACE
 ['dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable', 'full',

@@ -161,6 +161,7 @@ def compute_gradients(
     wrt: nnx.filterlib.Filter = nnx.Param,
     grad_accum_steps: int = 1,
     batch_sharding: Any = None,
+    checkpoint: Callable[..., Any] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
     """``(loss, aux, grads)`` of ``loss_fn`` on ``batch``, gradients for the ``wrt`` variables.
 
@@ -181,6 +182,10 @@ def compute_gradients(
     equals the whole batch's value when it is a mean over the real examples.
     The metrics then count a scalar once per real example, as they count the
     loss (``_merge_metrics``).
+
+    With ``checkpoint`` (a ``jax.checkpoint`` policy: ``remat.checkpoint_policy``)
+    the forward pass of each microbatch keeps only what the policy saves and
+    recomputes the rest in the backward pass; ``None``: no checkpointing.
     """
     model_def, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
     # What a forward pass sows (nnx.Intermediate) is the loss's to read, not carried state.
@@ -191,6 +196,10 @@ def compute_gradients(
         loss, aux = checked_loss(loss_fn(module, batch))
         return loss, (aux, nnx.state(module, carried))
 
+    if checkpoint is not None:
+        # A scan body (accumulation) already keeps XLA from merging the recomputation
+        # back into the forward pass; JAX's own guard against that is then a cost.
+        compute = jax.checkpoint(compute, policy=checkpoint, prevent_cse=grad_accum_steps == 1)
     grad_fn = jax.value_and_grad(compute, has_aux=True)
     if grad_accum_steps == 1:
         (loss, (aux, rest)), grads = grad_fn(params, rest, batch)

@@ -55,7 +55,7 @@ class Trainer:
         (built under ``nnx.use_eager_sharding(False)`` if annotated; its state
         is moved onto the mesh and ``trainer.model`` is a new object holding
         it), or a ``Plan`` (then give no optimizer, strategy, metrics, seed,
-        grad_accum_steps, wrt or devices: the plan holds them).
+        grad_accum_steps, wrt, devices, donate or remat: the plan holds them).
       optimizer: any optax ``GradientTransformation``; its ``update`` also gets
         ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
@@ -87,6 +87,9 @@ class Trainer:
         (``backend_defaults``: 2 on accelerators, 0 on the CPU).
       donate: the state's buffers given to each train step (``Plan``'s ``donate``);
         default: measured per backend (on wherever measured so far).
+      remat: the activation-checkpointing policy ``loss_fn`` runs under (``Plan``'s
+        ``remat``: a name in ``remat.POLICIES``, e.g. ``"dots_saveable"``); a
+        ``train_step`` override gets it through ``compute_gradients``. Default ``"none"``.
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
       config: the run's configuration, for callbacks that record it.
@@ -139,6 +142,7 @@ class Trainer:
         track_norms: bool = True,
         prefetch: int | None = None,
         donate: bool | None = None,
+        remat: str = "none",
         memory_budget_bytes: int | None = None,
         config: Any = None,
     ) -> None:
@@ -158,6 +162,7 @@ class Trainer:
                 "wrt": wrt is not nnx.Param,
                 "devices": devices is not None,
                 "donate": donate is not None,
+                "remat": remat != "none",
             }
             if any(given.values()):
                 names = ", ".join(name for name, was in given.items() if was)
@@ -178,6 +183,7 @@ class Trainer:
                 "wrt": wrt,
                 "devices": devices,
                 "donate": donate,
+                "remat": remat,
             }
             if auto_layout is None:
                 assert not isinstance(strategy, str | auto.Auto)
@@ -500,7 +506,8 @@ class Trainer:
         self, model: nnx.Module, batch: Any, loss_fn: LossFn | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
         """``(loss, aux, grads)`` of ``loss_fn`` (default ``self.loss_fn``) on ``batch``,
-        with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches."""
+        with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches,
+        checkpointed with the ``remat`` policy."""
         return self.plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
 
     def eval_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
