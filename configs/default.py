@@ -21,5 +21,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.gpt.num_layers = 2
     config.gpt.vocab_size = 0  # 0: the text's characters (padded to a multiple of 8)
     config.gpt.dropout_rate = 0.0
+    # The layers as one stacked block run by nnx.scan: compiles once, not per layer
+    config.gpt.scan_layers = False
+    config.gpt.remat = "none"  # per-block activation checkpointing: a remat.POLICIES name
+    # Sequence positions per chunk of the loss; 0: the plain loss over the full logits
+    config.gpt.chunked_loss = 0
     config.eval_fraction = 0.1  # the end of the text is held out
     return config

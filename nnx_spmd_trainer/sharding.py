@@ -25,7 +25,7 @@ grid of process ids shaped like the mesh, not the devices themselves.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,6 +57,13 @@ LOGICAL_AXES = (
     "features",
     "experts",
 )
+
+
+#: The logical name of a stacked-layer dimension: the leading axis that
+#: ``nnx.vmap``/``nnx.scan`` with ``transform_metadata={nnx.PARTITION_NAME: "layers"}``
+#: add to every annotation. Unless a rule maps it to a mesh axis it stays whole, and a
+#: strategy's refinement (FSDP's fallback) lays out each layer as an unstacked leaf.
+LAYERS = "layers"
 
 
 class ShardingError(ValueError):
@@ -252,6 +259,36 @@ def _resolve_name(
         f"({name!r}, 'model') to the strategy's rules=, to the leaf's sharding_rules, or "
         "to a `with nnx.logical_axis_rules([...]):` around the Trainer's construction."
     )
+
+
+def refine_per_layer(
+    refine: Callable[[P, tuple[int, ...]], P],
+    spec: P,
+    shape: Sequence[int],
+    annotation: object,
+) -> P:
+    """``refine(spec, shape)`` with the leaf's unsharded ``LAYERS`` dimensions taken out
+    first and put back whole, so a stacked leaf is refined as one of its layers is.
+
+    Without this, FSDP's fallback would split the layer dimension wherever it is the
+    largest free one (a stacked layer norm's ``(layers, embed)``), and ``nnx.scan``
+    would gather every layer's slice in each iteration.
+
+    >>> fsdp = lambda spec, shape: shard_largest_dim(spec, shape, "fsdp", 4)
+    >>> refine_per_layer(fsdp, P(None, "model"), (8, 16), ("layers", "model"))
+    P(None, 'model')
+    >>> refine_per_layer(fsdp, P(None, None), (8, 16), ("layers", None))
+    P(None, 'fsdp')
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    named = annotation_entries(annotation, shape=shape, mesh={}) or ()
+    stacked = {d for d, name in enumerate(named) if name == LAYERS and entries[d] is None}
+    if not stacked:
+        return refine(spec, tuple(shape))
+    kept = [d for d in range(len(shape)) if d not in stacked]
+    refined = refine(_trim([entries[d] for d in kept]), tuple(shape[d] for d in kept))
+    inner = iter(list(refined) + [None] * (len(kept) - len(refined)))
+    return _trim([None if d in stacked else next(inner) for d in range(len(shape))])
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -12,6 +12,7 @@ import ml_collections
 import optax
 from clu import metrics as clu_metrics
 
+from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.strategies import (
@@ -307,17 +308,41 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
             f"{tokenizer.vocab_size} characters; use 0 (the text's) or more."
         )
     dtype = compute_dtype(config)
+    scan_layers, remat = gpt_layers(config)
     return Task(
         lambda rngs: models.GPT(
             vocab_size=vocab_size,
             dropout_rate=sizes.dropout_rate,
             rngs=rngs,
             dtype=dtype,
+            scan_layers=scan_layers,
+            remat=remat,
             **kwargs,
         ),
         models.gpt.loss_fn,
         splits,
     )
+
+
+def gpt_layers(config: ml_collections.ConfigDict) -> tuple[bool, str]:
+    """``(config.gpt.scan_layers, config.gpt.remat)``, checked; off where a config lacks them.
+
+    >>> gpt_layers(ml_collections.ConfigDict({"gpt": {"scan_layers": True, "remat": "full"}}))
+    (True, 'full')
+    """
+    sizes = config.gpt
+    scan_layers = sizes.get("scan_layers", False)
+    if not isinstance(scan_layers, bool):
+        raise ConfigError(
+            f"config.gpt.scan_layers={scan_layers!r}: pass --config.gpt.scan_layers=True "
+            "(stacked blocks run by nnx.scan) or False (one block after another)."
+        )
+    policy = sizes.get("remat", "none")
+    try:
+        remat_lib.checkpoint_policy(policy)  # unknown names, offloading on the CPU
+    except ValueError as error:
+        raise ConfigError(f"config.gpt.remat={policy!r}: {error}") from None
+    return scan_layers, policy
 
 
 @register("mlp")

@@ -155,16 +155,20 @@ class Strategy(abc.ABC):
             context_rules=context_rules(),
             path=path,
         )
+        annotation = metadata.get("out_sharding")
         try:
-            spec = resolve(metadata.get("out_sharding"))
+            spec = resolve(annotation)
         except sh.ShardingError:
             if not isinstance(variable, nnx.OptState):
                 raise  # a model's own leaf (Param, BatchStat, ...) must be annotated right
             # Optimizer state inherits its parameter's annotation even when its shape
             # differs (Adafactor's factored moments): lay it out as unannotated instead.
             # The parameter itself was resolved with that annotation, so no error hides.
-            spec = resolve(None)
-        return self.refine_spec(spec, shape, mesh)
+            spec, annotation = resolve(None), None
+        # A stacked leaf (scanned layers) is refined as one of its layers would be.
+        return sh.refine_per_layer(
+            lambda s, layer_shape: self.refine_spec(s, layer_shape, mesh), spec, shape, annotation
+        )
 
     @final
     def annotated_shardings(

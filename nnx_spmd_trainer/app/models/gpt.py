@@ -23,6 +23,7 @@ with the position embedding read at global positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -30,11 +31,23 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.attention import attention_implementation, causal_attention
+from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
 from nnx_spmd_trainer.step import masked_mean
 
-__all__ = ["GPT", "TransformerBlock", "attention_implementation", "causal_attention", "loss_fn"]
+__all__ = [
+    "GPT",
+    "LAYERS",
+    "TransformerBlock",
+    "attention_implementation",
+    "causal_attention",
+    "loss_fn",
+    "stack_blocks",
+    "stacked_blocks",
+    "unstack_blocks",
+]
 
 
 def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.LayerNorm:
@@ -85,7 +98,9 @@ class TransformerBlock(nnx.Module):
             bias_init=annotated(zeros, MODEL),
             # the output kernel is (heads, head_dim, embed): split the heads again.
             out_kernel_init=annotated(xavier, MODEL),
-            out_bias_init=zeros,
+            # (None,): replicated as unannotated, but annotated so that a stacked copy's
+            # layer dimension is marked (see GPT's scan_layers)
+            out_bias_init=annotated(zeros, None),
             keep_rngs=False,  # no attention dropout: the block's own Dropouts carry the RNG
             rngs=rngs,
         )
@@ -103,7 +118,7 @@ class TransformerBlock(nnx.Module):
             in_features=ff_dim,
             out_features=embed_dim,
             kernel_init=annotated(xavier, MODEL, None),
-            bias_init=zeros,
+            bias_init=annotated(zeros, None),
             rngs=rngs,
             **precision,
         )
@@ -119,18 +134,57 @@ class TransformerBlock(nnx.Module):
         return x + mlp_output
 
 
+def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+    """``num_layers`` blocks as one block whose arrays have a leading layer dimension.
+
+    ``nnx.vmap`` over ``num_layers`` split keys (each layer its own parameters and
+    dropout stream); every annotation gains a leading ``LAYERS`` entry, so the
+    strategies keep the layer dimension whole and lay out the rest as in one block.
+    """
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(layer_rngs)
+
+    return build(rngs)
+
+
+@nnx.scan(
+    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS}
+)
+def _scan_blocks(x: jax.Array, block: nnx.Module) -> jax.Array:
+    """Runs a stacked block (``stacked_blocks``) one layer after another: traced once."""
+    return block(x)
+
+
 class GPT(nnx.Module):
     """Token + position embeddings, ``num_layers`` TransformerBlocks, a final norm, a head.
 
-    Returns logits ``(batch, seq, vocab_size)``. The token embedding and the
-    head are split along the vocabulary, so ``vocab_size`` must be divisible by
-    the ``model`` axis (``CharTokenizer`` pads its vocabulary to a multiple of 8).
+    Returns logits ``(batch, seq, vocab_size)``; ``features`` gives the normed
+    hidden states before the head. The token embedding and the head are split
+    along the vocabulary, so ``vocab_size`` must be divisible by the ``model``
+    axis (``CharTokenizer`` pads its vocabulary to a multiple of 8).
+
+    With ``scan_layers``, the blocks are one stacked block (parameters
+    ``blocks/linear1/kernel`` of shape ``(num_layers, ...)`` instead of
+    ``blocks/0/linear1/kernel``, ...) run by ``nnx.scan``: the step is traced
+    and compiled for one layer, not ``num_layers``, with the same maths. The two
+    forms initialise differently from one seed and their checkpoints do not load
+    into each other; ``stack_blocks`` / ``unstack_blocks`` convert a state.
+
+    ``remat`` names an activation-checkpointing policy (``remat.POLICIES``:
+    ``"full"``, ``"dots_with_no_batch_dims_saveable"``, ...) applied to each block
+    (``remat.remat``): the backward pass recomputes what the policy does not
+    save, block by block. ``"none"``: everything is kept.
 
     >>> with nnx.use_eager_sharding(False):
     ...     model = GPT(vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
-    ...                 num_layers=1, dropout_rate=0.0, rngs=nnx.Rngs(0))
+    ...                 num_layers=2, dropout_rate=0.0, rngs=nnx.Rngs(0), scan_layers=True)
     >>> model(jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 16)
+    >>> model.blocks.linear1.kernel.shape
+    (2, 32, 64)
     """
 
     def __init__(
@@ -146,6 +200,8 @@ class GPT(nnx.Module):
         *,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        scan_layers: bool = False,
+        remat: str = "none",
     ) -> None:
         embed_init = nnx.initializers.normal(stddev=0.02)
         precision: dict[str, Any] = {"dtype": dtype, "param_dtype": param_dtype}
@@ -163,11 +219,18 @@ class GPT(nnx.Module):
             seq_len, embed_dim, embedding_init=embed_init, rngs=rngs, **precision
         )
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
-        self.blocks = nnx.List(
-            [
-                TransformerBlock(embed_dim, num_heads, ff_dim, dropout_rate, rngs, **precision)
-                for _ in range(num_layers)
-            ]
+
+        # Each block's __call__ checkpointed; scanned, nnx.scan runs the checkpointed block
+        # (the usual pattern: the backward pass recomputes one layer at a time).
+        block_class = remat_lib.remat(TransformerBlock, remat)
+
+        def make_block(block_rngs: nnx.Rngs) -> TransformerBlock:
+            return block_class(embed_dim, num_heads, ff_dim, dropout_rate, block_rngs, **precision)
+
+        self.blocks: TransformerBlock | nnx.List[TransformerBlock] = (
+            stacked_blocks(make_block, num_layers, rngs)
+            if scan_layers
+            else nnx.List([make_block(rngs) for _ in range(num_layers)])
         )
         self.layer_norm = _layer_norm(embed_dim, rngs, dtype)
         self.head = nnx.Linear(
@@ -179,7 +242,8 @@ class GPT(nnx.Module):
             **precision,
         )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def features(self, tokens: jax.Array) -> jax.Array:
+        """The final layer-normed hidden states ``(batch, seq, embed_dim)``, before the head."""
         seq_len = tokens.shape[-1]
         if seq_len > self.seq_len:
             raise ValueError(
@@ -187,9 +251,51 @@ class GPT(nnx.Module):
             )
         x = self.token_embed(tokens) + self.pos_embed(jnp.arange(seq_len))
         x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.layer_norm(x)).astype(jnp.float32)
+        if isinstance(self.blocks, TransformerBlock):  # scan_layers: one stacked block
+            x = _scan_blocks(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.layer_norm(x)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.head(self.features(tokens)).astype(jnp.float32)
+
+
+def stack_blocks(state: Any) -> Any:
+    """An unrolled GPT's state (or any nested dict of it, optimizer state included) with
+    each ``blocks`` list stacked as ``GPT(scan_layers=True)`` holds it.
+
+    Takes and returns pure nested dicts (``nnx.to_pure_dict``); put the result into
+    a scanned model with ``nnx.replace_by_pure_dict``. ``unstack_blocks`` undoes it.
+    """
+    if not isinstance(state, Mapping):
+        return state
+    out = {}
+    for key, value in state.items():
+        if key == "blocks" and isinstance(value, Mapping) and _is_layer_list(value):
+            layers = [value[i] for i in range(len(value))]
+            out[key] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+        else:
+            out[key] = stack_blocks(value)
+    return out
+
+
+def unstack_blocks(state: Any, num_layers: int) -> Any:
+    """The inverse of ``stack_blocks``: each stacked ``blocks`` split into ``num_layers``."""
+    if not isinstance(state, Mapping):
+        return state
+    out = {}
+    for key, value in state.items():
+        if key == "blocks" and isinstance(value, Mapping) and not _is_layer_list(value):
+            out[key] = {i: jax.tree.map(lambda x, i=i: x[i], value) for i in range(num_layers)}
+        else:
+            out[key] = unstack_blocks(value, num_layers)
+    return out
+
+
+def _is_layer_list(node: Mapping[Any, Any]) -> bool:
+    return bool(node) and set(node) == set(range(len(node)))
 
 
 def loss_fn(
