@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -131,22 +132,34 @@ def test_the_checkpoint_holds_the_run_and_its_description(tmp_path):
 
 
 # -- another layout ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, object, list[float]]:
+    """FSDP on 8 devices, saved at step 4 and trained on to 8: (its checkpoints, the state
+    at step 4, every step's loss). The same run for every layout below, so written once;
+    each test restores from a copy of it."""
+    directory = tmp_path_factory.mktemp("fsdp-run")
+    batches = make_batches(8)
+    going_on = RecordLosses()
+    writer = trainer_for(
+        FSDP(min_size=64), [OrbaxCheckpoint(directory, save_every_n_steps=4), going_on], model=Net
+    )
+    writer.fit(batches[:4], max_steps=4)
+    saved = jax.device_get(writer.state)
+    writer.fit(batches[4:], max_steps=8)
+    return directory, saved, going_on.losses
+
+
 @pytest.mark.parametrize(
     "strategy, num_devices",
     [(Hybrid(DataParallel(), TensorParallel(2)), 8), (DataParallel(), 4), (DataParallel(), 1)],
     ids=["dp4xtp2", "dp-on-4", "one-device"],
 )
 def test_a_checkpoint_restores_under_another_strategy_and_device_count(
-    tmp_path, strategy, num_devices
+    tmp_path, strategy, num_devices, fsdp_run
 ):
     batches = make_batches(8)
-    going_on = RecordLosses()
-    writer = trainer_for(
-        FSDP(min_size=64), [OrbaxCheckpoint(tmp_path, save_every_n_steps=4), going_on], model=Net
-    )
-    writer.fit(batches[:4], max_steps=4)
-    saved = jax.device_get(writer.state)
-    writer.fit(batches[4:], max_steps=8)
+    written, saved, going_on_losses = fsdp_run
+    shutil.copytree(written, tmp_path, dirs_exist_ok=True)
 
     restored: list = []
     moved_losses = RecordLosses()
@@ -178,7 +191,7 @@ def test_a_checkpoint_restores_under_another_strategy_and_device_count(
     ):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
     assert moved.step == 8 and len(moved.mesh.devices.flat) == num_devices
-    np.testing.assert_allclose(moved_losses.losses, going_on.losses[4:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(moved_losses.losses, going_on_losses[4:], rtol=1e-5, atol=1e-6)
 
 
 # -- integrity ---------------------------------------------------------------------------------
@@ -221,15 +234,29 @@ def delete_an_item(step_dir: Path) -> None:
     (step_dir / "train_metrics").rmdir()
 
 
-@pytest.mark.parametrize(
-    "damage", [flip_a_byte, change_values_silently, truncate, drop_commit_marker, delete_an_item]
-)
-def test_a_damaged_latest_step_is_named_set_aside_and_the_previous_one_used(tmp_path, damage):
+@pytest.fixture(scope="module")
+def saved_at_2_and_4(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    """A run saved at steps 2 and 4, and its parameters at step 2. The same run for every
+    kind of damage below, so written once; each test damages a copy of it."""
+    directory = tmp_path_factory.mktemp("saved-2-4")
     batches = make_batches(4)
-    first = trainer_for(callbacks=[OrbaxCheckpoint(tmp_path, save_every_n_steps=2)], model=Net)
+    first = trainer_for(callbacks=[OrbaxCheckpoint(directory, save_every_n_steps=2)], model=Net)
     first.fit(batches, max_steps=2)
     at_2 = params(first)
     first.fit(batches[2:], max_steps=4)
+    return directory, at_2
+
+
+@pytest.mark.parametrize(
+    "damage", [flip_a_byte, change_values_silently, truncate, drop_commit_marker, delete_an_item]
+)
+def test_a_damaged_latest_step_is_named_set_aside_and_the_previous_one_used(
+    tmp_path, damage, saved_at_2_and_4
+):
+    batches = make_batches(4)
+    written, at_2 = saved_at_2_and_4
+    shutil.copytree(written, tmp_path, dirs_exist_ok=True)
+    assert OrbaxCheckpoint(tmp_path).steps() == [2, 4]
     damage(tmp_path / "4")
 
     reports: list[str] = []
