@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-__all__ = ["OFFLOADING", "POLICIES", "Policy", "checkpoint_policy", "remat"]
+__all__ = ["OFFLOADING", "POLICIES", "ModuleOrClass", "Policy", "checkpoint_policy", "remat"]
 
 #: ``jax.checkpoint``'s policy: ``(primitive, *avals, **params) -> bool`` (keep it?).
 Policy = Callable[..., Any]
@@ -86,10 +86,11 @@ def checkpoint_policy(name: str, *, platform: str | None = None) -> Policy | Non
     return POLICIES[name]
 
 
-M = TypeVar("M", bound="nnx.Module | type[nnx.Module]")
+#: What ``remat`` takes and gives back: an ``nnx.Module`` subclass, or an instance.
+ModuleOrClass = TypeVar("ModuleOrClass", bound="nnx.Module | type[nnx.Module]")
 
 
-def remat(module_or_class: M, policy: str) -> M:
+def remat(module_or_class: ModuleOrClass, policy: str) -> ModuleOrClass:
     """``module_or_class`` with its ``__call__`` checkpointed by ``nnx.remat`` under ``policy``.
 
     For checkpointing each block of a model the user writes: a class gives a
