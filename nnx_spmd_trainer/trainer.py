@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_spmd_trainer import auto, data, step
+from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.export import export_params
@@ -185,6 +186,9 @@ class Trainer:
                 "donate": donate,
                 "remat": remat,
             }
+            if auto_layout is not None:  # now, not as every candidate's failure in fit
+                platform = (devices or jax.devices())[0].platform
+                remat_lib.checkpoint_policy(remat, platform=platform)
             if auto_layout is None:
                 assert not isinstance(strategy, str | auto.Auto)
                 plan = Plan(model, optimizer, strategy=strategy, **settings)

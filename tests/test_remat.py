@@ -305,6 +305,9 @@ def test_an_unknown_policy_is_refused_listing_the_valid_names():
         Trainer(tiny_gpt, optax.sgd(0.1), loss_fn=gpt_loss, remat="everything")
     with pytest.raises(ValueError, match="Unknown remat policy 'Full'"):
         remat.remat(Block, "Full")
+    # strategy="auto" plans its layouts in fit: the name is checked before.
+    with pytest.raises(ValueError, match="Unknown remat policy 'ful'"):
+        Trainer(tiny_gpt, optax.sgd(0.1), loss_fn=gpt_loss, strategy="auto", remat="ful")
 
 
 def test_an_offloading_policy_on_the_cpu_is_refused_saying_the_fix():
