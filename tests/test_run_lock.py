@@ -15,14 +15,18 @@ import pytest
 from test_checkpoint import grain_data, trainer_for
 from test_checkpoint_cli import SMALL, environment
 
-from nnx_spmd_trainer import DirectoryInUse, RunLock
+from nnx_spmd_trainer import DirectoryInUse, RunLock, run_lock
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
+# The package's run_lock.py loaded by its path: the same RunLock, without importing JAX
+# (the package's __init__) in a process that only holds a lock.
 HOLD = textwrap.dedent(
     """
-    import sys, time
-    from nnx_spmd_trainer import RunLock
-    RunLock(sys.argv[1]).acquire()
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("run_lock", sys.argv[2])
+    run_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_lock)
+    run_lock.RunLock(sys.argv[1]).acquire()
     print("held", flush=True)
     time.sleep(120)
     """
@@ -30,8 +34,9 @@ HOLD = textwrap.dedent(
 
 
 def hold_in_another_process(directory: Path) -> subprocess.Popen[str]:
+    module = Path(run_lock.__file__)
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(directory), str(module)], stdout=subprocess.PIPE, text=True
     )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return holder
