@@ -43,7 +43,7 @@ POLICIES: Mapping[str, Policy | None] = MappingProxyType(
         "dots_saveable": _saves.dots_saveable,
         # As dots_saveable, but not batched matmuls (attention's q @ k, weights @ v).
         "dots_with_no_batch_dims_saveable": _saves.dots_with_no_batch_dims_saveable,
-        # Keeps everything: the cost of the jax.checkpoint wiring alone (none saved).
+        # Keeps everything, recomputes nothing: what the jax.checkpoint wiring alone costs.
         "everything_saveable": _saves.everything_saveable,
         # Keeps what dots_with_no_batch_dims_saveable keeps, in pinned host memory.
         "offload_dot_with_no_batch_dims": _saves.offload_dot_with_no_batch_dims(
@@ -52,7 +52,8 @@ POLICIES: Mapping[str, Policy | None] = MappingProxyType(
     }
 )
 
-#: The policies that move saved values to host memory: GPUs and TPUs only.
+#: The policies that move saved values to host memory: JAX lowers that transfer for
+#: GPUs and TPUs only (on the CPU it is dropped, and ``checkpoint_policy`` refuses them).
 OFFLOADING = frozenset({"offload_dot_with_no_batch_dims"})
 
 
