@@ -40,14 +40,48 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
     ours = {path_str(p): as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    if differ:
-        shown = ", ".join(f"{k}: saved {theirs.get(k)}, here {ours.get(k)}" for k in differ[:4])
+    only_saved = sorted(theirs.keys() - ours.keys())
+    only_here = sorted(ours.keys() - theirs.keys())
+    reshaped = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
+    if only_saved or only_here or reshaped:
+        found = [
+            f"{len(keys)} {what} ({', '.join(show(k) for k in keys[:3])}"
+            f"{', ...' if len(keys) > 3 else ''})"
+            for keys, what, show in (
+                (only_saved, "only in the checkpoint", str),
+                (only_here, "only in this model", str),
+                (reshaped, "of another shape", lambda k: f"{k}: saved {theirs[k]}, here {ours[k]}"),
+            )
+            if keys
+        ]
         raise ValueError(
             f"checkpoint step {step} at {path} was written for another model or optimizer "
-            f"({len(differ)} leaves differ: {shown}). Restore it into the model it was "
-            "saved from, or use another directory (or restore=None)."
+            f"(leaves {'; '.join(found)}).{_stacking_hint(only_saved, only_here)} Restore it "
+            "into the model it was saved from, or use another directory (or restore=None)."
         )
+
+
+def _stacking_hint(only_saved: list[str], only_here: list[str]) -> str:
+    """Where one side holds a layer list unrolled (``blocks/0/...``) and the other stacked
+    (``blocks/...``: scanned layers), a sentence naming both forms and the fix."""
+
+    def unnumbered(key: str) -> str:
+        return "/".join(part for part in key.split("/") if not part.isdigit())
+
+    for unrolled, stacked, saved_scanned in (
+        (only_saved, only_here, False),
+        (only_here, only_saved, True),
+    ):
+        for key in unrolled:
+            if unnumbered(key) != key and unnumbered(key) in set(stacked):
+                forms = [f"unrolled ({key})", f"stacked ({unnumbered(key)}, scanned layers)"]
+                saved, here = forms[::-1] if saved_scanned else forms
+                return (
+                    f" The checkpoint holds the layers {saved}, this model {here}: build the "
+                    f"model as it was saved (the shipped GPT: scan_layers={saved_scanned}, "
+                    f"--config.gpt.scan_layers={saved_scanned}) to resume it."
+                )
+    return ""
 
 
 def agree_on_damage(

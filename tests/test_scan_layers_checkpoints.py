@@ -1,0 +1,63 @@
+"""A checkpoint of unrolled GPT blocks is not loaded into scanned ones, nor the reverse: the
+error names both forms and the setting that resumes it, and the step stays where it is."""
+
+import re
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_spmd_trainer import FSDP, Hybrid, TensorParallel, Trainer
+from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
+VOCAB, SEQ = 16, 8
+pytestmark = pytest.mark.slow  # two short runs and two resumes (~1 minute here)
+
+
+def trainer(directory, *, scan_layers):
+    def model(rngs: nnx.Rngs) -> GPT:
+        return GPT(
+            vocab_size=VOCAB, seq_len=SEQ, embed_dim=16, num_heads=4, ff_dim=32, num_layers=2,
+            dropout_rate=0.0, rngs=rngs, scan_layers=scan_layers,
+        )  # fmt: skip
+
+    return Trainer(
+        model,
+        optax.adam(1e-3),
+        strategy=Hybrid(FSDP(4), TensorParallel(2)),
+        loss_fn=gpt.loss_fn,
+        callbacks=[OrbaxCheckpoint(directory)],
+    )
+
+
+def batches():
+    window = np.random.default_rng(0).integers(0, VOCAB, size=(8, SEQ + 1), dtype=np.int32)
+    return [{"inputs": window[:, :-1], "targets": window[:, 1:]}]
+
+
+@pytest.mark.parametrize(
+    ("saved_scanned", "saved", "here"),
+    [
+        (False, "unrolled (model/blocks/0/", "stacked (model/blocks/"),
+        (True, "stacked (model/blocks/", "unrolled (model/blocks/0/"),
+    ],
+    ids=["unrolled-into-scanned", "scanned-into-unrolled"],
+)
+def test_a_checkpoint_of_the_other_layer_form_is_a_clear_error(
+    tmp_path, saved_scanned, saved, here
+):
+    trainer(tmp_path, scan_layers=saved_scanned).fit(batches(), max_steps=1)
+    resumed = trainer(tmp_path, scan_layers=not saved_scanned)
+    with pytest.raises(ValueError) as error:
+        resumed.fit(batches(), max_steps=2)
+    message = str(error.value)
+    assert "written for another model" in message
+    assert re.search(r"only in the checkpoint \(model/blocks/", message)
+    assert re.search(r"only in this model \(model/blocks/", message)
+    assert f"The checkpoint holds the layers {saved}" in message
+    assert f"this model {here}" in message
+    assert f"--config.gpt.scan_layers={saved_scanned}) to resume it" in message
+    assert OrbaxCheckpoint(tmp_path).steps() == [1]  # not mistaken for damage
+    assert resumed.step == 0  # nothing was loaded
