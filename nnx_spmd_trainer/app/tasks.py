@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -309,6 +310,16 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
         )
     dtype = compute_dtype(config)
     scan_layers, remat = gpt_layers(config)
+    chunk_size = sizes.get("chunked_loss", 0)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+        raise ConfigError(
+            f"config.gpt.chunked_loss={chunk_size!r}: must be an integer >= 0 (sequence "
+            "positions per chunk of the loss; 0: the plain loss over the full logits); "
+            "pass e.g. --config.gpt.chunked_loss=128."
+        )
+    loss_fn: Callable[..., Any] = models.gpt.loss_fn
+    if chunk_size:
+        loss_fn = functools.partial(models.gpt.chunked_loss_fn, chunk_size=chunk_size)
     return Task(
         lambda rngs: models.GPT(
             vocab_size=vocab_size,
@@ -319,7 +330,7 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
             remat=remat,
             **kwargs,
         ),
-        models.gpt.loss_fn,
+        loss_fn,
         splits,
     )
 

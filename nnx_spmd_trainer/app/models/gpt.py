@@ -34,6 +34,7 @@ from flax import nnx
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.attention import attention_implementation, causal_attention
+from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
 from nnx_spmd_trainer.step import masked_mean
 
@@ -43,6 +44,7 @@ __all__ = [
     "TransformerBlock",
     "attention_implementation",
     "causal_attention",
+    "chunked_loss_fn",
     "loss_fn",
     "stack_blocks",
     "stacked_blocks",
@@ -310,3 +312,27 @@ def loss_fn(
     targets = batch["targets"]
     loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), batch)
     return loss, {"accuracy": jnp.argmax(logits, axis=-1) == targets}
+
+
+def chunked_loss_fn(
+    model: GPT, batch: dict[str, jax.Array], *, chunk_size: int
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``loss_fn`` with the head's projection and the cross entropy computed ``chunk_size``
+    sequence positions at a time (``losses.chunked_cross_entropy``): the
+    ``(batch, seq, vocab)`` logits never exist whole, forward or backward.
+
+    The same loss and per-token accuracy as ``loss_fn`` (to float rounding), for one
+    more head projection per step (the backward pass recomputes each chunk's logits).
+    The projection runs in the head's compute dtype, as ``nnx.Linear`` runs it.
+    """
+    head = model.head
+    targets = batch["targets"]
+    losses, predictions = chunked_cross_entropy(
+        model.features(batch["inputs"]),
+        head.kernel[...],
+        None if head.bias is None else head.bias[...],
+        targets,
+        chunk_size=chunk_size,
+        dtype=None if head.dtype is None else jnp.dtype(head.dtype),
+    )
+    return masked_mean(losses, batch), {"accuracy": predictions == targets}
