@@ -52,3 +52,33 @@ def test_gpu_benchmark_runs_at_tiny_sizes_anywhere(tmp_path):
         "| loop | ms_per_step | tokens_per_s | mfu | vs_limit | vs_floor |"
         in (tmp_path / "gpu.md").read_text()
     )
+
+
+def markdown_tables(text):
+    """Each Markdown table of ``text`` (a run of ``|`` lines), as ``{header: cell}`` rows."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            header, _, *rows = block
+            tables.append([dict(zip(header, row, strict=True)) for row in rows])
+            block = []
+    return tables
+
+
+def test_memory_frontier_runs_at_tiny_sizes(tmp_path):
+    """``memory_frontier.py --quick``: its three tables, with the effects it measures
+    visible even at tiny sizes (remat and the chunked loss lower the temporaries)."""
+    script = Path(__file__).parent.parent / "benchmarks" / "memory_frontier.py"
+    out = tmp_path / "memory_frontier.md"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", f"--out={out}"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    policies, losses, frontier = markdown_tables(out.read_text())
+    full = next(row for row in policies if row["policy"] == "full")
+    assert float(full["per block / none"]) < 1
+    assert float(losses[-1]["temporaries / device"]) < 1  # the ratio chunked / plain
+    assert all(int(row["layers"]) >= 1 for row in frontier)
