@@ -7,5 +7,7 @@ Each module is also a file the command line loads by path::
 ``default`` is the run with no arguments: the small GPT on the pydoc topics,
 FSDP x tensor parallel on 8 devices. ``dp``, ``fsdp``, ``tp`` and ``hybrid``
 are the same job under other strategies; ``mlp`` and ``cnn`` train classifiers
-on synthetic data. ``_base`` holds the training settings they share.
+on synthetic data. ``gpt2_small``, ``gpt2_medium`` and ``gpt2_large`` have
+GPT-2's shapes in bf16, for GPUs (medium and large with scanned layers, per-block
+remat and the chunked loss). ``_base`` holds the training settings they share.
 """
