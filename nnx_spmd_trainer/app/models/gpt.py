@@ -24,7 +24,7 @@ with the position embedding read at global positions.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,9 @@ __all__ = [
     "stacked_blocks",
     "unstack_blocks",
 ]
+
+
+M = TypeVar("M", bound=nnx.Module)
 
 
 def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.LayerNorm:
@@ -136,7 +139,7 @@ class TransformerBlock(nnx.Module):
         return x + mlp_output
 
 
-def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+def stacked_blocks(make_block: Callable[[nnx.Rngs], M], num_layers: int, rngs: nnx.Rngs) -> M:
     """``num_layers`` blocks as one block whose arrays have a leading layer dimension.
 
     ``nnx.vmap`` over ``num_layers`` split keys (each layer its own parameters and
@@ -146,7 +149,7 @@ def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def build(layer_rngs: nnx.Rngs) -> nnx.Module:
+    def build(layer_rngs: nnx.Rngs) -> M:
         return make_block(layer_rngs)
 
     return build(rngs)
@@ -265,8 +268,9 @@ class GPT(nnx.Module):
 
 
 def stack_blocks(state: Any) -> Any:
-    """An unrolled GPT's state (or any nested dict of it, optimizer state included) with
-    each ``blocks`` list stacked as ``GPT(scan_layers=True)`` holds it.
+    """An unrolled GPT's state with each ``blocks`` list stacked as
+    ``GPT(scan_layers=True)`` holds it; the same for any nested dict holding such
+    lists under ``blocks`` keys (Adam's moments mirror the parameters).
 
     Takes and returns pure nested dicts (``nnx.to_pure_dict``); put the result into
     a scanned model with ``nnx.replace_by_pure_dict``. ``unstack_blocks`` undoes it.
