@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,29 @@ def make_batches(n: int, batch_size: int = 16, din: int = 16, classes: int = 8, 
     ]
 
 
+def _value_and_grad(graphdef, loss_fn, params, rest, batch):
+    """The loss and its gradient (``rest``: the model's state other than its parameters)."""
+
+    def loss(p):
+        return loss_fn(nnx.merge(graphdef, p, rest), batch)[0]
+
+    return jax.value_and_grad(loss)(params)
+
+
+# One jitted function for every call of train_reference: a model structure and loss
+# function compiled once (by any test) are not compiled again; a compile costs far more
+# than the few steps it runs.
+_shared_value_and_grad = jax.jit(_value_and_grad, static_argnums=(0, 1))
+
+
+def _grad_fn(graphdef, loss_fn):
+    try:
+        hash((graphdef, loss_fn))
+    except TypeError:  # not a jit cache key: compiled for this call alone
+        return jax.jit(functools.partial(_value_and_grad, graphdef, loss_fn))
+    return functools.partial(_shared_value_and_grad, graphdef, loss_fn)
+
+
 def train_reference(factory, tx, batches, loss_fn=classification_loss):
     """Plain optax on one device: the independent computation results are checked against."""
     device = jax.devices()[0]
@@ -70,13 +95,10 @@ def train_reference(factory, tx, batches, loss_fn=classification_loss):
         params = jax.device_put(params, device)
         opt_state = tx.init(params)
 
-        def loss(p, batch):
-            return loss_fn(nnx.merge(graphdef, p, rest), batch)[0]
-
-        grad_fn = jax.jit(jax.value_and_grad(loss))
+        grad_fn = _grad_fn(graphdef, loss_fn)
         losses = []
         for batch in batches:
-            value, grads = grad_fn(params, batch)
+            value, grads = grad_fn(params, rest, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             losses.append(float(value))
