@@ -11,8 +11,9 @@ a. Remat policy -> temporaries per device, 8 layers at sequence 256, the
    default job's batch (32) and vocabulary (the text's 103 characters padded
    to 104); each ``remat.POLICIES`` entry the CPU runs, per block
    (``GPT(remat=...)``) and around the whole loss (``Plan(remat=...)``).
-b. The chunked loss (``chunked_cross_entropy``) against the plain one at
-   GPT-2's vocabulary (50304): temporaries, peak, their ratio.
+b. The chunked loss (``gpt.chunked_loss_fn``, through ``chunked_cross_entropy``)
+   against the plain one (``gpt.loss_fn``) at GPT-2's vocabulary (50304):
+   temporaries, peak, their ratio.
 c. The frontier: the deepest GPT whose step fits a per-device budget (peak =
    arguments + outputs - donated + temporaries, as ``Plan.report`` counts
    it), for no remat, full remat and dots_saveable per block, with and
@@ -48,8 +49,6 @@ from nnx_spmd_trainer import (  # noqa: E402
     Hybrid,
     Plan,
     TensorParallel,
-    chunked_cross_entropy,
-    masked_mean,
     remat,
 )
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
@@ -98,24 +97,6 @@ def strategy() -> Hybrid:
     return Hybrid(FSDP(4), TensorParallel(2))
 
 
-def chunked_loss(chunk_size: int) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
-    """GPT's loss (``gpt.loss_fn``'s value and accuracy) through ``chunked_cross_entropy``."""
-
-    def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        head = model.head
-        losses, predictions = chunked_cross_entropy(
-            model.features(batch["inputs"]),
-            head.kernel[...],
-            None if head.bias is None else head.bias[...],
-            batch["targets"],
-            chunk_size=chunk_size,
-            dtype=head.dtype,
-        )
-        return masked_mean(losses, batch), {"accuracy": predictions == batch["targets"]}
-
-    return loss_fn
-
-
 def batch_shapes(rows: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
     return {name: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for name in ("inputs", "targets")}
 
@@ -140,11 +121,12 @@ def report(
             scan_layers=True, remat=block_remat,
         )  # fmt: skip
 
+    loss_fn = functools.partial(gpt.chunked_loss_fn, chunk_size=sizes.chunk)
     plan = Plan(
         model,
         optax.adamw(1e-3),
         strategy=strategy(),
-        loss_fn=chunked_loss(sizes.chunk) if chunked else gpt.loss_fn,
+        loss_fn=loss_fn if chunked else gpt.loss_fn,
         remat=loss_remat,
     )
     return plan.report(batch_shapes(rows, sizes.seq))
@@ -194,7 +176,10 @@ def loss_table(sizes: Sizes) -> str:
     common = {"layers": sizes.loss_layers, "vocab": sizes.big_vocab, "rows": sizes.batch}
     plain, chunked = report(sizes, **common), report(sizes, chunked=True, **common)
     rows = []
-    for name, r in (("plain (gpt.loss_fn)", plain), (f"chunked ({sizes.chunk})", chunked)):
+    for name, r in (
+        ("plain (gpt.loss_fn)", plain),
+        (f"chunked (chunk_size={sizes.chunk})", chunked),
+    ):
         temp, peak = r.memory["temporaries"], r.memory["peak"]
         rows.append([name, size(temp), size(peak)])
     ratio_temp = chunked.memory["temporaries"] / plain.memory["temporaries"]
@@ -232,7 +217,8 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, limit: int) -> int:
 
 
 def frontier(sizes: Sizes, *, block_remat: str, chunked: bool) -> tuple[int, int, int]:
-    """``(depth, its peak, compiles)``: the deepest GPT that fits ``sizes.budget``."""
+    """``(depth, peak, depths tried)``: the deepest GPT that fits ``sizes.budget`` and its
+    peak per device (when not even one layer fits: depth 0 and one layer's peak)."""
     peaks: dict[int, int] = {}
 
     def peak(layers: int) -> int:
@@ -248,7 +234,7 @@ def frontier(sizes: Sizes, *, block_remat: str, chunked: bool) -> tuple[int, int
     slope = max((peak(second) - peak(first)) / (second - first), 1.0)
     guess = second + int((sizes.budget - peak(second)) // slope)
     depth = largest_fitting(lambda n: peak(n) <= sizes.budget, guess, sizes.max_layers)
-    return depth, peaks.get(depth, 0), len(peaks)
+    return depth, peak(max(depth, 1)), len(peaks)
 
 
 def frontier_table(sizes: Sizes) -> str:
@@ -258,7 +244,8 @@ def frontier_table(sizes: Sizes) -> str:
         depth, peak, compiles = frontier(sizes, block_remat=policy, chunked=chunked)
         loss = f"chunked ({sizes.chunk})" if chunked else "plain"
         limit = f">= {depth}" if depth == sizes.max_layers else str(depth)
-        rows.append([policy, loss, limit, size(peak) if depth else "-", compiles])
+        shown = size(peak) if depth else f"(1 layer: {size(peak)})"
+        rows.append([policy, loss, limit, shown, compiles])
     title = (
         f"### c. The deepest GPT within {size(sizes.budget)} per device\n\nWidth "
         f"{sizes.width} (heads {sizes.heads}, ff {sizes.ff}), vocabulary {sizes.big_vocab}, "
@@ -277,10 +264,11 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     start = time.perf_counter()
     devices = jax.devices()
+    command = "python benchmarks/memory_frontier.py" + (" --quick" if args.quick else "")
     intro = (
-        f"## Memory frontier{' (--quick)' if args.quick else ''}\n\n{devices[0].platform}, "
-        f"{len(devices)} devices; jax {jax.__version__}; every figure from the compiled "
-        "step's memory_analysis() (Plan.report), no array built."
+        f"## Memory frontier\n\n`{command}`: {devices[0].platform}, {len(devices)} devices; "
+        f"jax {jax.__version__}; every figure from the compiled step's memory_analysis() "
+        "(Plan.report), no array built."
     )
     print(intro, flush=True)
     tables = [intro]
