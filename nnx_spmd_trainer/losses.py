@@ -78,16 +78,22 @@ def _chunk_loss(
 
 def _into_chunks(x: jax.Array, chunks: int, chunk_size: int) -> jax.Array:
     """``[batch, seq, ...]`` (seq padded to ``chunks * chunk_size``) as
-    ``[chunks, batch, chunk_size, ...]``, the scanned axis first."""
+    ``[chunks, batch, chunk_size, ...]``, the scanned axis first.
+
+    Chunk ``j`` holds positions ``j, j + chunks, j + 2 * chunks, ...``: strided, not
+    contiguous, so a sequence split over devices (``SequenceParallel``) stays split
+    within every chunk and no device gathers the others' positions. Each position's
+    loss is its own, so the order does not change a result.
+    """
     pad = chunks * chunk_size - x.shape[1]
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(x.shape[0], chunks, chunk_size, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
+    x = x.reshape(x.shape[0], chunk_size, chunks, *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0)
 
 
 def _from_chunks(x: jax.Array, seq_len: int) -> jax.Array:
     """The inverse of ``_into_chunks``: ``[batch, seq]`` without the padding."""
-    x = jnp.moveaxis(x, 0, 1)
+    x = jnp.moveaxis(x, 0, 2)
     return x.reshape(x.shape[0], -1)[:, :seq_len]
 
 
@@ -116,9 +122,10 @@ def chunked_cross_entropy(
     is dropped from the results; a ``chunk_size`` of the sequence length or more is
     one chunk. Sharding follows the inputs: rows split over data/FSDP axes stay
     split, and a kernel whose vocabulary is split over a ``model`` axis keeps its
-    logits split (the reductions over the vocabulary are masked sums and maxima,
-    never a gather of the logits). The sequence axis is scanned, so it should not
-    itself be split over devices.
+    logits split (XLA reduces each device's slice: what crosses devices is
+    ``[rows, positions]``-sized, never the logits). A chunk takes every
+    ``seq / chunk_size``-th position rather than a contiguous run, so a sequence
+    split over a ``seq`` axis (``SequenceParallel``) stays split in every chunk.
 
     Args:
       features: ``[batch, seq, width]``, the final hidden states.

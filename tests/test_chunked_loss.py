@@ -16,7 +16,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import FSDP, Hybrid, TensorParallel, chunked_cross_entropy
+from nnx_spmd_trainer import (
+    FSDP,
+    Hybrid,
+    SequenceParallel,
+    TensorParallel,
+    chunked_cross_entropy,
+)
 
 BATCH, SEQ, WIDTH, VOCAB = 4, 24, 16, 64
 
@@ -61,11 +67,11 @@ def assert_close(actual, expected, tol):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("chunk_size", [5, 8, SEQ, 100])
+@pytest.mark.parametrize("chunk_size", [5, SEQ, 100])
 def test_equals_optax_on_the_full_logits(chunk_size):
     """Per-token losses, their mean's gradients (fp32, 1e-5) and the predictions (the
-    argmax): chunks dividing the sequence (8), not dividing it (5: padded), the
-    whole sequence (24) and more than it (100: one chunk)."""
+    argmax): chunks not dividing the sequence (5: padded), the whole sequence (24)
+    and more than it (100: one chunk); chunks dividing it in the sharded tests."""
     features, kernel, bias, labels = random_head()
     (value, (per_token, predictions)), grads = value_and_grads(
         chunked_loss, features, kernel, bias, labels, has_aux=True, chunk_size=chunk_size
@@ -125,17 +131,10 @@ def test_shapes_that_disagree_are_a_clear_error():
         chunked_cross_entropy(features, kernel, bias, labels[:, :-1], chunk_size=8)
 
 
-def test_sharded_under_fsdp_and_tensor_parallel():
-    """Rows over fsdp (4), the vocabulary over model (2): the same values and gradients
-    as one device, gradients laid out as their inputs, and no collective in the
-    compiled step as large as a chunk's logits (the vocabulary is never gathered)."""
-    mesh = Hybrid(FSDP(4), TensorParallel(2)).make_mesh()
-    features, kernel, bias, labels = random_head(batch=8, seq=16, vocab=128, seed=4)
-    specs = (P("fsdp"), P(None, "model"), P("model"), P("fsdp"))
-    placed = [
-        jax.device_put(x, NamedSharding(mesh, s))
-        for x, s in zip((features, kernel, bias, labels), specs, strict=True)
-    ]
+def sharded_step(mesh, specs, head):
+    """The jitted loss, predictions and gradients on ``head`` placed by ``specs``, and
+    the compiled step's HLO text."""
+    placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(head, specs, strict=True)]
 
     def loss(features, kernel, bias, labels):
         losses, predictions = chunked_cross_entropy(features, kernel, bias, labels, chunk_size=4)
@@ -145,17 +144,46 @@ def test_sharded_under_fsdp_and_tensor_parallel():
     with jax.set_mesh(mesh):
         compiled = step.lower(*placed).compile()
         (value, predictions), grads = compiled(*placed)
-    hlo = compiled.as_text()
-    expected_value, expected_grads = value_and_grads(plain_loss, features, kernel, bias, labels)
+    return value, predictions, grads, compiled.as_text()
+
+
+def assert_equals_one_device(head, value, predictions, grads):
+    expected_value, expected_grads = value_and_grads(plain_loss, *head)
     assert_close((value, grads), (expected_value, expected_grads), 1e-5)
-    np.testing.assert_array_equal(predictions, jnp.argmax(full_logits(features, kernel, bias), -1))
-    assert [g.sharding.spec for g in grads] == [P("fsdp"), P(None, "model"), P("model")]
+    np.testing.assert_array_equal(predictions, jnp.argmax(full_logits(*head[:3]), -1))
+
+
+COLLECTIVE = r"= \(?(\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|reduce-scatter)\("
+
+
+def test_sharded_under_fsdp_and_tensor_parallel():
+    """Rows over fsdp (4), the vocabulary over model (2): the same values and gradients
+    as one device, gradients laid out as their inputs, and no collective in the
+    compiled step as large as a chunk's logits (the vocabulary is never gathered)."""
+    mesh = Hybrid(FSDP(4), TensorParallel(2)).make_mesh()
+    head = random_head(batch=8, seq=16, vocab=128, seed=4)
+    specs = (P("fsdp"), P(None, "model"), P("model"), P("fsdp"))
+    value, predictions, grads, hlo = sharded_step(mesh, specs, head)
+    assert_equals_one_device(head, value, predictions, grads)
+    assert [g.sharding.spec for g in grads] == list(specs[:3])
     # What crosses devices is [rows, positions]-sized (the partial maxima, sums and
     # argmaxes), never an array with a vocabulary dimension (64 per device, 128 whole).
-    collective = r"= \(?(\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|reduce-scatter)\("
-    shapes = [[int(d) for d in m[2].split(",") if d] for m in re.finditer(collective, hlo)]
+    shapes = [[int(d) for d in m[2].split(",") if d] for m in re.finditer(COLLECTIVE, hlo)]
     assert shapes, "no collective found: the pattern no longer matches XLA's HLO text"
     assert not [s for s in shapes if len(s) >= 3 and {64, 128} & set(s)], shapes
+
+
+def test_sharded_under_fsdp_and_sequence_parallel():
+    """Rows over fsdp (2), the sequence over seq (4): equal to one device, and no
+    all-gather at all: the strided chunks keep each device's positions its own."""
+    mesh = Hybrid(FSDP(2), SequenceParallel(4)).make_mesh()
+    head = random_head(batch=4, seq=32, seed=5)
+    specs = (P("fsdp", "seq"), P(), P(), P("fsdp", "seq"))
+    value, predictions, grads, hlo = sharded_step(mesh, specs, head)
+    assert_equals_one_device(head, value, predictions, grads)
+    assert grads[0].sharding.spec == specs[0]
+    assert re.search(COLLECTIVE, hlo), "no collective found: the pattern no longer matches"
+    assert "all-gather" not in hlo
 
 
 def temp_bytes(loss, chunk_size=None):
