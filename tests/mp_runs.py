@@ -143,9 +143,13 @@ def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
     }
 
 
+# Issue 20's four layouts, and the sequence split inside each process.
 SEQUENCE_STRATEGIES = {
-    "dp_x_seq2": lambda: Hybrid(DataParallel(), SequenceParallel(2)),  # rows over processes
     "seq8": lambda: SequenceParallel(8),  # the sequence over both processes
+    "fsdp2_x_seq4": lambda: Hybrid(FSDP(2, min_size=1), SequenceParallel(4)),  # rows over processes
+    "seq4_x_tp2": lambda: Hybrid(SequenceParallel(4), TensorParallel(2)),  # sequence over them
+    "dp2_x_seq2_x_tp2": lambda: Hybrid(DataParallel(2), SequenceParallel(2), TensorParallel(2)),
+    "dp_x_seq2": lambda: Hybrid(DataParallel(), SequenceParallel(2)),  # rows over processes
 }
 GPT_ROWS, GPT_SEQ, GPT_VOCAB = 8, 16, 16
 

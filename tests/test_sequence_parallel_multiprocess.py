@@ -1,10 +1,12 @@
 """SequenceParallel with 2 JAX processes x 4 simulated devices, through the public API.
 
 The tiny GPT trained through ``Trainer.fit`` gives one device's per-step losses
-(1e-5) and parameters (1e-4), plain optax, whether the processes split the rows
-(``Hybrid(DataParallel(), SequenceParallel(2))``: the sequence inside a process)
-or the sequence itself (``SequenceParallel(8)``: both processes feed the same
-whole rows, each device keeping its chunk).
+(1e-5) and parameters (1e-4), plain optax, under issue 20's four layouts and
+``Hybrid(DataParallel(), SequenceParallel(2))`` (the sequence inside a process),
+whether the processes split the rows (each feeds its own) or the sequence
+itself (``SequenceParallel(8)``, ``Hybrid(SequenceParallel(4),
+TensorParallel(2))``: both processes feed the same whole rows, each device
+keeping its chunk).
 """
 
 from __future__ import annotations
@@ -47,7 +49,16 @@ def one_device() -> tuple[dict[str, np.ndarray], list[float]]:
     return {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in flat}, losses
 
 
-@pytest.mark.parametrize(("name", "feeders"), [("dp_x_seq2", 2), ("seq8", 1)])
+@pytest.mark.parametrize(
+    ("name", "feeders"),
+    [
+        ("seq8", 1),
+        ("fsdp2_x_seq4", 2),
+        ("seq4_x_tp2", 1),
+        ("dp2_x_seq2_x_tp2", 2),
+        ("dp_x_seq2", 2),
+    ],
+)
 def test_two_processes_train_the_gpt_like_one_device(two_processes, one_device, name, feeders):
     ref_params, ref_losses = one_device
     np.testing.assert_allclose(two_processes[f"{name}/losses"], ref_losses, rtol=1e-5, atol=1e-5)
