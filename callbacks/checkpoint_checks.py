@@ -20,6 +20,11 @@ class DamagedCheckpoint(Exception):
     """A checkpoint step that cannot be trusted; the message names its step and path."""
 
 
+class CheckpointOfAnotherModel(ValueError):
+    """A checkpoint step written for another model or optimizer: the user's mix-up, not
+    damage. The message names the leaves that differ and the fix."""
+
+
 def as_stored(x: Any) -> tuple[tuple[int, ...], str]:
     """Shape and dtype as Orbax records them: a typed PRNG key as its uint32 key data."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -29,7 +34,7 @@ def as_stored(x: Any) -> tuple[tuple[int, ...], str]:
 
 def check_same_model(path: Path, step: int, state: Any) -> None:
     """A checkpoint of another model or optimizer is the user's mix-up, not damage:
-    a ValueError that names the leaves, and the step is left where it is."""
+    ``CheckpointOfAnotherModel`` names the leaves, and the step is left where it is."""
     try:
         saved = ocp.StandardCheckpointHandler().metadata(path / "state")  # type: ignore[arg-type]
     except Exception:  # unreadable metadata: reading the step reports it as damage
@@ -54,7 +59,7 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
             )
             if keys
         ]
-        raise ValueError(
+        raise CheckpointOfAnotherModel(
             f"checkpoint step {step} at {path} was written for another model or optimizer "
             f"(leaves {'; '.join(found)}).{_stacking_hint(only_saved, only_here)} Restore it "
             "into the model it was saved from, or use another directory (or restore=None)."

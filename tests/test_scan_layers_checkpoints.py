@@ -1,7 +1,10 @@
 """A checkpoint of unrolled GPT blocks is not loaded into scanned ones, nor the reverse: the
 error names both forms and the setting that resumes it, and the step stays where it is."""
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -13,7 +16,7 @@ from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
 VOCAB, SEQ = 16, 8
-pytestmark = pytest.mark.slow  # two short runs and two resumes (~1 minute here)
+pytestmark = pytest.mark.slow  # three short runs and three resumes (~2 minutes here)
 
 
 def trainer(directory, *, scan_layers):
@@ -61,3 +64,27 @@ def test_a_checkpoint_of_the_other_layer_form_is_a_clear_error(
     assert f"--config.gpt.scan_layers={saved_scanned}) to resume it" in message
     assert OrbaxCheckpoint(tmp_path).steps() == [1]  # not mistaken for damage
     assert resumed.step == 0  # nothing was loaded
+
+
+def test_the_cli_says_it_in_one_line(tmp_path):
+    """Through the command: exit 2 (the config does not match the workdir), one line, no
+    traceback, and the step stays."""
+    tiny = ["--config.gpt.embed_dim=32", "--config.gpt.ff_dim=64", "--config.gpt.num_layers=2",
+            "--config.batch_size=16", "--config.max_eval_batches=1", "--workdir=out"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets 8 devices
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "nnx_spmd_trainer", *tiny, *args]
+        return subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+
+    first = cli("--config.max_steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = cli("--config.max_steps=2", "--config.gpt.scan_layers=True")
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+    (line,) = [x for x in resumed.stderr.splitlines() if x.startswith("nnx-spmd-train: error:")]
+    assert "written for another model" in line
+    assert "--config.gpt.scan_layers=False) to resume it" in line
+    assert OrbaxCheckpoint(tmp_path / "out" / "checkpoints").steps() == [1]

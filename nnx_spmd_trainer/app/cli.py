@@ -551,6 +551,8 @@ def _main(argv: Sequence[str]) -> int:
         result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
+    except callbacks.checkpoint_checks.CheckpointOfAnotherModel as error:  # workdir vs config
+        _fail(str(error))
     except callbacks.checkpoint_save.CheckpointWriteError as error:  # names step, path, cause
         _fail(str(error), status=1)
     if flags.FLAGS.dry_run:
