@@ -57,7 +57,8 @@ def reference():
     return train_reference(tiny_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=gpt_loss)
 
 
-@pytest.mark.parametrize(
+# Issue 20's four layouts, each with the spec its (rows, sequence) inputs get.
+LAYOUTS = pytest.mark.parametrize(
     ("strategy", "spec"),
     [
         (SequenceParallel(8), P(None, "seq")),
@@ -67,6 +68,9 @@ def reference():
     ],
     ids=["seq8", "fsdp2-seq4", "seq4-tp2", "dp2-seq2-tp2"],
 )
+
+
+@LAYOUTS
 def test_gpt_trains_like_one_device(strategy, spec, reference):
     batches = token_batches(STEPS)
     recorder = RecordLosses()

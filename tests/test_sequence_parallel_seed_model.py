@@ -17,17 +17,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from test_seeds import TransformerBlock, regression_batches, regression_loss
+from test_sequence_parallel import LAYOUTS
 from toy_models import RecordLosses, assert_params_match, train_reference
 
 from nnx_spmd_trainer import (
-    FSDP,
-    DataParallel,
-    Hybrid,
     Plan,
     SequenceParallel,
-    TensorParallel,
     Trainer,
 )
 
@@ -50,16 +46,7 @@ def reference():
     return train_reference(block, TX, batches, regression_loss)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "spec"),
-    [
-        (SequenceParallel(8), P(None, "seq")),
-        (Hybrid(FSDP(2), SequenceParallel(4)), P("fsdp", "seq")),
-        (Hybrid(SequenceParallel(4), TensorParallel(2)), P(None, "seq")),
-        (Hybrid(DataParallel(2), SequenceParallel(2), TensorParallel(2)), P("data", "seq")),
-    ],
-    ids=["seq8", "fsdp2-seq4", "seq4-tp2", "dp2-seq2-tp2"],
-)
+@LAYOUTS
 def test_the_seed_transformer_block_trains_like_one_device(strategy, spec, reference):
     batches = regression_batches(STEPS, (ROWS, SEQ, EMBED))
     recorder = RecordLosses()
