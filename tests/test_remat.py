@@ -80,7 +80,7 @@ def test_every_policy_trains_like_one_device_optax(policy, reference):
     trainer, losses = train(policy, DataParallel())
     ref_params, ref_losses = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    assert_params_match(trainer, ref_params)
+    assert_params_match(trainer, ref_params, rtol=1e-5)  # the fp32 1e-5
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_every_strategy_trains_like_one_device_optax_with_full_remat(strategy, r
     trainer, losses = train("full", strategy)
     ref_params, ref_losses = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    assert_params_match(trainer, ref_params)
+    assert_params_match(trainer, ref_params, rtol=1e-5)  # the fp32 1e-5
 
 
 # -- what the step does: recomputation, carried state, a train_step override ---------------

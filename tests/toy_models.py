@@ -126,10 +126,10 @@ def as_numpy(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(jnp.asarray(x)))
 
 
-def assert_params_match(trainer, reference_params) -> None:
+def assert_params_match(trainer, reference_params, rtol: float = 1e-4) -> None:
     """The trainer's parameters equal the one-device reference, within float32 tolerance."""
     got = flat_params(nnx.state(trainer.model, nnx.Param))
     want = flat_params(reference_params)
     assert got.keys() == want.keys()
     for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=1e-5, err_msg=key)
