@@ -88,16 +88,32 @@ def hand_written_loops(
     }
 
 
-def interleaved(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median seconds per step of each loop, the loops taking turns every round, after
-    one untimed round (compiles and first-call caches)."""
+def interleaved_rounds(
+    loops: dict[str, Callable[[], float]], rounds: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each loop in each round, after one untimed round (compiles and
+    first-call caches). The loops take turns every round, and the turn order rotates
+    from round to round so that no loop always runs first or after the same one."""
     for run in loops.values():
         run()
+    names = list(loops)
     times: dict[str, list[float]] = {name: [] for name in loops}
-    for _ in range(rounds):
-        for name, run in loops.items():
-            times[name].append(run())
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(loops[name]())
+    return times
+
+
+def interleaved(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median seconds per step of each loop over ``interleaved_rounds``."""
+    times = interleaved_rounds(loops, rounds)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paired_ratio(times: list[float], floor_times: list[float]) -> float:
+    """The median over rounds of each round's ratio: two loops run back to back in a
+    round share that moment's load, so their ratio drifts less than either time does."""
+    return statistics.median([t / f for t, f in zip(times, floor_times, strict=True)])
 
 
 def floor(medians: dict[str, float]) -> tuple[str, float]:
