@@ -23,7 +23,7 @@ from nnx_spmd_trainer.run_lock import RunLock
 
 from .checkpoint_checks import DamagedCheckpoint, agree_on_damage
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
-from .checkpoint_restore import read_step, restore_iterator, set_aside
+from .checkpoint_restore import read_meta, read_step, restore_iterator, set_aside
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice
@@ -340,6 +340,26 @@ class OrbaxCheckpoint(Callback):
         if step is not None and self.report is not None:
             self.report(f"restored checkpoint step {step} from {self.directory}")
         return step
+
+    @override
+    def layout_to_resume(self) -> str | None:
+        """The strategy the step the next ``fit`` restores was saved under, read from its
+        metadata alone (nothing written); ``None`` when no step would be restored or its
+        metadata cannot be read (the restore then deals with it)."""
+        if self.restore is None or self._fitted:
+            return None
+        by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
+        if not by_path and not self.directory.is_dir():
+            return None
+        own = None if by_path else self._make_manager(self.directory, read_only=True)
+        try:
+            manager, steps, _ = self._candidates(own)
+            return str(read_meta(manager, steps[0])["strategy"]) if steps else None
+        except Exception:  # Orbax raises many kinds; a damaged step is the restore's to name
+            return None
+        finally:
+            if own is not None:
+                own.close()
 
     def restore_into_trainer(self) -> int | None:
         """What ``fit`` restores at its start: the ``restore`` choice into this callback's

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
 
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """The step's metadata item (JSON): its run's host state and description."""
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(meta["meta"])
+
+
 def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The step's items, read into this trainer's layout and checked; nothing applied."""
     path = Path(manager.directory) / str(step)
@@ -52,8 +58,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
         )
 
     try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = dict(meta["meta"])
+        meta = read_meta(manager, step)
         # The arrays of the callbacks this trainer has; others' are not read at all.
         stored = {
             name: stored_arrays(path / name)

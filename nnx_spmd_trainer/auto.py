@@ -16,6 +16,7 @@ then built afresh (the initial state, as if the layout had been given).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -121,7 +122,8 @@ class Candidate:
 
     Attributes:
       strategy: the layout; ``mesh`` its axes and sizes.
-      status: ``"timed"``, ``"does not fit"`` or ``"cannot split"``.
+      status: ``"timed"``, ``"does not fit"``, ``"cannot split"``, or ``"resumed"`` (the
+        layout of the run being resumed, kept untimed).
       reason: why it was not timed (``""`` when it was).
       state_bytes, peak_bytes: per device: the state the plan lays out, and the compiled
         step's peak (``PlanReport.memory["peak"]``); ``None`` when it could not be planned.
@@ -170,6 +172,7 @@ class Choice:
         that do not fit (smallest peak first), then those that cannot split.
       budget_bytes: the per-device memory the candidates were checked against.
       steps, rounds: how they were timed.
+      resumed: the layout of the run being resumed was taken, nothing timed.
     """
 
     plan: Plan
@@ -177,6 +180,7 @@ class Choice:
     budget_bytes: int | None
     steps: int
     rounds: int
+    resumed: bool = False
 
     @property
     def strategy(self) -> Strategy:
@@ -194,6 +198,10 @@ class Choice:
 
     def title(self) -> str:
         budget = f"{size(self.budget_bytes)} per device" if self.budget_bytes else "no memory limit"
+        if self.resumed:
+            return (
+                f'strategy="auto" kept {self.chosen.layout}, the resumed run\'s layout ({budget})'
+            )
         return (
             f'strategy="auto" chose {self.chosen.layout} ({budget}; {self.steps} steps x '
             f"{self.rounds} rounds, median)"
@@ -285,53 +293,21 @@ def _agreed(times: list[float]) -> list[float]:
     return [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times))]
 
 
-def choose(
+def _plan_candidates(
+    strategies: Sequence[Strategy],
+    *,
     model: ModelFactory,
     optimizer: optax.GradientTransformation,
-    batches: Iterable[Any],
-    *,
-    loss_fn: Any = None,
-    memory_budget_bytes: int | None = None,
-    devices: Sequence[jax.Device] | None = None,
-    strategies: Sequence[Strategy] | None = None,
-    steps: int = 3,
-    rounds: int = 3,
-    lower: Lower | None = None,
-    data_shard: DataShard | None = None,
-    **plan_kwargs: Any,
-) -> Choice:
-    """Plans every candidate layout, times those that fit, and returns the fastest.
-
-    Args:
-      model: a factory ``rngs -> nnx.Module`` (each timing builds a fresh state).
-      optimizer, loss_fn, devices, **plan_kwargs: as for ``Plan``.
-      batches: this process's host batches; the first ``steps`` are used (repeated
-        when there are fewer).
-      memory_budget_bytes: per device (default the device's limit where reported).
-      strategies: the candidates (default ``candidates(len(devices))``).
-      steps, rounds: see ``Auto``.
-      lower: how a candidate's train step is lowered (default ``plan.lower(shapes)``);
-        ``Trainer`` lowers its own ``train_step``.
-      data_shard: the rows this process's batches are (multi-process runs); a
-        candidate whose processes would feed other rows cannot take them. Default:
-        the first candidate's.
-
-    Raises:
-      NoLayoutFits: no candidate fits; the message lists every candidate's bytes.
-    """
-    if isinstance(model, nnx.Module) or not callable(model):
-        raise TypeError(
-            "strategy='auto' builds the state once per timed layout, so it needs a model "
-            "factory: model=lambda rngs: MyModel(..., rngs=rngs), not a built module."
-        )
-    taken = list(itertools.islice(iter(batches), steps))
-    if not taken:
-        raise ValueError("strategy='auto' needs batches to time the layouts on; none came.")
-    timing_batches = list(itertools.islice(itertools.cycle(taken), steps))
-    devices = list(jax.devices() if devices is None else devices)
-    if strategies is None:
-        strategies = candidates(len(devices))
-    lower = lower or (lambda plan, shapes: plan.lower(shapes))
+    first_batch: Any,
+    loss_fn: Any,
+    memory_budget_bytes: int | None,
+    devices: Sequence[jax.Device],
+    lower: Lower,
+    data_shard: DataShard | None,
+    plan_kwargs: dict[str, Any],
+) -> tuple[list[Candidate], list[_Timed], int | None]:
+    """Each strategy planned and its step compiled from shapes: (a row for each, the
+    candidates that fit, the per-device budget they were checked against)."""
     rows: list[Candidate] = []
     timed: list[_Timed] = []
     budget = memory_budget_bytes
@@ -352,7 +328,7 @@ def choose(
                     row.reason = f"its processes feed {plan.data_shard}, the data is {data_shard}"
                     continue
             placement = Placement(strategy, plan.mesh, plan.data_shard, prefetch=0)
-            first = placement.place(taken[0], divisor=plan.grad_accum_steps)
+            first = placement.place(first_batch, divisor=plan.grad_accum_steps)
             shapes = abstract_batch(first)
             _delete(first)
             compiled = lower(plan, shapes).compile()
@@ -368,6 +344,79 @@ def choose(
             row.reason = f"a peak of {size(row.peak_bytes)} > {size(budget or 0)}"
             continue
         timed.append(_Timed(row, plan, compiled, placement))
+    return rows, timed, budget
+
+
+def choose(
+    model: ModelFactory,
+    optimizer: optax.GradientTransformation,
+    batches: Iterable[Any],
+    *,
+    loss_fn: Any = None,
+    memory_budget_bytes: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    strategies: Sequence[Strategy] | None = None,
+    steps: int = 3,
+    rounds: int = 3,
+    lower: Lower | None = None,
+    data_shard: DataShard | None = None,
+    resume: str | None = None,
+    **plan_kwargs: Any,
+) -> Choice:
+    """Plans every candidate layout, times those that fit, and returns the fastest.
+
+    Args:
+      model: a factory ``rngs -> nnx.Module`` (each timing builds a fresh state).
+      optimizer, loss_fn, devices, **plan_kwargs: as for ``Plan``.
+      batches: this process's host batches; the first ``steps`` are used (repeated
+        when there are fewer).
+      memory_budget_bytes: per device (default the device's limit where reported).
+      strategies: the candidates (default ``candidates(len(devices))``).
+      steps, rounds: see ``Auto``.
+      lower: how a candidate's train step is lowered (default ``plan.lower(shapes)``);
+        ``Trainer`` lowers its own ``train_step``.
+      data_shard: the rows this process's batches are (multi-process runs); a
+        candidate whose processes would feed other rows cannot take them. Default:
+        the first candidate's.
+      resume: the layout (a strategy's ``repr``) of the run about to be resumed. The
+        candidate that is it is taken without timing anything when it still fits, so
+        a resumed run goes on in the layout it ran in; otherwise all are timed.
+
+    Raises:
+      NoLayoutFits: no candidate fits; the message lists every candidate's bytes.
+    """
+    if isinstance(model, nnx.Module) or not callable(model):
+        raise TypeError(
+            "strategy='auto' builds the state once per timed layout, so it needs a model "
+            "factory: model=lambda rngs: MyModel(..., rngs=rngs), not a built module."
+        )
+    taken = list(itertools.islice(iter(batches), steps))
+    if not taken:
+        raise ValueError("strategy='auto' needs batches to time the layouts on; none came.")
+    timing_batches = list(itertools.islice(itertools.cycle(taken), steps))
+    devices = list(jax.devices() if devices is None else devices)
+    if strategies is None:
+        strategies = candidates(len(devices))
+    lower = lower or (lambda plan, shapes: plan.lower(shapes))
+    plan_all = functools.partial(
+        _plan_candidates,
+        model=model,
+        optimizer=optimizer,
+        first_batch=taken[0],
+        loss_fn=loss_fn,
+        memory_budget_bytes=memory_budget_bytes,
+        devices=devices,
+        lower=lower,
+        data_shard=data_shard,
+        plan_kwargs=plan_kwargs,
+    )
+    same = [s for s in strategies if resume is not None and repr(s) == resume]
+    if same:  # the resumed run's layout, taken untimed where it still fits
+        rows, timed, budget = plan_all(same)
+        if timed:
+            rows[0].status, rows[0].reason = "resumed", "the layout of the run being resumed"
+            return Choice(timed[0].plan, rows, budget, steps, rounds, resumed=True)
+    rows, timed, budget = plan_all(strategies)
     if not timed:
         listing = "\n".join(f"  {r.layout}: {_bytes_or_reason(r)}" for r in rows)
         budget_text = f"{size(budget)} ({budget} bytes)" if budget is not None else "unknown"

@@ -136,6 +136,13 @@ class Callback:
         types ``state_dict`` documents."""
         del state
 
+    def layout_to_resume(self) -> str | None:
+        """The layout (``repr`` of the strategy) of the run this callback will restore at
+        the next ``fit``'s start, or ``None``. ``Trainer(strategy="auto")`` asks before it
+        chooses, and keeps that layout rather than timing the candidates again, so a
+        resumed run goes on as the uninterrupted one would. ``OrbaxCheckpoint`` answers."""
+        return None
+
 
 #: Every hook, in the order a fit meets them; the one list the dispatch is checked against.
 HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
@@ -220,6 +227,11 @@ class CallbackList:
 
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)
+
+    def layout_to_resume(self) -> str | None:
+        """The first callback's answer to ``Callback.layout_to_resume``."""
+        answers = (callback.layout_to_resume() for callback in self.callbacks)
+        return next((layout for layout in answers if layout is not None), None)
 
     def _call(self, hook: str, *args: Any) -> None:
         timing = self.trainer.report.perf.timing

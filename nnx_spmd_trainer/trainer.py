@@ -281,6 +281,9 @@ class Trainer:
         the next ``fit``'s first logs (``layout/...``); no candidate's arrays stay on the
         devices, and the state is then built as for the chosen strategy given
         explicitly. ``fit`` calls this with its first batches when it was not called.
+        A run about to be resumed (a callback's ``layout_to_resume``, e.g. an
+        ``OrbaxCheckpoint`` holding steps) keeps the layout it ran in, untimed, where
+        that layout is a candidate and still fits.
         """
         if self._auto is None:
             if self.layout_choice is not None:
@@ -290,7 +293,8 @@ class Trainer:
                 f"{self.strategy!r}."
             )
         settings, choose = self._auto
-        choice = choose(batches, lower=self._lower_candidate)
+        resume = self.callbacks.layout_to_resume()  # a resumed run keeps its layout
+        choice = choose(batches, lower=self._lower_candidate, resume=resume)
         self._adopt(choice.plan)
         self._auto, self.layout_choice, self._layout_logs = None, choice, choice.logs()
         if settings.report is not None:

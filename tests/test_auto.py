@@ -38,7 +38,7 @@ from nnx_spmd_trainer import (
     Trainer,
     auto,
 )
-from nnx_spmd_trainer.callbacks import TensorBoard
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint, TensorBoard
 
 
 def big_net(rngs):
@@ -327,3 +327,49 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
     with pytest.raises(tasks.ConfigError, match=r"config.memory_budget_bytes=1024.*1024"):
         cli.run(config, tmp_path / "too-small")
     assert not (tmp_path / "too-small").exists()  # refused before anything is written
+
+
+def test_a_resumed_auto_run_keeps_its_layout_untimed_and_ends_as_one_run_would(tmp_path):
+    """A run resumed from its checkpoint goes on in the layout it saved (taken without
+    timing anything), so it ends bitwise as the uninterrupted run; a saved layout that
+    is no candidate now is chosen afresh, and the state still restores."""
+    data = make_batches(6)
+
+    def trainer(strategy, *callbacks):
+        return Trainer(
+            Net, optax.adam(1e-2), strategy=strategy, loss_fn=classification_loss,
+            callbacks=callbacks,
+        )  # fmt: skip
+
+    uninterrupted = trainer(FSDP(min_size=64))
+    uninterrupted.fit(data, max_steps=6)
+    saved_in = FSDP(min_size=64)
+    first = trainer(
+        Auto(candidates=[saved_in], steps=1, rounds=1, report=None),
+        OrbaxCheckpoint(tmp_path / "ckpt", save_every_n_steps=2, async_save=False),
+    )
+    first.fit(data, max_steps=4)
+    tables: list[str] = []
+    resumed = trainer(
+        Auto(candidates=[DataParallel(), saved_in], steps=1, rounds=1, report=tables.append),
+        OrbaxCheckpoint(tmp_path / "ckpt", save_every_n_steps=2, async_save=False),
+    )
+    resumed.fit(data, max_steps=6)
+    choice = resumed.layout_choice
+    assert choice is not None and choice.resumed and resumed.strategy == saved_in
+    assert [(row.status, row.times) for row in choice.rows] == [("resumed", [])]  # none timed
+    assert "kept FSDP" in tables[0] and "resumed" in tables[0]
+    expected = flat_params(nnx.state(uninterrupted.model))
+    for path, value in flat_params(nnx.state(resumed.model)).items():
+        np.testing.assert_array_equal(value, expected[path], err_msg=path)
+
+    elsewhere = trainer(
+        Auto(candidates=[DataParallel()], steps=1, rounds=1, report=None),
+        OrbaxCheckpoint(tmp_path / "ckpt", restore=4, save_every_n_steps=100),
+    )
+    elsewhere.choose_layout(data)
+    assert elsewhere.layout_choice is not None and not elsewhere.layout_choice.resumed
+    assert [row.status for row in elsewhere.layout_choice.rows] == ["timed"]
+    elsewhere.fit(data, max_steps=6)
+    assert elsewhere.strategy == DataParallel()
+    assert_params_match(elsewhere, nnx.state(uninterrupted.model, nnx.Param), rtol=1e-5)
