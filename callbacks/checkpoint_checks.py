@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,9 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
     ours = {path_str(p): as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-    only_saved = sorted(theirs.keys() - ours.keys())
-    only_here = sorted(ours.keys() - theirs.keys())
-    reshaped = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
+    only_saved = _telling_first(theirs.keys() - ours.keys())
+    only_here = _telling_first(ours.keys() - theirs.keys())
+    reshaped = _telling_first(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
     if only_saved or only_here or reshaped:
         found = [
             f"{len(keys)} {what} ({', '.join(show(k) for k in keys[:3])}"
@@ -64,6 +64,12 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
             f"(leaves {'; '.join(found)}).{_stacking_hint(only_saved, only_here)} Restore it "
             "into the model it was saved from, or use another directory (or restore=None)."
         )
+
+
+def _telling_first(keys: Iterable[str]) -> list[str]:
+    """Sorted with the model's weights first, then the optimizer's, then RNG counters:
+    the three leaves a message names should say which model it was."""
+    return sorted(keys, key=lambda k: ("rngs" in k.split("/"), k.startswith("optimizer"), k))
 
 
 def _stacking_hint(only_saved: list[str], only_here: list[str]) -> str:
