@@ -32,6 +32,7 @@ from nnx_spmd_trainer import plan_report
 from nnx_spmd_trainer.placement import Placement
 from nnx_spmd_trainer.plan import Plan, abstract_batch
 from nnx_spmd_trainer.plan_report import PlanReport, size
+from nnx_spmd_trainer.prefetch import has_position
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
@@ -437,6 +438,27 @@ def choose(
     rows.sort(key=lambda r: (order[r.status], r.step_time_s or 0.0, r.peak_bytes or 0))
     winner = next(c.plan for c in timed if c.row is rows[0])
     return Choice(plan=winner, rows=rows, budget_bytes=budget, steps=steps, rounds=rounds)
+
+
+def choose_on(
+    train_data: Iterable[Any], steps: int, choose_layout: Callable[[Iterable[Any]], Choice]
+) -> Iterable[Any]:
+    """Calls ``choose_layout`` with the first ``steps`` batches of ``train_data``; returns
+    data that still yields every batch: a re-iterable is iterated afresh, a Grain
+    iterator set back where it was, a one-shot iterator's batches put back in front."""
+    iterator = iter(train_data)
+    if iterator is not train_data:  # re-iterable: fit starts a pass of its own
+        choose_layout(itertools.islice(iterator, steps))
+        return train_data
+    if has_position(iterator):  # a Grain iterator: set back where it was
+        positioned: Any = iterator
+        position = positioned.get_state()
+        choose_layout(list(itertools.islice(iterator, steps)))
+        positioned.set_state(position)
+        return train_data
+    taken = list(itertools.islice(iterator, steps))
+    choose_layout(taken)
+    return itertools.chain(taken, iterator)
 
 
 class LayoutNotChosen(RuntimeError):

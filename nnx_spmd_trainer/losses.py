@@ -51,6 +51,22 @@ def _chunk_count(seq_len: int, chunk_size: int) -> int:
     return -(-seq_len // chunk_size)
 
 
+def _chunking(seq_len: int, chunk_size: int) -> tuple[int, int]:
+    """(chunks, positions per chunk). Among the divisors of ``seq_len`` giving chunks of
+    at most ``chunk_size`` and at least half as many positions, the one whose chunk
+    has the most factors of 2 (then the longest) is taken: no padding, and a
+    sequence split evenly over a power-of-two ``seq`` axis stays split in every
+    chunk. With no such divisor, ``seq_len`` is padded up to whole chunks."""
+    chunks = _chunk_count(seq_len, chunk_size)
+    size = min(chunk_size, seq_len)
+    fitting = [seq_len // n for n in range(chunks, seq_len + 1) if seq_len % n == 0]
+    fitting = [c for c in fitting if 2 * c >= size]
+    if not fitting:
+        return chunks, size
+    best = max(fitting, key=lambda c: ((c & -c), c))  # c & -c: the largest power of 2 in c
+    return seq_len // best, best
+
+
 def _chunk_loss(
     features: jax.Array,
     kernel: jax.Array,
@@ -117,22 +133,29 @@ def chunked_cross_entropy(
     held at once are one chunk's, ``[batch, chunk_size, vocab]``, at the price of
     one more head projection per step.
 
-    A sequence not divisible by ``chunk_size`` is padded at the end up to a whole
-    number of chunks (at most ``chunk_size - 1`` wasted positions), and the padding
-    is dropped from the results; a ``chunk_size`` of the sequence length or more is
-    one chunk. Sharding follows the inputs: rows split over data/FSDP axes stay
-    split, and a kernel whose vocabulary is split over a ``model`` axis keeps its
-    logits split (XLA reduces each device's slice: what crosses devices is
+    ``chunk_size`` is the most positions a chunk holds. For a sequence it does not
+    divide, a divisor of the sequence length giving chunks of at least half as
+    many positions is taken when there is one, preferring a power-of-two chunk (32
+    positions with ``chunk_size=5``: 8 chunks of 4); otherwise the sequence is
+    padded at the end up to whole chunks (at most ``chunk_size - 1`` wasted
+    positions; a padded sequence split over a ``seq`` axis is moved between
+    devices) and the padding dropped from the results. A ``chunk_size`` of the
+    sequence length or more is one chunk.
+
+    Sharding follows the inputs: rows split over data/FSDP axes stay split, and a
+    kernel whose vocabulary is split over a ``model`` axis keeps its logits split
+    (XLA reduces each device's slice: what crosses devices is
     ``[rows, positions]``-sized, never the logits). A chunk takes every
-    ``seq / chunk_size``-th position rather than a contiguous run, so a sequence
-    split over a ``seq`` axis (``SequenceParallel``) stays split in every chunk.
+    ``chunks``-th position rather than a contiguous run, so a sequence split over a
+    ``seq`` axis (``SequenceParallel``) stays split in every chunk when the
+    positions per chunk are a multiple of the axis size.
 
     Args:
       features: ``[batch, seq, width]``, the final hidden states.
       kernel: ``[width, vocab]``, the output projection (e.g. ``nnx.Linear.kernel``).
       bias: ``[vocab]``, or ``None`` for a head without one.
       labels: ``[batch, seq]`` integer targets in ``[0, vocab)``.
-      chunk_size: positions per chunk; a positive int.
+      chunk_size: the most positions per chunk; a positive int.
       dtype: the projection's compute dtype (``jnp.bfloat16`` as
         ``nnx.Linear(dtype=jnp.bfloat16)``); default: the inputs'. The logits are cast
         to fp32 for the softmax either way.
@@ -158,8 +181,7 @@ def chunked_cross_entropy(
     """
     _check_shapes(features, kernel, bias, labels)
     seq_len = labels.shape[1]
-    chunks = _chunk_count(seq_len, chunk_size)
-    chunk_size = min(chunk_size, seq_len)
+    chunks, chunk_size = _chunking(seq_len, chunk_size)
 
     @jax.checkpoint
     def chunk_loss(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:

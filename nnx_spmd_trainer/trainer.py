@@ -308,26 +308,6 @@ class Trainer:
         finally:
             self._plan = None
 
-    def _choose_on(self, train_data: Iterable[Any]) -> Iterable[Any]:
-        """Chooses the layout on the first batches of ``train_data``; returns data that
-        still yields every batch (a one-shot iterator is set back, or its batches put
-        back in front)."""
-        assert self._auto is not None
-        steps = self._auto[0].steps
-        iterator = iter(train_data)
-        if iterator is not train_data:  # re-iterable: fit starts a pass of its own
-            self.choose_layout(itertools.islice(iterator, steps))
-            return train_data
-        if has_position(iterator):  # a Grain iterator: set back where it was
-            positioned: Any = iterator
-            position = positioned.get_state()
-            self.choose_layout(list(itertools.islice(iterator, steps)))
-            positioned.set_state(position)
-            return train_data
-        taken = list(itertools.islice(iterator, steps))
-        self.choose_layout(taken)
-        return itertools.chain(taken, iterator)
-
     @property
     def mesh(self) -> Mesh:
         """The ``jax.sharding.Mesh`` the strategy built."""
@@ -567,7 +547,7 @@ class Trainer:
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
         if self._auto is not None:
-            train_data = self._choose_on(train_data)
+            train_data = auto.choose_on(train_data, self._auto[0].steps, self.choose_layout)
         self.stop_training = False
         self.progress.preempted, self.progress.nonfinite_step = False, None
         self._resume_point = None

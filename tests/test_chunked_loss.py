@@ -131,13 +131,15 @@ def test_shapes_that_disagree_are_a_clear_error():
         chunked_cross_entropy(features, kernel, bias, labels[:, :-1], chunk_size=8)
 
 
-def sharded_step(mesh, specs, head):
+def sharded_step(mesh, specs, head, chunk_size=4):
     """The jitted loss, predictions and gradients on ``head`` placed by ``specs``, and
     the compiled step's HLO text."""
     placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(head, specs, strict=True)]
 
     def loss(features, kernel, bias, labels):
-        losses, predictions = chunked_cross_entropy(features, kernel, bias, labels, chunk_size=4)
+        losses, predictions = chunked_cross_entropy(
+            features, kernel, bias, labels, chunk_size=chunk_size
+        )
         return losses.mean(), predictions
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -184,6 +186,30 @@ def test_sharded_under_fsdp_and_sequence_parallel():
     assert grads[0].sharding.spec == specs[0]
     assert re.search(COLLECTIVE, hlo), "no collective found: the pattern no longer matches"
     assert "all-gather" not in hlo
+
+
+@pytest.mark.parametrize(("seq", "chunk_size"), [(32, 5), (36, 8)])
+def test_a_chunk_size_that_does_not_divide_a_split_sequence_keeps_the_split(seq, chunk_size):
+    """32 positions with chunk_size 5 go in 8 chunks of 4, and 36 with 8 in 9 of 4 (no
+    padding, which the seq axis could not split evenly): exact, nothing all-gathered,
+    and the features' gradient still split over seq."""
+    mesh = Hybrid(FSDP(2), SequenceParallel(4)).make_mesh()
+    head = random_head(batch=4, seq=seq, seed=6)
+    specs = (P("fsdp", "seq"), P(), P(), P("fsdp", "seq"))
+    value, predictions, grads, hlo = sharded_step(mesh, specs, head, chunk_size=chunk_size)
+    assert_equals_one_device(head, value, predictions, grads)
+    assert grads[0].sharding.spec == specs[0]
+    assert "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("seq", [23, 31])
+def test_a_sequence_with_no_fitting_divisor_is_padded_and_exact(seq):
+    """23 and 31 positions (primes) in chunks of 5: padded to whole chunks, padding dropped."""
+    head = random_head(seq=seq, seed=7)
+    (value, (losses, _)), grads = value_and_grads(chunked_loss, *head, has_aux=True, chunk_size=5)
+    assert losses.shape == (BATCH, seq)
+    expected_value, expected_grads = value_and_grads(plain_loss, *head)
+    assert_close((value, grads), (expected_value, expected_grads), 1e-5)
 
 
 def temp_bytes(loss, chunk_size=None):
