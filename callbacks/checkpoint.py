@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -32,6 +33,19 @@ if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
+
+
+class _ReadOnlyNotes(logging.Filter):
+    """Orbax warns whenever a read-only manager opens, as restores and layout reads here
+    do on purpose: those two lines tell the user nothing."""
+
+    NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOTES)
+
+
+_READ_ONLY_NOTES = _ReadOnlyNotes()
 
 
 class OrbaxCheckpoint(Callback):
@@ -160,6 +174,8 @@ class OrbaxCheckpoint(Callback):
         return self._manager
 
     def _make_manager(self, directory: Path, *, read_only: bool = False) -> ocp.CheckpointManager:
+        if read_only:
+            logging.getLogger("absl").addFilter(_READ_ONLY_NOTES)  # once: the same object
         preserve: list[policies.PreservationPolicy] = [policies.LatestN(n=self.keep)]
         if self.keep_best is not None and self.monitor is not None:
             monitor = self.monitor

@@ -226,15 +226,16 @@ class Choice:
         return f"{self.title()}\n\n{body}"
 
     def logs(self) -> dict[str, float]:
-        """The choice as host floats for ``logs``: its step time, bytes, candidates timed,
-        and its mesh (``layout/mesh/<axis>``: the size of each axis)."""
+        """The choice as host floats for ``logs``: its step time (when timed), bytes,
+        candidates timed, and its mesh (``layout/mesh/<axis>``: the size of each axis)."""
         chosen = self.chosen
         logs = {
-            "layout/step_time_s": float(chosen.step_time_s or 0.0),
             "layout/peak_bytes_per_device": float(chosen.peak_bytes or 0),
             "layout/state_bytes_per_device": float(chosen.state_bytes or 0),
             "layout/candidates_timed": float(sum(r.status == "timed" for r in self.rows)),
         }
+        if chosen.step_time_s is not None:  # a resumed run's layout is not timed
+            logs["layout/step_time_s"] = float(chosen.step_time_s)
         logs.update({f"layout/mesh/{axis}": float(n) for axis, n in chosen.mesh.items()})
         return logs
 
