@@ -1,11 +1,14 @@
 """A checkpoint of unrolled GPT blocks is not loaded into scanned ones, nor the reverse: the
-error names both forms and the setting that resumes it, and the step stays where it is."""
+error names both forms and the setting that resumes it, and the step stays where it is.
+Converting a run state between the forms (``gpt.stack_blocks``) trains on as before."""
 
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,7 +22,7 @@ VOCAB, SEQ = 16, 8
 pytestmark = pytest.mark.slow  # three short runs and three resumes (~2 minutes here)
 
 
-def trainer(directory, *, scan_layers):
+def trainer(directory, *, scan_layers, callbacks=None):
     def model(rngs: nnx.Rngs) -> GPT:
         return GPT(
             vocab_size=VOCAB, seq_len=SEQ, embed_dim=16, num_heads=4, ff_dim=32, num_layers=2,
@@ -31,7 +34,7 @@ def trainer(directory, *, scan_layers):
         optax.adam(1e-3),
         strategy=Hybrid(FSDP(4), TensorParallel(2)),
         loss_fn=gpt.loss_fn,
-        callbacks=[OrbaxCheckpoint(directory)],
+        callbacks=[OrbaxCheckpoint(directory)] if callbacks is None else callbacks,
     )
 
 
@@ -88,3 +91,44 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     assert "written for another model" in line
     assert "--config.gpt.scan_layers=False) to resume it" in line
     assert OrbaxCheckpoint(tmp_path / "out" / "checkpoints").steps() == [1]
+
+
+def host(x):
+    """``x`` as NumPy; an RNG key as its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(jax.device_get(x))
+
+
+def test_a_trained_unrolled_state_stacked_trains_on_as_the_unrolled_one():
+    """``gpt.stack_blocks`` over a whole run state (parameters and Adam's moments): the
+    scanned model trained on from it equals the unrolled one trained on, and
+    ``unstack_blocks`` gives the unrolled state back exactly."""
+    data = batches() * 3
+    unrolled = trainer(None, scan_layers=False, callbacks=[])
+    unrolled.fit(data[:2], max_steps=2)
+    saved = jax.tree.map(jnp.copy, nnx.to_pure_dict(unrolled.state))  # steps donate theirs
+    scanned = trainer(None, scan_layers=True, callbacks=[])
+    target = scanned.state
+    nnx.replace_by_pure_dict(target, gpt.stack_blocks(saved))
+    scanned.state = target
+    assert scanned.step == 2
+    back = gpt.unstack_blocks(nnx.to_pure_dict(scanned.state), num_layers=2)
+    for (path, a), (_, b) in zip(
+        nnx.traversals.flatten_mapping(back).items(),
+        nnx.traversals.flatten_mapping(saved).items(),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(host(a), host(b), err_msg=str(path))
+    unrolled.fit(data, max_steps=4)
+    scanned.fit(data, max_steps=4)
+    ours = gpt.unstack_blocks(nnx.to_pure_dict(nnx.state(scanned.model, nnx.Param)), 2)
+    want = nnx.to_pure_dict(nnx.state(unrolled.model, nnx.Param))
+    flat_want = nnx.traversals.flatten_mapping(want)
+    for path, value in nnx.traversals.flatten_mapping(ours).items():
+        if path[-2:] == ("key", "bias"):
+            # Its true gradient is zero (a softmax ignores a shift shared by all keys), so
+            # Adam turns rounding noise into steps of up to lr: bounded by two steps.
+            np.testing.assert_allclose(value, flat_want[path], atol=2 * 1e-3, err_msg=str(path))
+            continue
+        np.testing.assert_allclose(value, flat_want[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
