@@ -45,7 +45,7 @@ class _ReadOnlyNotes(logging.Filter):
         return not str(record.msg).startswith(self.NOTES)
 
 
-_READ_ONLY_NOTES = _ReadOnlyNotes()
+logging.getLogger("absl").addFilter(_ReadOnlyNotes())
 
 
 class OrbaxCheckpoint(Callback):
@@ -174,8 +174,6 @@ class OrbaxCheckpoint(Callback):
         return self._manager
 
     def _make_manager(self, directory: Path, *, read_only: bool = False) -> ocp.CheckpointManager:
-        if read_only:
-            logging.getLogger("absl").addFilter(_READ_ONLY_NOTES)  # once: the same object
         preserve: list[policies.PreservationPolicy] = [policies.LatestN(n=self.keep)]
         if self.keep_best is not None and self.monitor is not None:
             monitor = self.monitor
