@@ -365,15 +365,18 @@ class OrbaxCheckpoint(Callback):
         by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
         if not by_path and not self.directory.is_dir():
             return None
-        own = None if by_path else self._make_manager(self.directory, read_only=True)
+        opened: list[ocp.CheckpointManager] = []
         try:
-            manager, steps, _ = self._candidates(own)
+            if not by_path:
+                opened.append(self._make_manager(self.directory, read_only=True))
+            manager, steps, _ = self._candidates(opened[0] if opened else None)
+            opened.append(manager)  # a step directory's own manager, closed too
             return str(read_meta(manager, steps[0])["strategy"]) if steps else None
         except Exception:  # Orbax raises many kinds; a damaged step is the restore's to name
             return None
         finally:
-            if own is not None:
-                own.close()
+            for manager in dict.fromkeys(opened):  # each once
+                manager.close()
 
     def restore_into_trainer(self) -> int | None:
         """What ``fit`` restores at its start: the ``restore`` choice into this callback's

@@ -295,6 +295,20 @@ def _agreed(times: list[float]) -> list[float]:
     return [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times))]
 
 
+def agreed_text(text: str | None) -> str | None:
+    """Process 0's ``text`` on every process: a choice all processes must make alike."""
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    encoded = np.frombuffer((text if text is not None else "").encode(), np.uint8)
+    length = int(multihost_utils.broadcast_one_to_all(np.int32(len(encoded))))
+    padded = np.zeros(max(length, 1), np.uint8)
+    padded[: min(length, len(encoded))] = encoded[:length]
+    agreed = bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:length]).decode()
+    return agreed or None
+
+
 def _plan_candidates(
     strategies: Sequence[Strategy],
     *,
@@ -412,7 +426,7 @@ def choose(
         data_shard=data_shard,
         plan_kwargs=plan_kwargs,
     )
-    same = [s for s in strategies if resume is not None and repr(s) == resume]
+    same = [s for s in strategies if resume is not None and repr(s) == resume][:1]
     if same:  # the resumed run's layout, taken untimed where it still fits
         rows, timed, budget = plan_all(same)
         if timed:

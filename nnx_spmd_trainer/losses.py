@@ -52,13 +52,16 @@ def _chunk_count(seq_len: int, chunk_size: int) -> int:
 
 
 def _chunking(seq_len: int, chunk_size: int) -> tuple[int, int]:
-    """(chunks, positions per chunk). Among the divisors of ``seq_len`` giving chunks of
-    at most ``chunk_size`` and at least half as many positions, the one whose chunk
+    """(chunks, positions per chunk). A ``chunk_size`` dividing ``seq_len`` is taken as
+    given. Otherwise, among the divisors of ``seq_len`` giving chunks of at most
+    ``chunk_size`` and at least half as many positions, the one whose chunk
     has the most factors of 2 (then the longest) is taken: no padding, and a
     sequence split evenly over a power-of-two ``seq`` axis stays split in every
     chunk. With no such divisor, ``seq_len`` is padded up to whole chunks."""
     chunks = _chunk_count(seq_len, chunk_size)
     size = min(chunk_size, seq_len)
+    if size == 0 or seq_len % size == 0:  # it divides (or there is nothing): as given
+        return chunks, size
     fitting = [seq_len // n for n in range(chunks, seq_len + 1) if seq_len % n == 0]
     fitting = [c for c in fitting if 2 * c >= size]
     if not fitting:

@@ -293,7 +293,8 @@ class Trainer:
                 f"{self.strategy!r}."
             )
         settings, choose = self._auto
-        resume = self.callbacks.layout_to_resume()  # a resumed run keeps its layout
+        # A resumed run keeps its layout; every process takes process 0's answer.
+        resume = auto.agreed_text(self.callbacks.layout_to_resume())
         choice = choose(batches, lower=self._lower_candidate, resume=resume)
         self._adopt(choice.plan)
         self._auto, self.layout_choice, self._layout_logs = None, choice, choice.logs()

@@ -202,6 +202,19 @@ def test_a_chunk_size_that_does_not_divide_a_split_sequence_keeps_the_split(seq,
     assert "all-gather" not in hlo
 
 
+@pytest.mark.parametrize(
+    ("seq", "chunk_size", "chunks"),
+    [(96, 48, 2), (24, 8, 3), (32, 5, 8), (36, 8, 9), (23, 5, 5), (24, 100, 1), (1, 1, 1)],
+)
+def test_how_many_chunks_the_scan_visits(seq, chunk_size, chunks):
+    """A dividing chunk_size as given; else a divisor with chunks of at least half of it
+    (power-of-two chunks first); else padding up to whole chunks."""
+    head = random_head(seq=seq, seed=8)
+    jaxpr = jax.make_jaxpr(lambda *a: chunked_cross_entropy(*a, chunk_size=chunk_size))(*head)
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan.params["length"] == chunks
+
+
 @pytest.mark.parametrize("seq", [23, 31])
 def test_a_sequence_with_no_fitting_divisor_is_padded_and_exact(seq):
     """23 and 31 positions (primes) in chunks of 5: padded to whole chunks, padding dropped."""

@@ -269,3 +269,24 @@ def test_sigkill_to_one_of_two_processes_ends_the_launch_naming_it(tmp_path):
     assert "launcher: process 1 of 2 was killed by SIGKILL; stopping the others" in output
     assert seconds < 60
     assert not any(_alive(pid) for pid in children.values())
+
+
+def test_processes_take_process_0s_layout_to_resume(tmp_path):
+    """``auto.agreed_text``: what ``strategy="auto"`` resumes in is process 0's answer on
+    every process, whatever each read (texts of any length, or none)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "from nnx_spmd_trainer import auto, distributed\n"
+        "assert distributed.initialize()\n"
+        "import jax\n"
+        "i = jax.process_index()\n"
+        "print('agreed:', auto.agreed_text(f'FSDP({i})'), flush=True)\n"
+        "print('none:', auto.agreed_text(None if i == 0 else 'FSDP()'), flush=True)\n"
+        "print('longer:', auto.agreed_text('ab' if i == 0 else 'a longer text'), flush=True)\n"
+    )
+    log = io.StringIO()
+    status = distributed.Launch([sys.executable, str(script)], 2, out=log).run()
+    assert status == 0, log.getvalue()[-4000:]
+    for process in (0, 1):
+        for line in ("agreed: FSDP(0)", "none: None", "longer: ab"):
+            assert f"[{process}] {line}" in log.getvalue(), log.getvalue()[-2000:]

@@ -114,11 +114,12 @@ def test_a_trained_unrolled_state_stacked_trains_on_as_the_unrolled_one():
     scanned.state = target
     assert scanned.step == 2
     back = gpt.unstack_blocks(nnx.to_pure_dict(scanned.state), num_layers=2)
-    for (path, a), (_, b) in zip(
+    for (path, a), (saved_path, b) in zip(
         nnx.traversals.flatten_mapping(back).items(),
         nnx.traversals.flatten_mapping(saved).items(),
         strict=True,
     ):
+        assert path == saved_path
         np.testing.assert_array_equal(host(a), host(b), err_msg=str(path))
     unrolled.fit(data, max_steps=4)
     scanned.fit(data, max_steps=4)
