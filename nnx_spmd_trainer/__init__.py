@@ -5,6 +5,7 @@ import importlib.metadata
 from nnx_spmd_trainer import auto, distributed, remat
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.data import BatchMismatch
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.pipeline import grain_pipeline
@@ -33,6 +34,7 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that is not ins
 __all__ = [
     "FSDP",
     "Auto",
+    "BatchMismatch",
     "Choice",
     "LayoutNotChosen",
     "NoLayoutFits",

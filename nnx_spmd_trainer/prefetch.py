@@ -13,7 +13,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grain
 
@@ -69,7 +69,9 @@ class Prefetch:
 
     With ``depth=0`` nothing runs ahead: each batch is taken and placed when
     asked for. ``waiting()`` is a context manager around each wait for a batch
-    (taking, and placing when not ahead): the trainer times it.
+    (taking, and placing when not ahead): the trainer times it. ``explain(host, error)``,
+    called in the loop's thread when placing ``host`` raised ``error``, returns a better
+    error to raise from it (the trainer names the step and what changed), or ``None``.
     """
 
     def __init__(
@@ -79,9 +81,11 @@ class Prefetch:
         depth: int,
         *,
         waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        explain: Callable[[Any, Exception], Exception | None] = lambda host, error: None,
     ) -> None:
         self.iterator = iterator
         self.place, self.depth, self.waiting = place, depth, waiting
+        self.explain = explain
         self.positioned = has_position(iterator)
         self._position = self.iterator.get_state() if self.positioned and depth else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
@@ -98,16 +102,27 @@ class Prefetch:
         with self.waiting():
             if self._thread is None:
                 host = next(self.iterator)
-                return host, self.place(host)
+                try:
+                    return host, self.place(host)
+                except Exception as placing:
+                    self._failed(host, placing)
             item = self._queue.get()
         if item is _END:
             self._queue.put(_END)  # asked again, it ends again
             raise StopIteration
         host, placed, state, error = item
         if error is not None:
+            if host is not _END:  # placing it failed, not taking it
+                self._failed(host, error)
             raise error
         self._position = state
         return host, placed
+
+    def _failed(self, host: Any, error: Exception) -> NoReturn:
+        better = self.explain(host, error)
+        if better is None:
+            raise error
+        raise better from error
 
     def position(self) -> Any:
         """What ``grain.checkpoint.CheckpointSave`` saves: where the next step's batch starts."""
@@ -128,10 +143,15 @@ class Prefetch:
         try:
             for host in self.iterator:
                 state = self.iterator.get_state() if self.positioned else None
-                if not self._put((host, self.place(host), state, None)):
+                try:
+                    placed = self.place(host)
+                except Exception as error:  # raised to the loop when it reaches this batch
+                    self._put((host, None, None, error))
                     return
-        except Exception as error:  # raised to the loop when it reaches this batch
-            self._put((None, None, None, error))
+                if not self._put((host, placed, state, None)):
+                    return
+        except Exception as error:  # the iterator's own: no batch to explain
+            self._put((_END, None, None, error))
             return
         self._put(_END)
 

@@ -225,6 +225,7 @@ class Trainer:
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
         self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
         self._train_structure: Any = None
+        self._last_host_batch: Any = None  # what a changed batch is compared with (BatchMismatch)
         self._updates_per_step: dict[bool, int] = {}  # optimizer updates a compiled step makes
         self._last_eval_step = -1
         self.history = History()
@@ -661,6 +662,9 @@ class Trainer:
             lambda b: self.placement.place(b, divisor=self.plan.grad_accum_steps),
             ahead,
             waiting=lambda: self.report.perf.timing("data_wait"),
+            explain=lambda host, error: data.batch_mismatch(
+                error, f"step {self.step + 1}", self._last_host_batch, host
+            ),
         )
         try:
             with jax.set_mesh(self.mesh):
@@ -673,13 +677,15 @@ class Trainer:
         self, eval_data: Iterable[Any] | None, max_steps: int | None, eval_every_n_steps: int | None
     ) -> None:
         assert self.progress.batches is not None
-        for _, batch in self.progress.batches:
+        for host, batch in self.progress.batches:
             self.progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             self.callbacks.on_train_batch_begin(self.step, {})
             with self.report.perf.timing("step"):
                 self._train_one(
-                    batch, norms=self.report.track_norms and self.report.is_log_step(self.step + 1)
+                    batch,
+                    host,
+                    norms=self.report.track_norms and self.report.is_log_step(self.step + 1),
                 )
             logs = (
                 self.report.flush(self.progress.epoch) if self.report.is_log_step(self.step) else {}
@@ -693,7 +699,7 @@ class Trainer:
             if self._done(max_steps):
                 break
 
-    def _train_one(self, batch: Any, *, norms: bool) -> None:
+    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> None:
         structure = jax.tree.structure(batch)
         known = self.plan.steps.count
         if self._train_structure is None or structure != self._train_structure:
@@ -702,23 +708,25 @@ class Trainer:
         count = self.step  # before dispatch: afterwards the counter is a future array
         live = self._objects()
         first = norms not in self._train_steps
-        if first:
-            self._train_steps[norms] = self._compile("train", batch, norms=norms)
-        # A new step traces and compiles in its first call (dispatch is asynchronous).
-        timing = (
-            self.report.perf.timing("compile")
-            if self.plan.steps.count > known
-            else contextlib.nullcontext()
-        )
         try:
+            if first:
+                self._train_steps[norms] = self._compile("train", batch, norms=norms)
+            # A new step traces and compiles in its first call (dispatch is asynchronous).
+            timing = (
+                self.report.perf.timing("compile")
+                if self.plan.steps.count > known
+                else contextlib.nullcontext()
+            )
             with timing:
                 arrays, self.report.train, loss, self.report.perf.norms = self._train_steps[norms](
                     live.arrays(), self.report.train, batch
                 )
         except Exception as error:
-            data.note_batch_change(error, count + 1, self.report.last_batch, batch)
+            if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
+                data.raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         live.write(arrays)
+        self._last_host_batch = host
         if first and type(self).train_step is not Trainer.train_step:
             # An override may update any number of times: one read, in the step that
             # compiled, says how many (the default updates once and reads nothing).
@@ -751,14 +759,21 @@ class Trainer:
         self.callbacks.on_test_begin({})
         batches = 0
         eval_step, structure = None, None
+        previous = self._last_host_batch  # the first eval batch is compared with training's
         with jax.set_mesh(self.mesh):
             for batches, host_batch in enumerate(eval_data, start=1):
-                batch = self.placement.place(self.placement.eval_batch(host_batch))
                 self.callbacks.on_test_batch_begin(batches, {})
-                if eval_step is None or jax.tree.structure(batch) != structure:
-                    eval_step = self._compile("eval", batch)
-                    structure = jax.tree.structure(batch)
-                self.report.eval = eval_step(arrays, self.report.eval, batch)
+                try:
+                    batch = self.placement.place(self.placement.eval_batch(host_batch))
+                    if eval_step is None or jax.tree.structure(batch) != structure:
+                        eval_step = self._compile("eval", batch)
+                        structure = jax.tree.structure(batch)
+                    self.report.eval = eval_step(arrays, self.report.eval, batch)
+                except Exception as error:
+                    where = f"evaluation batch {batches} (after step {self.step})"
+                    data.raise_if_changed(error, where, previous, host_batch)
+                    raise
+                previous = host_batch
                 self.placement.in_flight.add(jax.tree.leaves(self.report.eval)[0])
                 self.callbacks.on_test_batch_end(batches, {})
         if batches == 0:

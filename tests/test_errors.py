@@ -5,7 +5,7 @@ import optax
 import pytest
 from toy_models import Net, classification_loss, make_batches
 
-from nnx_spmd_trainer import Trainer
+from nnx_spmd_trainer import BatchMismatch, Trainer
 
 
 def trainer_with(loss_fn) -> Trainer:
@@ -33,10 +33,8 @@ def test_a_batch_missing_a_key_midway_names_the_step_and_the_key_and_fit_goes_on
     batches = make_batches(4)
     broken = [*batches[:2], {"x": batches[2]["x"]}]  # no labels at step 3
     trainer = trainer_with(classification_loss)
-    with pytest.raises(KeyError) as caught:
+    with pytest.raises(BatchMismatch, match=r"^step 3: .*\['y'\] was int32\[16\], is missing"):
         trainer.fit(broken, max_steps=4)
-    notes = " ".join(caught.value.__notes__)
-    assert "step 3 got a batch unlike the previous one" in notes and "['y']" in notes
     assert trainer.step == 2
     trainer.fit(batches[2:], max_steps=4)
     assert trainer.step == 4
