@@ -102,7 +102,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
         for leaf, value in record["leaves"].items()
         if leaf.split("/", 1)[0] in read  # a callback's arrays not read are not checked
     }
-    bad = mismatches(expected, read)
+    bad = mismatches(expected, read, paths_version=record.get("paths", 1))
     if bad:
         raise DamagedCheckpoint(
             f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "

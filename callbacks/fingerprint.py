@@ -21,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_spmd_trainer.sharding import path_str
+from nnx_spmd_trainer.sharding import legacy_path_str, path_str
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+#: How a record names its leaves: 2 is ``path_str``; a record without the key (written
+#: before 0.1.0) used ``legacy_path_str``, and is still checked under those names.
+PATHS_VERSION = 2
 
 
 def _leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -59,26 +62,31 @@ def _host_int(x: Any) -> int:
     return int(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
 
 
-def fingerprints(tree: Any) -> dict[str, int]:
-    """``{leaf path: fingerprint}`` for every array leaf of ``tree`` (one small transfer).
+def fingerprints(tree: Any, *, paths_version: int = PATHS_VERSION) -> dict[str, int]:
+    """``{leaf path: fingerprint}`` for every array leaf of ``tree`` (one small transfer),
+    its leaves named as records of ``paths_version`` name them.
 
     >>> fingerprints({"w": np.arange(3, dtype=np.float32)}) == fingerprints(
     ...     {"w": jnp.arange(3, dtype=jnp.float32)})
     True
     """
-    return _resolve(summarize(tree))["leaves"]
+    return _resolve(summarize(tree, paths_version=paths_version))["leaves"]
 
 
-def summarize(tree: Any, *, finite: Any = None) -> dict[str, Any]:
+def summarize(
+    tree: Any, *, finite: Any = None, paths_version: int = PATHS_VERSION
+) -> dict[str, Any]:
     """Fingerprints and whether every float leaf is finite, dispatched to the devices and
     not waited for: ``{"leaves": {path: scalar}, "finite": scalar}`` of ``jax.Array`` s.
 
     ``finite``: the part of ``tree`` checked for finiteness (default: all of it)."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
     values = _fingerprints(list(leaves))
+    name = path_str if paths_version == PATHS_VERSION else legacy_path_str
     return {
-        "leaves": {path_str(p): v for p, v in zip(paths, values, strict=True)},
+        "leaves": {name(p): v for p, v in zip(paths, values, strict=True)},
         "finite": _all_finite(jax.tree.leaves(tree if finite is None else finite)),
+        "paths": paths_version,
     }
 
 
@@ -87,6 +95,7 @@ def _resolve(summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "leaves": {path: _host_int(v) for path, v in summary["leaves"].items()},
         "finite": bool(_host_int(summary["finite"])),
+        "paths": summary["paths"],
     }
 
 
@@ -141,10 +150,14 @@ class FingerprintSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(FingerprintHandler, for_restore=True)
 @dataclasses.dataclass
 class FingerprintRestore(ocp.args.CheckpointArgs):
-    """Reads a ``FingerprintSave`` item back as ``{"leaves": {path: int}, "finite": bool}``."""
+    """Reads a ``FingerprintSave`` item back as ``{"leaves": {path: int}, "finite": bool,
+    "paths": int}`` (``"paths"`` absent from records written before 0.1.0)."""
 
 
-def mismatches(expected: dict[str, int], tree: Any) -> list[str]:
-    """The leaf paths of ``tree`` whose fingerprint differs from ``expected`` (or is missing)."""
-    actual = fingerprints(tree)
+def mismatches(
+    expected: dict[str, int], tree: Any, *, paths_version: int = PATHS_VERSION
+) -> list[str]:
+    """The leaf paths of ``tree`` whose fingerprint differs from ``expected`` (or is missing);
+    ``paths_version``: how ``expected`` names the leaves (its record's ``"paths"``)."""
+    actual = fingerprints(tree, paths_version=paths_version)
     return sorted(p for p in expected.keys() | actual.keys() if expected.get(p) != actual.get(p))

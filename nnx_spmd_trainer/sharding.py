@@ -291,10 +291,31 @@ def refine_per_layer(
     return _trim([None if d in stacked else next(inner) for d in range(len(shape))])
 
 
+def _key_name(key: Any) -> Any:
+    return getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+
+
 def path_str(path: Sequence[Any]) -> str:
-    """A pytree key path as ``"model/layers/0/kernel"``, for messages and tables."""
-    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    return "/".join(str(p) for p in parts if p != "value")  # "value": the Variable wrapper
+    """A pytree key path as ``"model/layers/0/kernel"``, for messages, tables and rules.
+
+    Only the ``nnx.Variable`` wrapper, a last key named ``value`` (an attribute of
+    live state, a dict key of state read back by Orbax), is left out: a submodule
+    named ``value`` (attention's ``mha/value/kernel``) stays.
+
+    >>> from jax.tree_util import DictKey, GetAttrKey
+    >>> path_str([DictKey("mha"), DictKey("value"), DictKey("kernel"), GetAttrKey("value")])
+    'mha/value/kernel'
+    """
+    names = [str(_key_name(k)) for k in path]
+    if names and names[-1] == "value":
+        names.pop()  # the Variable wrapper
+    return "/".join(names)
+
+
+def legacy_path_str(path: Sequence[Any]) -> str:
+    """``path_str`` as it was before 0.1.0: every ``value`` key left out (``mha/value/kernel``
+    read ``mha/kernel``). Checkpoints written then name their leaves this way."""
+    return "/".join(str(p) for p in map(_key_name, path) if p != "value")
 
 
 def _trim(entries: list[AxisTarget]) -> P:

@@ -280,6 +280,57 @@ def test_asking_for_a_damaged_step_by_number_raises_and_names_it(tmp_path):
         again.fit(make_batches(2), max_steps=2)
 
 
+class WithValue(nnx.Module):
+    """A submodule named ``value`` (as attention's) beside a parameter named ``kernel``:
+    leaf names that drop every ``value`` key would give both ``model/kernel``."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.value = nnx.Linear(16, 4, rngs=rngs)
+        self.kernel = nnx.Param(jnp.ones((4,)))
+
+    def __call__(self, x):
+        return self.value(x) * self.kernel
+
+
+def as_written_before_0_1_0(step_dir: Path) -> None:
+    """The step's fingerprint record as 0.1.0's predecessors wrote it: no ``"paths"``
+    version, every ``value`` key left out of the leaf names (the last one kept on a clash)."""
+    record_file = step_dir / "fingerprints" / "fingerprints.json"
+    record = json.loads(record_file.read_text())
+    assert record.pop("paths") == 2
+    record["leaves"] = {
+        "/".join(k for k in name.split("/") if k != "value"): value
+        for name, value in record["leaves"].items()
+    }
+    record_file.write_text(json.dumps(record))
+
+
+def test_leaf_names_keep_a_submodule_named_value_and_older_checkpoints_still_check(tmp_path):
+    def loss(model, batch):
+        return jnp.mean((model(batch["x"]) - jax.nn.one_hot(batch["y"], 4)) ** 2), {}
+
+    def make(checkpoint):
+        return Trainer(
+            lambda r: WithValue(r), optax.adam(1e-2), loss_fn=loss, callbacks=[checkpoint]
+        )
+
+    written = make(OrbaxCheckpoint(tmp_path))
+    written.fit(make_batches(2), max_steps=2)
+    record = json.loads((tmp_path / "2" / "fingerprints" / "fingerprints.json").read_text())
+    assert {"state/model/kernel", "state/model/value/kernel"} <= record["leaves"].keys()
+
+    as_written_before_0_1_0(tmp_path / "2")
+    again = make(OrbaxCheckpoint(tmp_path))
+    again.fit(make_batches(2), max_steps=2)  # restores under the old names, nothing to train
+    assert again.step == 2
+    assert_bitwise(params(again), params(written))
+
+    change_values_silently(tmp_path / "2")  # the old record still catches damage
+    damaged = make(OrbaxCheckpoint(tmp_path, restore=2))
+    with pytest.raises(DamagedCheckpoint, match="step 2 .* do not match the fingerprints"):
+        damaged.fit(make_batches(2), max_steps=2)
+
+
 # -- NaN and preemption ---------------------------------------------------------------------------
 def test_no_non_finite_state_is_saved_and_a_restart_uses_the_last_finite_step(tmp_path):
     batches = make_batches(8)
