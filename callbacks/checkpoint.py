@@ -27,7 +27,7 @@ from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import read_meta, read_step, restore_iterator, set_aside
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
 from .fingerprint import FingerprintSave, PendingSummary, summarize
-from .preemption import PreemptionNotice
+from .preemption import PreemptionNotice, QuietManager
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
@@ -95,8 +95,10 @@ class OrbaxCheckpoint(Callback):
 
     On SIGTERM (a preemption) it finishes the current step, saves, waits for
     the write, and stops training; ``fit`` runs ``on_train_end`` and returns
-    with ``trainer.preempted`` set. With several processes, all stop at the
-    same step through JAX's preemption sync point (no Python handler then).
+    with ``trainer.preempted`` set. A SIGTERM that comes before the first step
+    (during the restore) stops ``fit`` before it trains, writing nothing. With
+    several processes, all stop at the same check through JAX's preemption
+    sync point (no Python handler then), so all save the same step or none.
 
     Args:
       directory: where the steps go; created if missing.
@@ -164,6 +166,8 @@ class OrbaxCheckpoint(Callback):
         self._manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preemption = PreemptionNotice()
+        #: A preemption notice stopped the last ``fit`` before its first step (nothing written).
+        self.stopped_before_a_step = False
         self._lock = RunLock(self.directory)  # one run writes the directory at a time
 
     # -- the manager -------------------------------------------------------------------
@@ -194,7 +198,7 @@ class OrbaxCheckpoint(Callback):
             create=not read_only,
             read_only=read_only,
         )
-        return ocp.CheckpointManager(directory, options=options)
+        return QuietManager(directory, options=options)  # leaves JAX's preemption count alone
 
     def steps(self) -> list[int]:
         """The committed steps in ``directory``, oldest first."""
@@ -474,6 +478,9 @@ class OrbaxCheckpoint(Callback):
     # -- hooks ------------------------------------------------------------------------------
     @override
     def on_fit_start(self, logs: Logs) -> None:
+        # First: a SIGTERM during the restore (or anything below) is then a notice, not death.
+        self._preemption.listen()
+        self.stopped_before_a_step = False
         self._seen = {}
         if jax.process_index() == 0:  # one holder per job: the others write only shards
             self._lock.acquire()  # DirectoryInUse naming the other run's process
@@ -499,7 +506,8 @@ class OrbaxCheckpoint(Callback):
                 f"this run's step {self.trainer.step}, and new steps there would be refused. "
                 "Resume them (restore='latest') or save this run in another directory."
             )
-        self._preemption.listen()
+        if self._preemption.reached():  # a notice during the restore: no step, nothing saved
+            self._stop_before_a_step()
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
@@ -512,7 +520,7 @@ class OrbaxCheckpoint(Callback):
     @override
     def on_step_end(self, step: int) -> None:
         # Everything about this step (its logs, its evaluation) is in the callbacks' states.
-        if self._preemption.reached(step, self.manager):
+        if self._preemption.reached():
             self._save_for_preemption(step)
         elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
             self.save(step)
@@ -524,6 +532,17 @@ class OrbaxCheckpoint(Callback):
         if self.report is not None:
             self.report(f"preempted: saved step {step} in {self.directory}; run again to resume")
 
+    def _stop_before_a_step(self) -> None:
+        self.stopped_before_a_step = True
+        self.trainer.request_stop(preempted=True)
+        if self.report is not None:
+            latest = self.manager.latest_step()
+            kept = f"step {latest} is the latest" if latest is not None else "none saved yet"
+            self.report(
+                f"preempted before any step: the checkpoints in {self.directory} are as they "
+                f"were ({kept}); run again to resume"
+            )
+
     @override
     def on_train_end(self, logs: Logs) -> None:
         self._note(logs)
@@ -531,7 +550,8 @@ class OrbaxCheckpoint(Callback):
     @override
     def on_fit_end(self, logs: Logs) -> None:
         try:
-            self.save(self.trainer.step)  # the final state (a no-op if just saved)
+            if not self.stopped_before_a_step:  # else nothing trained: nothing to write
+                self.save(self.trainer.step)  # the final state (a no-op if just saved)
             self._finish_writing()
             self._check_last_saved()
         finally:

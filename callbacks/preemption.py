@@ -1,7 +1,9 @@
-"""PreemptionNotice: SIGTERM seen the same way on one process and on many."""
+"""PreemptionNotice: SIGTERM seen the same way on one process and on many, at any moment."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import signal
 import threading
 from types import FrameType
@@ -9,37 +11,92 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+#: Set by a SIGTERM this process's Python handler caught, until a check acts on it.
+_notice = threading.Event()
+#: The value each check gives JAX's sync manager: 1, 2, 3, ... in every process alike.
+_checks = itertools.count(1)
+
+
+def listen_early() -> None:
+    """Remembers a SIGTERM from now on instead of dying of it (main thread only).
+
+    For entry points, called first: a notice that comes while the program imports,
+    builds, restores or compiles is then acted on by the first check of ``fit``
+    (``PreemptionNotice``), not lost. In a multi-process job
+    ``jax.distributed.initialize`` replaces this handler with XLA's; a notice
+    remembered before that is handed over to XLA by ``PreemptionNotice.listen``.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _remember)
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    _notice.set()
+
+
+class QuietManager(ocp.CheckpointManager):
+    """Orbax's ``CheckpointManager``, whose own preemption checks stay away from JAX.
+
+    Orbax asks ``reached_preemption(step)`` inside ``save`` and its background
+    finalize, with the step number: each call sets the count JAX's sync manager
+    compares to ``step``. The sync point is (highest count) + 1, so those calls,
+    from the main thread or not, would move it off ``PreemptionNotice``'s count
+    and the processes would never reach it. Saves for a preemption are forced, so
+    nothing here needs the answer.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
 
 
 class PreemptionNotice:
     """Whether the run was asked to stop (SIGTERM), agreed on by every process.
 
-    One process: a Python SIGTERM handler sets a flag, installed by ``listen``
-    and removed by ``stop``. Several processes: no handler at all (after
-    ``jax.distributed.initialize`` it would replace XLA's preemption notifier);
-    Orbax's ``reached_preemption`` is the sync point every process reaches at
-    the same step.
+    One process: a Python SIGTERM handler sets a flag (installed by ``listen``,
+    removed by ``stop``; ``listen_early`` installs it before anything else).
+    Several processes: no Python handler (after ``jax.distributed.initialize``
+    it would replace XLA's preemption notifier); ``reached`` asks JAX's sync
+    point. JAX sets that point to (highest count any process reported) + 1 when
+    a notice arrives, where the count is the value of the last call; so every
+    process calls it with the same running count, 1, 2, 3, ... (the global step
+    would not do: a resumed run starts past 1, and a notice before its first
+    call sets the point to 1, which it would never reach). Every check happens
+    at the same point of ``fit`` on every process, so they agree on the check
+    that stops the run.
     """
 
     def __init__(self) -> None:
-        self.requested = False
+        self._listening = False
         self._previous: Any = None
 
     def listen(self) -> None:
-        self.requested = False
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        main = threading.current_thread() is threading.main_thread()
+        if jax.process_count() > 1:
+            if _notice.is_set():  # caught before XLA's handler replaced ours: pass it on
+                _notice.clear()
+                os.kill(os.getpid(), signal.SIGTERM)
+        elif main and not self._listening:
+            self._previous = signal.signal(signal.SIGTERM, _remember)
+            self._listening = True
 
     def stop(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._listening:
+            # None: a handler from outside Python, which cannot be put back; the default then.
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            self._listening = False
 
-    def reached(self, step: int, manager: ocp.CheckpointManager) -> bool:
+    def reached(self) -> bool:
+        """Whether to stop here; call it at the same points in every process."""
         if jax.process_count() > 1:
-            return bool(manager.reached_preemption(step))
-        return self.requested
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        del signum, frame
-        self.requested = True
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(next(_checks)))
+            except RuntimeError:  # the preemption service is disabled: no notice comes
+                return False
+        if _notice.is_set():
+            _notice.clear()  # one notice stops one fit
+            return True
+        return False

@@ -341,9 +341,7 @@ def _train(
     eval_losses = history.history.get("eval/loss", [float("nan")])
     result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
     if trainer.progress.preempted:
-        _say(
-            f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
-        )
+        _say(_preempted_line(trainer))
         return result
     verdict = "beats" if result.beats_baseline else "does NOT beat"
     accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
@@ -356,6 +354,18 @@ def _train(
         _say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
     _say(goodput_line(trainer.report.perf.goodput()))
     return result
+
+
+def _preempted_line(trainer: Trainer) -> str:
+    """What a SIGTERM left behind: the step saved, or (before any step) the checkpoints as
+    they were."""
+    checkpoint = next(c for c in trainer.callbacks if isinstance(c, callbacks.OrbaxCheckpoint))
+    if checkpoint.stopped_before_a_step:
+        return (
+            f"stopped by SIGTERM before any step (at step {trainer.step}): nothing trained, "
+            "nothing saved; run the same command to continue"
+        )
+    return f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
 
 
 def plan_of(trainer: Trainer, batch: Any) -> Any:
@@ -540,15 +550,19 @@ def _main(argv: Sequence[str]) -> int:
             check_writable(flags.FLAGS.export, "--export")
     except tasks.ConfigError as error:
         _fail(str(error))
-    processes = int(os.environ.get(distributed.NUM_PROCESSES, flags.FLAGS.num_processes))
-    simulate_host_devices(max(1, config.num_devices // processes))  # this process's share
+    # This process's share of the devices: a SLURM task learns the count from SLURM.
+    processes = distributed.expected_processes(
+        flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None
+    )
+    simulate_host_devices(max(1, config.num_devices // processes))
     distributed.initialize(
         flags.FLAGS.coordinator_address,
         flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None,
         flags.FLAGS.process_id,
     )
     try:
-        result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
+        with distributed.lost_peers_named():  # a collective failed: was a process lost?
+            result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
     except callbacks.checkpoint_checks.CheckpointOfAnotherModel as error:  # workdir vs config
@@ -592,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0)
     if (launch := local_launch(argv)) is not None:
         sys.exit(launch.run())
+    # From here a SIGTERM is a preemption notice, whenever it comes (imports, restore,
+    # compilation): fit acts on it at its first check (callbacks/preemption.py).
+    callbacks.preemption.listen_early()
     config_flags.DEFINE_config_file(
         "config",
         default=None,  # normalize_argv always names one
