@@ -1,9 +1,9 @@
 """Fingerprints of array leaves, computed on the devices without gathering anything.
 
 Orbax keeps no checksum of array data: a flipped byte restores silently as a
-wrong value (PITFALLS.md). A fingerprint per leaf, saved beside the arrays and
-recomputed after a restore, catches that. Each one is the wrapping ``uint32``
-sum of the leaf's 32-bit words weighted by their position,
+wrong value (measured with orbax-checkpoint 0.12.8). A fingerprint per leaf,
+saved beside the arrays and recomputed after a restore, catches that. Each
+one is the wrapping ``uint32`` sum of the leaf's 32-bit words weighted by their position,
 ``bits[i] * ((2 * i + 1) * 2654435761)``. Integer addition is associative, so
 the value is the same for any sharding, any device count and a NumPy copy.
 Every weight is odd, so any one-bit flip changes the sum (an even weight, as in

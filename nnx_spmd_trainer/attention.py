@@ -28,7 +28,8 @@ LENGTH_NAMES = ("length", "seq")
 
 
 def attention_implementation(dtype: jnp.dtype) -> Literal["cudnn", "xla"]:
-    """cuDNN's fused attention where it runs (a GPU, bf16/fp16), XLA's elsewhere (PITFALLS)."""
+    """cuDNN's fused attention where it runs (a GPU, bf16/fp16 inputs: it refuses fp32),
+    XLA's elsewhere."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 

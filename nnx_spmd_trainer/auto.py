@@ -278,7 +278,7 @@ class _Timed:
                 for batch in placed:
                     state, metrics, loss, norms = self.compiled(state, metrics, batch)
                     outputs.append((loss, norms))
-                    if len(outputs) > in_flight:  # bounded: see PITFALLS.md
+                    if len(outputs) > in_flight:  # unbounded, CPU collectives deadlock
                         jax.block_until_ready(outputs[-in_flight - 1])
                 jax.block_until_ready((state, metrics, outputs))
                 return (time.perf_counter() - start) / len(placed)

@@ -1,7 +1,7 @@
 """Batches placed on the devices ahead of the steps, with the data position kept exact.
 
 A background thread takes host batches from the epoch's iterator and places
-them (``Trainer.place``) while the current step runs. The iterator then runs
+them (``Placement.place``) while the current step runs. The iterator then runs
 ahead of training, so the position a checkpoint saves is the one recorded
 after the last batch a step *took*, and closing the prefetch sets the
 iterator back to it: nothing is skipped or taken twice.

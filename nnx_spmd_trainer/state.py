@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies import Strategy
+from nnx_spmd_trainer.strategies.base import is_variable
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
@@ -102,10 +103,6 @@ def model_builder(
     return ShardedInit(lambda: with_optimizer(model(nnx.Rngs(seed))), strategy, mesh)
 
 
-def _is_variable(x: object) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 class LiveState:
     """The live ``{"model": ..., "optimizer": ...}`` objects: the one authority for the state.
 
@@ -132,7 +129,7 @@ class LiveState:
         # The Variables holding an array, in leaf order; one holding optax's empty
         # MaskedNode has no leaf (its structure lives in treedef).
         self.variables: list[nnx.Variable[Any]] = [
-            v for v in jax.tree.leaves(state, is_leaf=_is_variable) if jax.tree.leaves(v)
+            v for v in jax.tree.leaves(state, is_leaf=is_variable) if jax.tree.leaves(v)
         ]
 
     def arrays(self) -> list[jax.Array]:

@@ -51,7 +51,8 @@ Axes = tuple[tuple[str, int], ...]
 Jit = Callable[..., Callable[..., Any]]
 
 
-def _is_variable(x: object) -> bool:
+def is_variable(x: object) -> bool:
+    """Whether ``x`` is an ``nnx.Variable``: the leaf of a state tree walked per variable."""
     return isinstance(x, nnx.Variable)
 
 
@@ -190,7 +191,7 @@ class Strategy(abc.ABC):
                     raise
                 return sh.Unresolved(error)
 
-        return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=_is_variable)
+        return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)
 
     def state_shardings(
         self, abstract_state: nnx.State, mesh: Mesh, proposed: nnx.State | None = None

@@ -13,11 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.attention import LENGTH_NAMES
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
 from nnx_spmd_trainer.strategies.base import context_rules
-
-#: Logical activation names of the sequence dimension, mapped to the axis while tracing.
-LENGTH_NAMES = ("length", "seq")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
