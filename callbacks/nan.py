@@ -31,6 +31,14 @@ class TerminateOnNaN(Callback):
     waits for that step anyway), which covers the few steps not yet checked
     here. Losses of a diverged model stay non-finite, so no NaN state is saved.
 
+    The weights it leaves in memory: by default those after the step it stopped
+    at, which went through the non-finite step's update (NaN, typically); with
+    ``Trainer(skip_nonfinite_updates=True)`` a step whose loss or new parameters
+    are not finite changes neither the weights nor the optimizer's state, so they
+    are the last finite weights, to evaluate or save. The warning says which.
+    (Restoring the last finite step's state here instead would need a copy of the
+    state for every step in flight, or a host sync each step: the skip costs neither.)
+
     Attributes:
       stopped_step: the first step whose loss was not finite, or ``None``
         (reset, with ``trainer.progress.nonfinite_step``, when a new ``fit`` begins).
@@ -70,10 +78,24 @@ class TerminateOnNaN(Callback):
         self.trainer.request_stop(nonfinite_step=step)
         warnings.warn(
             f"TerminateOnNaN: the loss is {value} at step {step}; training stopped at step "
-            f"{self.trainer.step}. Restore a checkpoint from before step {step} and lower the "
-            "learning rate or check the data of that step.",
+            f"{self.trainer.step}. {self._in_memory(step)} Lower the learning rate or check "
+            f"the data of step {step}.",
             RuntimeWarning,
             stacklevel=2,
+        )
+
+    def _in_memory(self, step: int) -> str:
+        """What the weights left in memory are, and where to find good ones if they are not."""
+        if self.trainer.plan.skip_nonfinite_updates:
+            return (
+                f"skip_nonfinite_updates: step {step}, and any other step whose loss or "
+                "parameters were not finite, changed nothing, so the weights in memory are "
+                f"those of the finite steps up to step {self.trainer.step}: evaluate or save them."
+            )
+        return (
+            f"The weights in memory went through step {step}'s update and are not finite "
+            f"(NaN, typically): restore a checkpoint from before step {step}, or train with "
+            "Trainer(skip_nonfinite_updates=True), where such a step changes nothing."
         )
 
     @override

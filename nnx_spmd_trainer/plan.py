@@ -57,6 +57,11 @@ class Plan:
         peak: under ``"full"`` the forward pass is recomputed in one piece before
         the backward pass, so the peak is that of ``"none"``; checkpoint each block
         instead (``remat.remat``), where saving nothing pays.
+      skip_nonfinite_updates: a train step whose loss or new parameters are not finite
+        leaves the weights and the optimizer's state as they were (the step count and
+        RNG state move on), as ``optax.apply_if_finite`` does; its loss still reaches
+        the metrics and ``TerminateOnNaN``. Costs a check and a select over the state
+        each step. Default ``False``.
 
     Attributes:
       strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
@@ -87,6 +92,7 @@ class Plan:
         devices: Sequence[jax.Device] | None = None,
         donate: bool | None = None,
         remat: str = "none",
+        skip_nonfinite_updates: bool = False,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
@@ -107,7 +113,14 @@ class Plan:
         self.treedef = jax.tree.structure(self.abstract_state)
         if donate is None:
             donate = backend_default("donate", self.mesh)
-        self.steps = step.StepCompiler(self.strategy, self.mesh, self.leaf_shardings, donate=donate)
+        self.skip_nonfinite_updates = skip_nonfinite_updates
+        self.steps = step.StepCompiler(
+            self.strategy,
+            self.mesh,
+            self.leaf_shardings,
+            donate=donate,
+            skip_nonfinite=skip_nonfinite_updates,
+        )
 
     @functools.cached_property
     def leaf_shardings(self) -> list[NamedSharding]:

@@ -237,12 +237,56 @@ def global_norm(leaves: list[jax.Array]) -> jax.Array:
     return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
 
 
+#: What moves on even in a step ``skip_nonfinite`` undoes: the optimizer's step count
+#: (the host's copy of it, and so the data position and the checkpoints' step numbers,
+#: stay in sync) and the RNG state (the next step draws fresh dropout masks).
+COUNTERS = nnx.Any(nnx.RngState, lambda path, _: tuple(path) == ("optimizer", "step"))
+
+
+def all_finite(arrays: list[jax.Array]) -> jax.Array:
+    """One boolean: every element of every floating-point array in ``arrays`` is finite.
+
+    >>> bool(all_finite([jnp.ones(3), jnp.array(2.0)]))
+    True
+    >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])]))
+    False
+    """
+    checks = [jnp.isfinite(x).all() for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def held_state(objects: Any) -> nnx.State:
+    """What a skipped step keeps as it was: all of the state but ``COUNTERS`` (and sown
+    intermediates, which are not carried): the parameters, the optimizer's moments and its
+    own counts (as ``optax.apply_if_finite`` keeps them), the model's other state."""
+    return nnx.state(objects, nnx.Not(nnx.Any(COUNTERS, nnx.Intermediate)))
+
+
+def undo_if_not_finite(
+    objects: Any, before: list[jax.Array], loss: jax.Array, wrt: nnx.filterlib.Filter
+) -> jax.Array:
+    """Puts ``before`` (the ``held_state`` leaves before the step) back into ``objects``
+    unless the step's ``loss`` and new ``wrt`` parameters are all finite; returns whether
+    they were.
+
+    A ``jnp.where`` per leaf, not a ``lax.cond``: no control flow in the step, and under
+    a sharded layout every device selects by the same flag (the check reduces over the
+    whole parameters, all their shards).
+    """
+    finite = all_finite([loss, *jax.tree.leaves(nnx.state(objects["model"], wrt))])
+    after, treedef = jax.tree.flatten(held_state(objects))
+    kept = [jnp.where(finite, a, b) for a, b in zip(after, before, strict=True)]
+    nnx.update(objects, jax.tree.unflatten(treedef, kept))
+    return finite
+
+
 def make_train_step(
     graphdef: nnx.GraphDef[Any],
     train_step_fn: TrainStepFn,
     *,
     wrt: nnx.filterlib.Filter = nnx.Param,
     norms: bool = True,
+    skip_nonfinite: bool = False,
 ) -> Callable[..., tuple[nnx.State, clu_metrics.Collection, jax.Array, dict[str, jax.Array]]]:
     """``(state, metrics, batch) -> (state, metrics, loss, norms)`` over
     ``{"model", "optimizer"}`` state.
@@ -252,6 +296,9 @@ def make_train_step(
     ``loss`` and ``aux``. With ``norms``, ``norms`` holds the global norms of
     the ``wrt`` parameters after the step, of the step's change to them, and
     ``aux["grad_norm"]`` when the step returns it; they stay on the devices.
+    With ``skip_nonfinite``, a step whose loss or new parameters are not finite
+    changes nothing but ``COUNTERS`` (``undo_if_not_finite``); its loss and
+    metrics are still reported, so ``TerminateOnNaN`` and the logs see it.
     """
 
     def train_step(
@@ -261,7 +308,10 @@ def make_train_step(
         model, optimizer = objects["model"], objects["optimizer"]
         model.train()
         before = jax.tree.leaves(nnx.state(model, wrt))
+        held = jax.tree.leaves(held_state(objects)) if skip_nonfinite else []
         loss, aux = checked_loss(train_step_fn(model, optimizer, batch), "train_step")
+        if skip_nonfinite:
+            undo_if_not_finite(objects, held, loss, wrt)
         found: dict[str, jax.Array] = {}
         if norms:
             after = jax.tree.leaves(nnx.state(model, wrt))
@@ -353,10 +403,12 @@ class StepCompiler:
         state_shardings: list[NamedSharding],
         *,
         donate: bool = True,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.strategy, self.mesh = strategy, mesh
         self.state_shardings = state_shardings
         self.donate = donate  # the train step's state and metrics buffers, to its outputs
+        self.skip_nonfinite = skip_nonfinite  # make_train_step's
         self._compiled: dict[Any, Callable[..., Any]] = {}
 
     @property
@@ -388,7 +440,9 @@ class StepCompiler:
         replicated = NamedSharding(self.mesh, P())
         batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
         if kind == "train":
-            built = make_train_step(graphdef, fn, wrt=wrt, norms=norms)
+            built = make_train_step(
+                graphdef, fn, wrt=wrt, norms=norms, skip_nonfinite=self.skip_nonfinite
+            )
             out: Any = (self.state_shardings, replicated, replicated, replicated)
             donate: tuple[int, ...] = (0, 1) if self.donate else ()
         else:

@@ -55,8 +55,8 @@ class Trainer:
         so parameters are born sharded), an already-built ``nnx.Module``
         (built under ``nnx.use_eager_sharding(False)`` if annotated; its state
         is moved onto the mesh and ``trainer.model`` is a new object holding
-        it), or a ``Plan`` (then give no optimizer, strategy, metrics, seed,
-        grad_accum_steps, wrt, devices, donate or remat: the plan holds them).
+        it), or a ``Plan`` (then give no optimizer, strategy, metrics, seed, grad_accum_steps,
+        wrt, devices, donate, remat or skip_nonfinite_updates: the plan holds them).
       optimizer: any optax ``GradientTransformation``; its ``update`` also gets
         ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
@@ -91,6 +91,9 @@ class Trainer:
       remat: the activation-checkpointing policy ``loss_fn`` runs under (``Plan``'s
         ``remat``: a name in ``remat.POLICIES``, e.g. ``"dots_saveable"``); a
         ``train_step`` override gets it through ``compute_gradients``. Default ``"none"``.
+      skip_nonfinite_updates: a step whose loss or new parameters are not finite
+        changes neither the weights nor the optimizer's state (``Plan``'s), so a
+        ``TerminateOnNaN`` stop leaves the last finite weights in memory. Default ``False``.
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
       config: the run's configuration, for callbacks that record it.
@@ -144,6 +147,7 @@ class Trainer:
         prefetch: int | None = None,
         donate: bool | None = None,
         remat: str = "none",
+        skip_nonfinite_updates: bool = False,
         memory_budget_bytes: int | None = None,
         config: Any = None,
     ) -> None:
@@ -164,6 +168,7 @@ class Trainer:
                 "devices": devices is not None,
                 "donate": donate is not None,
                 "remat": remat != "none",
+                "skip_nonfinite_updates": skip_nonfinite_updates,
             }
             if any(given.values()):
                 names = ", ".join(name for name, was in given.items() if was)
@@ -185,6 +190,7 @@ class Trainer:
                 "devices": devices,
                 "donate": donate,
                 "remat": remat,
+                "skip_nonfinite_updates": skip_nonfinite_updates,
             }
             if auto_layout is not None:  # now, not as every candidate's failure in fit
                 platform = (devices or jax.devices())[0].platform
