@@ -160,18 +160,29 @@ def restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any, m
     if not has_position(iterator):
         return False  # the data given now is not a Grain pipeline: skip batches instead
     if int(meta.get("num_processes", 1)) != jax.process_count():
-        # Grain saved one state file per process of the old count. A MapDataset
-        # iterator's state is its index in batches, and every process of a
-        # per-process pipeline (rows[i::n], batched to global/n) is at the same
-        # index at a step, whatever n: set it from the run's own position.
+        # Grain saved one state file per process of the old count. Every process of a
+        # per-process pipeline (rows[i::n], batched to global/n) has taken the same
+        # batches at a step, whatever n: set its index from the run's own position.
         if set(iterator.get_state()) != {"next_index"}:
             return False  # another kind of pipeline: skip batches instead
-        iterator.set_state({"next_index": int(meta["batches_in_epoch"])})
+        batches = int(meta["batches_in_epoch"])
+        if batches:
+            iterator.set_state({"next_index": batches * _index_per_batch(iterator)})
         return True
     manager.restore(
         step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
     )
     return True
+
+
+def _index_per_batch(iterator: Any) -> int:
+    """How far one batch moves a Grain iterator's ``next_index``: 1 where it counts batches
+    (``MapDataset.batch(...).to_iter_dataset()``), a batch's rows where it counts rows
+    (``to_iter_dataset().batch(...)``). Found by taking one batch, so the caller sets the
+    position afterwards."""
+    start = int(iterator.get_state()["next_index"])
+    next(iterator)
+    return int(iterator.get_state()["next_index"]) - start
 
 
 def set_aside(

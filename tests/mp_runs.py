@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grain
 import jax
 import numpy as np
 import optax
@@ -107,9 +108,19 @@ class RecordBatches(Callback):
         self.losses.append(float(np.asarray(self.trainer.report.last_loss.addressable_data(0))))
 
 
-def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
+def rows_counted_pipeline(index: int, count: int) -> grain.IterDataset:
+    """``index_batches``' rows, batched after ``to_iter_dataset``: its position counts rows."""
+    rows = grain.MapDataset.range(EXAMPLES).shuffle(seed=0).repeat()[index::count]
+    gathered = rows.to_iter_dataset().batch(GLOBAL_BATCH // count)
+    return gathered.map(lambda i: {"x": X[i], "y": Y[i]})
+
+
+def train_grain(
+    checkpoints: Path, max_steps: int, *, rows_counted: bool = False
+) -> dict[str, np.ndarray]:
     """Trains to ``max_steps`` on a per-process Grain pipeline, saving every 3 steps and
-    resuming from ``checkpoints`` if it holds any; what happened, as host arrays."""
+    resuming from ``checkpoints`` if it holds any; what happened, as host arrays.
+    ``rows_counted``: a pipeline whose position counts rows, not batches."""
     recorder = RecordBatches()
     checkpoint = OrbaxCheckpoint(checkpoints, save_every_n_steps=3)
     trainer = Trainer(
@@ -120,13 +131,17 @@ def train_grain(checkpoints: Path, max_steps: int) -> dict[str, np.ndarray]:
         callbacks=[checkpoint, recorder],
     )
     index, count = trainer.placement.data_shard
-    pipeline = index_batches(
-        EXAMPLES,
-        GLOBAL_BATCH // count,
-        lambda i: {"x": X[i], "y": Y[i]},
-        seed=0,
-        repeat=True,
-        shard=(index, count),
+    pipeline = (
+        rows_counted_pipeline(index, count)
+        if rows_counted
+        else index_batches(
+            EXAMPLES,
+            GLOBAL_BATCH // count,
+            lambda i: {"x": X[i], "y": Y[i]},
+            seed=0,
+            repeat=True,
+            shard=(index, count),
+        )
     )
     trainer.fit(iter(pipeline), max_steps=max_steps)
     params = multihost_utils.process_allgather(nnx.state(trainer.model, nnx.Param), tiled=True)

@@ -1,7 +1,7 @@
 """One process of a multi-process run started by the tests (``distributed.Launch``).
 
     python tests/mp_worker.py OUT.npz [STRATEGY ...]
-    python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS   (mp_runs.py)
+    python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted]
     python tests/mp_worker.py OUT.npz --sequence NAME ...   (tiny GPT, SEQUENCE_STRATEGIES)
     python tests/mp_worker.py REPORT --a-slice-per-process   (fails: REPORT.0, REPORT.1)
 
@@ -38,8 +38,9 @@ if __name__ == "__main__":
     if sys.argv[2:3] == ["--a-slice-per-process"]:
         train_a_slice_per_process(Path(sys.argv[1]))  # raises
         sys.exit("the run fed against data_shard was not stopped")
-    if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS
-        results = train_grain(Path(sys.argv[3]), int(sys.argv[4]))
+    if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted]
+        rows_counted = sys.argv[5:6] == ["--rows-counted"]
+        results = train_grain(Path(sys.argv[3]), int(sys.argv[4]), rows_counted=rows_counted)
     elif sys.argv[2:3] == ["--sequence"]:  # OUT.npz --sequence NAME ... (SEQUENCE_STRATEGIES)
         for name in sys.argv[3:]:
             results.update(train_gpt_sequence(name))

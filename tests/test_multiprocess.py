@@ -170,10 +170,12 @@ def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
     assert "[0] input: the steps waited for batches" in two.stdout  # the data-wait share
 
 
-def _two_process_grain(tmp_path: Path, checkpoints: Path, max_steps: int) -> dict:
+def _two_process_grain(tmp_path: Path, checkpoints: Path, max_steps: int, *flags: str) -> dict:
     out = tmp_path / f"grain-{max_steps}.npz"
     log = io.StringIO()
-    command = [sys.executable, str(WORKER), str(out), "--grain", str(checkpoints), str(max_steps)]
+    command = [
+        sys.executable, str(WORKER), str(out), "--grain", str(checkpoints), str(max_steps), *flags
+    ]  # fmt: skip
     assert distributed.Launch(command, 2, out=log).run() == 0, log.getvalue()[-4000:]
     return dict(np.load(out))
 
@@ -200,6 +202,17 @@ def test_a_checkpoint_moves_between_process_counts_with_its_data_position(tmp_pa
     # Written by 1 process at step 3, resumed by 2.
     train_grain(tmp_path / "by-one", 3)
     resumed = _two_process_grain(tmp_path, tmp_path / "by-one", 6)
+    assert int(resumed["restored_step"]) == 3
+    _assert_same_run(resumed, whole, 3)
+
+
+def test_a_pipeline_counting_rows_resumes_on_another_process_count(tmp_path):
+    """``to_iter_dataset().batch(n)`` keeps its position in rows, not batches: written by
+    2 processes at step 3, it resumes on 1 at the rows an uninterrupted run takes."""
+    whole = train_grain(tmp_path / "whole", 6, rows_counted=True)
+    first = _two_process_grain(tmp_path, tmp_path / "by-two", 3, "--rows-counted")
+    np.testing.assert_array_equal(first["rows"], whole["rows"][:3])
+    resumed = train_grain(tmp_path / "by-two", 6, rows_counted=True)
     assert int(resumed["restored_step"]) == 3
     _assert_same_run(resumed, whole, 3)
 
