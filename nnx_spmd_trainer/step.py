@@ -342,6 +342,21 @@ def make_eval_step(
     return eval_step
 
 
+def make_predict_step(
+    graphdef: nnx.GraphDef[Any], predict_fn: Callable[[nnx.Module, Batch], Any]
+) -> Callable[..., Any]:
+    """``(state, None, batch) -> outputs`` of ``predict_fn(model, batch)`` in eval mode;
+    the unused second argument keeps the eval step's calling convention."""
+
+    def predict_step(state: nnx.State, unused: None, batch: Batch) -> Any:
+        del unused
+        model = nnx.merge(graphdef, state)["model"]
+        model.eval()
+        return predict_fn(model, batch)
+
+    return predict_step
+
+
 def over_flat_state(
     step_fn: Callable[..., Any], treedef: Any, *, returns_state: bool
 ) -> Callable[..., Any]:
@@ -428,10 +443,11 @@ class StepCompiler:
         norms: bool = False,
         key: Any = (),
     ) -> Callable[..., Any]:
-        """The jitted ``kind`` step ("train" or "eval") for batches shaped like ``batch``.
+        """The jitted ``kind`` step ("train", "eval" or "predict") for batches like ``batch``.
 
-        ``fn`` is the train step ``(model, optimizer, batch) -> (loss, aux)`` or the
-        eval function ``(model, batch) -> (loss, aux)``; ``key`` tells apart
+        ``fn`` is the train step ``(model, optimizer, batch) -> (loss, aux)``, the
+        eval function ``(model, batch) -> (loss, aux)`` or the predict function
+        ``(model, batch) -> outputs`` (laid out as XLA chooses); ``key`` tells apart
         settings ``fn`` reads at trace time (gradient accumulation).
         """
         cache_key = (kind, norms, graphdef, jax.tree.structure(batch), fn, key)
@@ -445,9 +461,11 @@ class StepCompiler:
             )
             out: Any = (self.state_shardings, replicated, replicated, replicated)
             donate: tuple[int, ...] = (0, 1) if self.donate else ()
-        else:
+        elif kind == "eval":
             built = make_eval_step(graphdef, fn)
             out, donate = replicated, ()
+        else:
+            built, out, donate = make_predict_step(graphdef, fn), None, ()
         flat = over_flat_state(built, treedef, returns_state=kind == "train")
         compiled = self.strategy.compile_step(
             traced_within(

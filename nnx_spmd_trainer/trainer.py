@@ -19,7 +19,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto, data, step
+from nnx_spmd_trainer import auto, data, predict, step
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
@@ -65,6 +65,9 @@ class Trainer:
         fastest (``choose_layout``).
       loss_fn: ``(model, batch) -> (loss, aux)``; or override ``Trainer.loss_fn``.
       eval_fn: like ``loss_fn`` for evaluation; defaults to ``loss_fn``.
+      predict_fn: ``(model, batch) -> outputs`` for ``predict``; or override
+        ``Trainer.predict_fn``. Default: ``model(batch["x"])`` (``model(batch)`` for
+        a batch that is not a dict).
       metrics: a ``clu.metrics.Collection`` subclass fed ``loss=`` and ``**aux``
         inside the compiled step; default: the average loss.
       callbacks: ``Callback`` objects, called in the order given.
@@ -135,6 +138,7 @@ class Trainer:
         strategy: Strategy | str | auto.Auto | None = None,
         loss_fn: step.LossFn | None = None,
         eval_fn: step.LossFn | None = None,
+        predict_fn: Callable[[nnx.Module, Any], Any] | None = None,
         metrics: type[clu_metrics.Collection] | None = None,
         callbacks: Sequence[Callback] = (),
         seed: int = 0,
@@ -212,6 +216,7 @@ class Trainer:
                 self._auto = (auto_layout, choose)
         self._loss_fn = loss_fn or (plan.loss_fn if plan else None)
         self._eval_fn = eval_fn or (plan.eval_fn if plan else None)
+        self._predict_fn = predict_fn
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
@@ -510,6 +515,13 @@ class Trainer:
         """Evaluation loss and metrics inputs; defaults to ``loss_fn``."""
         return (self._eval_fn or self.loss_fn)(model, batch)
 
+    def predict_fn(self, model: nnx.Module, batch: Any) -> Any:
+        """The model's outputs for one batch, in eval mode; called inside the compiled
+        predict step. Defaults to ``predict_fn=``, else ``model(batch["x"])``."""
+        if self._predict_fn is not None:
+            return self._predict_fn(model, batch)
+        return model(predict.model_inputs(batch))
+
     def padded(self, batch: Any, *, divisor: int | None = None) -> Any:
         """``batch`` (a dict) with rows padded to a count the mesh can split, and a
         ``"mask"`` marking the padding (``data.pad_batch``).
@@ -525,7 +537,12 @@ class Trainer:
 
     def _compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
         live = self._objects()
-        fn = self.train_step if kind == "train" else self.eval_fn
+        fns: dict[str, Callable[..., Any]] = {
+            "train": self.train_step,
+            "eval": self.eval_fn,
+            "predict": self.predict_fn,
+        }
+        fn = fns[kind]
         return self.plan.compiled(
             kind, batch, fn=fn, norms=norms, graphdef=live.graphdef, treedef=live.treedef
         )
@@ -788,6 +805,28 @@ class Trainer:
         logs = self.report.compute("eval")
         self.callbacks.on_test_end(logs)
         return logs
+
+    def predict(self, data: Iterable[Any], *, to_numpy: bool = False) -> list[Any]:
+        """``predict_fn``'s outputs for each batch of ``data``, in order.
+
+        A batch whose rows the mesh cannot split is padded, and its outputs are
+        trimmed back to its rows (outputs then need the rows as their leading
+        dimension). Outputs stay on the devices, laid out as the compiler chose,
+        unless ``to_numpy``: then every process gets the whole of each as NumPy.
+
+        Example::
+
+            logits = trainer.predict(test_batches, to_numpy=True)  # [(rows, classes), ...]
+        """
+        arrays = self._objects().arrays()
+        with jax.set_mesh(self.mesh):
+            return predict.predict_batches(
+                data,
+                self.placement,
+                lambda batch: self._compile("predict", batch),
+                arrays,
+                to_numpy=to_numpy,
+            )
 
     def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Writes the model's parameters where plain Orbax loads them (``export_params``).
