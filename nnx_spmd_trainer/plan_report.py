@@ -201,8 +201,20 @@ def _cost(compiled: Any) -> dict[str, float]:
 
 
 def _device_limit(devices: Sequence[jax.Device]) -> int | None:
-    stats = devices[0].memory_stats() if devices else None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+    """The smallest memory limit the backend reports for this process's ``devices``.
+
+    Another process's devices cannot be asked (PjRt: "MemoryStats is only supported for
+    addressable devices"), so each process reads its own; processes on the same hardware
+    read the same limit, and a job spans one kind of hardware."""
+    here = jax.process_index()
+    limits = [
+        int(stats["bytes_limit"])
+        for device in devices
+        if device.process_index == here
+        and (stats := device.memory_stats())
+        and "bytes_limit" in stats
+    ]
+    return min(limits, default=None)
 
 
 def suggestions(mesh: Mapping[str, int], grad_accum_steps: int) -> list[str]:
