@@ -21,10 +21,12 @@ from toy_models import Net, RecordLosses, classification_loss, make_batches
 
 from nnx_spmd_trainer import (
     FSDP,
+    Auto,
     Callback,
     DataParallel,
     Hybrid,
     SequenceParallel,
+    Strategy,
     TensorParallel,
     Trainer,
 )
@@ -115,22 +117,34 @@ def rows_counted_pipeline(index: int, count: int) -> grain.IterDataset:
     return gathered.map(lambda i: {"x": X[i], "y": Y[i]})
 
 
+#: ``strategy="auto"`` between two layouts, timed briefly: what a resumed run must keep.
+AUTO = Auto(
+    candidates=[DataParallel(), Hybrid(FSDP(4, min_size=1), TensorParallel(2))], steps=1, rounds=1
+)
+
+
 def train_grain(
-    checkpoints: Path, max_steps: int, *, rows_counted: bool = False
+    checkpoints: Path,
+    max_steps: int,
+    *,
+    rows_counted: bool = False,
+    strategy: Strategy | Auto | None = None,
 ) -> dict[str, np.ndarray]:
     """Trains to ``max_steps`` on a per-process Grain pipeline, saving every 3 steps and
     resuming from ``checkpoints`` if it holds any; what happened, as host arrays.
-    ``rows_counted``: a pipeline whose position counts rows, not batches."""
+    ``rows_counted``: a pipeline whose position counts rows, not batches.
+    ``strategy``: default ``DataParallel()``; with ``AUTO`` the choice is returned too."""
     recorder = RecordBatches()
     checkpoint = OrbaxCheckpoint(checkpoints, save_every_n_steps=3)
     trainer = Trainer(
         Net,
         optax.adam(1e-2),
-        strategy=DataParallel(),
+        strategy=strategy or DataParallel(),
         loss_fn=classification_loss,
         callbacks=[checkpoint, recorder],
     )
-    index, count = trainer.placement.data_shard
+    # Auto's candidates split rows over the processes as DataParallel does (as the CLI).
+    index, count = DataParallel().data_shard(DataParallel().make_mesh())
     pipeline = (
         rows_counted_pipeline(index, count)
         if rows_counted
@@ -145,7 +159,10 @@ def train_grain(
     )
     trainer.fit(iter(pipeline), max_steps=max_steps)
     params = multihost_utils.process_allgather(nnx.state(trainer.model, nnx.Param), tiled=True)
+    choice = trainer.layout_choice
     return {
+        "strategy": np.array(repr(choice.strategy if choice else trainer.plan.strategy)),
+        "resumed_layout": np.array(bool(choice and choice.resumed)),
         "restored_step": np.array(
             -1 if checkpoint.restored_step is None else checkpoint.restored_step
         ),

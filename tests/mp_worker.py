@@ -1,7 +1,7 @@
 """One process of a multi-process run started by the tests (``distributed.Launch``).
 
     python tests/mp_worker.py OUT.npz [STRATEGY ...]
-    python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted]
+    python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted] [--auto]
     python tests/mp_worker.py OUT.npz --sequence NAME ...   (tiny GPT, SEQUENCE_STRATEGIES)
     python tests/mp_worker.py REPORT --a-slice-per-process   (fails: REPORT.0, REPORT.1)
 
@@ -25,6 +25,7 @@ assert distributed.initialize(), "run me through distributed.Launch"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from mp_runs import (  # noqa: E402
+    AUTO,
     STRATEGIES,
     train,
     train_a_slice_per_process,
@@ -39,8 +40,12 @@ if __name__ == "__main__":
         train_a_slice_per_process(Path(sys.argv[1]))  # raises
         sys.exit("the run fed against data_shard was not stopped")
     if sys.argv[2:3] == ["--grain"]:  # OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted]
-        rows_counted = sys.argv[5:6] == ["--rows-counted"]
-        results = train_grain(Path(sys.argv[3]), int(sys.argv[4]), rows_counted=rows_counted)
+        results = train_grain(
+            Path(sys.argv[3]),
+            int(sys.argv[4]),
+            rows_counted="--rows-counted" in sys.argv[5:],
+            strategy=AUTO if "--auto" in sys.argv[5:] else None,
+        )
     elif sys.argv[2:3] == ["--sequence"]:  # OUT.npz --sequence NAME ... (SEQUENCE_STRATEGIES)
         for name in sys.argv[3:]:
             results.update(train_gpt_sequence(name))

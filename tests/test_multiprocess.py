@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mp_runs import STRATEGIES, train, train_grain
+from mp_runs import AUTO, STRATEGIES, train, train_grain
 from test_cli import _cli
 
 from nnx_spmd_trainer import distributed
@@ -214,6 +214,20 @@ def test_a_pipeline_counting_rows_resumes_on_another_process_count(tmp_path):
     np.testing.assert_array_equal(first["rows"], whole["rows"][:3])
     resumed = train_grain(tmp_path / "by-two", 6, rows_counted=True)
     assert int(resumed["restored_step"]) == 3
+    _assert_same_run(resumed, whole, 3)
+
+
+def test_a_two_process_auto_run_resumes_in_its_layout_untimed(tmp_path):
+    """``strategy="auto"`` on 2 processes: the resumed job keeps the layout it saved in
+    (every process, nothing timed) and ends as one process does in that layout."""
+    first = _two_process_grain(tmp_path, tmp_path / "auto", 3, "--auto")
+    assert not first["resumed_layout"]
+    resumed = _two_process_grain(tmp_path, tmp_path / "auto", 6, "--auto")
+    assert resumed["resumed_layout"] and int(resumed["restored_step"]) == 3
+    assert str(resumed["strategy"]) == str(first["strategy"])
+    (layout,) = [s for s in AUTO.candidates or () if repr(s) == str(first["strategy"])]
+    whole = train_grain(tmp_path / "whole", 6, strategy=layout)  # one process, not timed
+    np.testing.assert_array_equal(first["rows"], whole["rows"][:3])
     _assert_same_run(resumed, whole, 3)
 
 
