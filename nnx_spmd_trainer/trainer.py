@@ -19,7 +19,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto, data, predict, step
+from nnx_spmd_trainer import auto, data, deprecation, predict, step
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
@@ -119,8 +119,8 @@ class Trainer:
         ``report.request_log_every(n)``, ``report.last_loss``).
       placement: batch placement (``Placement``: ``place``, ``data_shard``,
         ``prefetch``, the in-flight bound).
-      stop_training: set it (Keras's convention) or ``request_stop()`` to end ``fit``
-        after the current step.
+      stop_requested: whether ``fit`` ends after the current step (``request_stop``;
+        ``stop_training``, Keras's spelling, is a deprecated alias).
       history: the logged values of every ``fit`` (a ``History`` callback).
 
     Example::
@@ -230,7 +230,7 @@ class Trainer:
             metrics_class = metrics if metrics is not None else DefaultMetrics
             self._report = MetricsReport(metrics_class.empty, jax.local_devices())
         self.progress = Progress()
-        self.stop_training = False
+        self._stop_requested = False
         self._live: LiveState | None = None  # built when first needed
         self._resume_point: RunState | None = None  # the run before fit's final report
         self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
@@ -467,12 +467,24 @@ class Trainer:
             int(run.epoch), int(run.batches_in_epoch), restore
         )
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether ``fit`` ends after the current step (``request_stop`` was called)."""
+        return self._stop_requested
+
+    stop_training = deprecation.renamed_property(
+        "Trainer.stop_training",
+        "trainer.request_stop() to stop, trainer.stop_requested to read",
+        lambda trainer: trainer.stop_requested,
+        lambda trainer, stop: trainer.request_stop() if stop else None,
+    )
+
     def request_stop(self, *, preempted: bool = False, nonfinite_step: int | None = None) -> None:
         """Ends ``fit`` after the current step (what a callback asks instead of writing
         the trainer's fields). ``preempted``: a checkpoint was saved for a preemption
         (``fit`` then ends without its final evaluation). ``nonfinite_step``: the first
         step whose loss was not finite; no checkpoint saves from it on."""
-        self.stop_training = True
+        self._stop_requested = True
         self.progress.preempted |= preempted
         if nonfinite_step is not None and self.progress.nonfinite_step is None:
             self.progress.nonfinite_step = nonfinite_step
@@ -573,7 +585,7 @@ class Trainer:
             raise ValueError("eval_every_n_steps was given without eval_data.")
         if self._auto is not None:
             train_data = auto.choose_on(train_data, self._auto[0].steps, self.choose_layout)
-        self.stop_training = False
+        self._stop_requested = False
         self.progress.preempted, self.progress.nonfinite_step = False, None
         self._resume_point = None
         self.progress.max_steps = max_steps
@@ -761,7 +773,7 @@ class Trainer:
         self.report.train_steps += 1
 
     def _done(self, max_steps: int | None) -> bool:
-        return self.stop_training or (max_steps is not None and self.step >= max_steps)
+        return self._stop_requested or (max_steps is not None and self.step >= max_steps)
 
     def _epoch_logs(self) -> Logs:
         self.placement.in_flight.drain()

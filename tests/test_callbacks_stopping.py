@@ -56,7 +56,7 @@ def test_early_stopping_ignores_evaluations_outside_fit():
     evals = make_batches(2, seed=1)
     trainer.evaluate(evals)
     trainer.evaluate(evals)
-    assert stop.best is None and not trainer.stop_training
+    assert stop.best is None and not trainer.stop_requested
 
 
 # -- TerminateOnNaN ----------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Renamed public names keep working for one release, with a ``DeprecationWarning``.
+
+Each rename is listed in the CHANGELOG; the warning names the new spelling and
+is given once per process, so a loop reading an old name is not flooded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+#: The release after which a name deprecated now is gone.
+REMOVED_IN = "0.2.0"
+_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """Warns (once per process) that ``old`` is now spelled ``new``."""
+    if old in _warned:
+        return
+    _warned.add(old)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in {REMOVED_IN}; use {new}.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def renamed_property(
+    old: str,
+    new: str,
+    get: Callable[[Any], Any],
+    set_: Callable[[Any, Any], None] | None = None,
+) -> property:
+    """An attribute ``old`` that reads (and writes) through ``get``/``set_``, warning
+    that it is now ``new``.
+
+    >>> class Run:
+    ...     done = False
+    ...     finished = renamed_property(
+    ...         "Run.finished", "Run.done", lambda run: run.done)
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     Run().finished, caught[0].category.__name__
+    (False, 'DeprecationWarning')
+    """
+
+    def getter(obj: Any) -> Any:
+        warn_renamed(old, new)
+        return get(obj)
+
+    def setter(obj: Any, value: Any) -> None:
+        warn_renamed(old, new)
+        assert set_ is not None
+        set_(obj, value)
+
+    return property(getter, setter if set_ is not None else None, doc=f"Deprecated: {new}.")
