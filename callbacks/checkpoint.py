@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,7 +23,7 @@ from nnx_spmd_trainer import Callback, Logs, RunState
 from nnx_spmd_trainer.prefetch import as_position
 from nnx_spmd_trainer.run_lock import RunLock
 
-from .checkpoint_checks import DamagedCheckpoint, agree_on_damage
+from .checkpoint_checks import DamagedCheckpoint, agree_on_damage, check_same_model
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import read_meta, read_step, restore_iterator, set_aside
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
@@ -364,20 +365,44 @@ class OrbaxCheckpoint(Callback):
         """The strategy the step the next ``fit`` restores was saved under, read from its
         metadata alone (nothing written); ``None`` when no step would be restored or its
         metadata cannot be read (the restore then deals with it)."""
-        if self.restore is None or self._fitted:
-            return None
+        with self._step_to_resume() as (manager, step):
+            if manager is None or step is None:
+                return None
+            try:
+                return str(read_meta(manager, step)["strategy"])
+            except Exception:  # Orbax raises many kinds; a damaged step is the restore's
+                return None
+
+    def check_model(self) -> None:
+        """Raises ``CheckpointOfAnotherModel`` (naming the leaves and the fix) if the step
+        the next ``fit`` would restore was written for another model or optimizer than
+        this callback's trainer holds. Reads that step's metadata alone and writes
+        nothing, so a run can be refused before it writes anything (the CLI does); the
+        restore in ``fit`` checks again. A step that cannot be read is the restore's to
+        report: it passes here."""
+        with self._step_to_resume() as (manager, step):
+            if manager is not None and step is not None:
+                state = self.trainer.run_state(abstract=True).state
+                check_same_model(Path(manager.directory) / str(step), step, state)
+
+    @contextlib.contextmanager
+    def _step_to_resume(self) -> Iterator[tuple[ocp.CheckpointManager | None, int | None]]:
+        """(a read-only manager, the step the next ``fit`` would restore first), closed
+        after; ``(None, None)`` when no step would be restored or none can be listed."""
         by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
-        if not by_path and not self.directory.is_dir():
-            return None
+        if self.restore is None or self._fitted or (not by_path and not self.directory.is_dir()):
+            yield None, None
+            return
         opened: list[ocp.CheckpointManager] = []
         try:
-            if not by_path:
-                opened.append(self._make_manager(self.directory, read_only=True))
-            manager, steps, _ = self._candidates(opened[0] if opened else None)
-            opened.append(manager)  # a step directory's own manager, closed too
-            return str(read_meta(manager, steps[0])["strategy"]) if steps else None
-        except Exception:  # Orbax raises many kinds; a damaged step is the restore's to name
-            return None
+            try:
+                if not by_path:
+                    opened.append(self._make_manager(self.directory, read_only=True))
+                manager, steps, _ = self._candidates(opened[0] if opened else None)
+                opened.append(manager)  # a step directory's own manager, closed too
+            except Exception:  # Orbax raises many kinds; the restore names what is wrong
+                manager, steps = None, []
+            yield manager, (steps[0] if steps else None)
         finally:
             for manager in dict.fromkeys(opened):  # each once
                 manager.close()

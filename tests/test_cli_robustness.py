@@ -4,8 +4,19 @@ Each is one line and an exit status, and the workdir is left as it was."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
-from test_cli import _cli
+from test_cli import _cli, load
+
+from nnx_spmd_trainer import Trainer
+from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
 pytestmark = pytest.mark.slow
 
@@ -23,3 +34,113 @@ def test_a_dry_run_of_two_processes_prints_one_plan_and_exits_0(tmp_path):
                      "{'data': 4, 'model': 2} (cpu)"]  # fmt: skip
     assert "compiled step per device" in proc.stdout
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+# -- items 7 and 8: a workdir the run must leave as it was ----------------------------------
+def snapshot(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every path under ``root``: its bytes (``None`` for a folder) and modification time."""
+    return {
+        str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def refused_in_one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("nnx-spmd-train: error: "), line
+    return line
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, str]:
+    """A finished run of MLP (hidden_dim 256): its workdir and its stdout."""
+    base = tmp_path_factory.mktemp("trained")
+    proc = _cli(*MLP, "--workdir=run", cwd=base)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base / "run", proc.stdout
+
+
+@pytest.fixture
+def workdir(tmp_path, trained) -> Path:
+    """A copy of the trained run's workdir, for a test to run the command again in."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained[0], copy)
+    return copy
+
+
+def test_a_resume_with_another_model_is_refused_before_anything_is_written(workdir):
+    """The size of the model is checked against the checkpoints before the run writes:
+    config.json stays the record of the run that wrote them, and every file is untouched
+    (the run lock's too); a dry run of the new size still prints its plan, and the note."""
+    before = snapshot(workdir)
+    proc = _cli(*MLP, "--config.mlp.hidden_dim=128", f"--workdir={workdir}", cwd=workdir.parent)
+    line = refused_in_one_line(proc)
+    assert f"checkpoint step 4 at {workdir}/checkpoints/4 was written for another model" in line
+    assert "model/fc1/bias: saved ((256,), 'float32'), here ((128,), 'float32')" in line
+    assert f"trained with is in {workdir}/config.json; --config.resume=False starts over" in line
+    assert snapshot(workdir) == before
+    assert b'"hidden_dim": 256' in (workdir / "config.json").read_bytes()
+
+    dry = _cli(*MLP, "--config.mlp.hidden_dim=128", f"--workdir={workdir}", "--dry_run",
+               cwd=workdir.parent)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "plan: Hybrid(DataParallel(4), TensorParallel(2))" in dry.stdout
+    assert "note: the run itself would be refused: checkpoint step 4" in dry.stdout
+    assert snapshot(workdir) == before
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[Path]:
+    """``path`` mounted read-only over itself (a bind mount): root cannot write there either,
+    as on a remounted quota or a directory shared read-only. Root only."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only mount needs root (and chmod does not stop root)")
+    mounted = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_read_only_checkpoint_directory_is_refused_and_still_read(workdir, trained):
+    """The same command again, its checkpoints now read-only: one line naming the directory
+    and the fix, exit 2, nothing changed (config.json, metrics.csv and the lock included).
+    A dry run and an evaluation from the checkpoints read them as they are."""
+    before = snapshot(workdir)
+    checkpoints = workdir / "checkpoints"
+    with read_only(checkpoints):
+        proc = _cli(*MLP, f"--workdir={workdir}", cwd=workdir.parent)
+        dry = _cli(*MLP, f"--workdir={workdir}", "--dry_run", cwd=workdir.parent)
+        step, logs = evaluate_from(checkpoints)
+        assert snapshot(workdir) == before
+    line = refused_in_one_line(proc)
+    assert line == (
+        f"nnx-spmd-train: error: --workdir={workdir}: {checkpoints} is not writable (read-only "
+        "file system) and this run would write there; make it writable or pass another "
+        "--workdir (--dry_run, and evaluating its checkpoints with "
+        "OrbaxCheckpoint(...).restore_into, only read it)."
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "plan: Hybrid(DataParallel(4), TensorParallel(2))" in dry.stdout
+    assert f"note: the run itself would be refused: --workdir={workdir}: " in dry.stdout
+    # The trained run's own last evaluation, from the read-only checkpoint.
+    final = float(trained[1].split("final after 4 steps: eval loss ")[1].split()[0])
+    assert step == 4 and logs["loss"] == pytest.approx(final, abs=1e-4)
+
+
+def evaluate_from(checkpoints: Path) -> tuple[int | None, dict[str, float]]:
+    """The MLP job's trainer, restored from ``checkpoints`` and evaluated, in this process."""
+    config = load("mlp")
+    strategy = tasks.parse_strategy(config.strategy)
+    task = tasks.build_task(config, shard=strategy.data_shard(strategy.make_mesh()))
+    trainer = Trainer(
+        task.model, tasks.make_optimizer(config), strategy=strategy, loss_fn=task.loss_fn,
+        metrics=tasks.Metrics,
+    )  # fmt: skip
+    step = OrbaxCheckpoint(checkpoints).restore_into(trainer)
+    return step, trainer.evaluate(task.splits.eval)

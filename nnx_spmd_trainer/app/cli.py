@@ -172,10 +172,47 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "" if existing == path else f" (its parent {existing} is not)"
         raise tasks.ConfigError(
-            f"{flag}={path} is not writable{where}: permission denied; "
+            f"{flag}={path} is not writable{where}: {_why_not_writable(existing)}; "
             f"pass a {flag} you can write to."
         )
     return path
+
+
+def _why_not_writable(path: Path) -> str:
+    """Why ``os.access`` refused: a read-only mount (which stops root too), or permissions."""
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
+
+
+#: What a run writes inside its workdir besides new files: each must stay writable.
+WRITTEN_IN_WORKDIR = (
+    "config.json",
+    "metrics.csv",
+    RunLock.FILE,
+    "tb",
+    "checkpoints",
+    f"checkpoints/{RunLock.FILE}",
+)
+
+
+def check_workdir_writable(workdir: Path) -> None:
+    """A ``ConfigError`` unless the run can write everywhere in ``workdir`` it would: the
+    workdir itself and what an earlier run left there (checkpoints shared read-only, a
+    full quota remounted read-only). Writes nothing."""
+    check_writable(workdir, "--workdir")
+    for name in WRITTEN_IN_WORKDIR:
+        path = workdir.absolute() / name
+        needed = os.W_OK | os.X_OK if path.is_dir() else os.W_OK
+        if path.exists() and not os.access(path, needed):
+            raise tasks.ConfigError(
+                f"--workdir={workdir.absolute()}: {path} is not writable "
+                f"({_why_not_writable(path)}) and this run would write there; make it "
+                "writable or pass another --workdir (--dry_run, and evaluating its "
+                "checkpoints with OrbaxCheckpoint(...).restore_into, only read it)."
+            )
 
 
 @contextlib.contextmanager
@@ -189,6 +226,18 @@ def blamed_on(key: str, *errors: type[BaseException]) -> Iterator[None]:
         raise
     except caught as error:
         raise tasks.ConfigError(f"{key}: {error}") from error
+
+
+@contextlib.contextmanager
+def refused_or_noted(notes: list[str] | None, *errors: type[Exception]) -> Iterator[None]:
+    """``errors`` raised inside propagate (they refuse the run), or, with ``notes`` (a dry
+    run, which writes nothing and need not be refused), are kept there as messages."""
+    try:
+        yield
+    except errors as error:
+        if notes is None:
+            raise
+        notes.append(str(error))
 
 
 def _first_batch(data: Any) -> Any:
@@ -227,13 +276,19 @@ def run(
     and ``checkpoints/`` under ``workdir``, and nothing before the whole run is
     built and checked: a config that cannot run (a value out of range, a
     layout that does not fit, a batch the mesh cannot split, an unwritable
-    ``workdir``) raises a ``tasks.ConfigError`` naming the key, with nothing written.
+    ``workdir``, or one that holds a file or checkpoints it cannot write) raises a
+    ``tasks.ConfigError`` naming the key, and a resume from checkpoints of another
+    model raises ``CheckpointOfAnotherModel``, with nothing written.
     With ``dry_run`` it prints the plan of the train step (``Plan.report``) and
-    returns there: nothing trained, nothing written.
+    returns there: nothing trained, nothing written; what would refuse the run in
+    ``workdir`` (it writes nothing, so it works in a read-only one) follows the plan
+    as a note.
     """
     tasks.check_config(config)
     workdir = Path(workdir)
-    check_writable(workdir, "--workdir")
+    notes: list[str] | None = [] if dry_run else None
+    with refused_or_noted(notes, tasks.ConfigError):
+        check_workdir_writable(workdir)
     with blamed_on(f"config.strategy={config.strategy!r}"):
         # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
         spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
@@ -299,9 +354,16 @@ def run(
                 divisor=config.grad_accum_steps,
                 data_shards=trainer.placement.data_shard.count,
             )
-    if dry_run:
+    if config.resume:  # the checkpoints to resume must be of this model
+        with refused_or_noted(notes, callbacks.checkpoint_checks.CheckpointOfAnotherModel):
+            for callback in run_callbacks:
+                if isinstance(callback, callbacks.OrbaxCheckpoint):
+                    callback.check_model()
+    if notes is not None:  # a dry run
         first = batch if batch is not None else next(iter(splits.train))
         _say(str(plan_of(trainer, first)))
+        for note in notes:
+            _say(f"note: the run itself would be refused: {note}")
         return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
     started = (
         f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
@@ -566,7 +628,11 @@ def _main(argv: Sequence[str]) -> int:
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         _fail(str(error))
     except callbacks.checkpoint_checks.CheckpointOfAnotherModel as error:  # workdir vs config
-        _fail(str(error))
+        record = Path(workdir).absolute() / "config.json"  # left as it was: see run()
+        _fail(
+            f"{error} The config they were trained with is in {record}; "
+            "--config.resume=False starts over (they are moved aside, not deleted)."
+        )
     except callbacks.checkpoint_save.CheckpointWriteError as error:  # names step, path, cause
         _fail(str(error), status=1)
     if flags.FLAGS.dry_run:
