@@ -56,4 +56,8 @@ def renamed_property(
         assert set_ is not None
         set_(obj, value)
 
-    return property(getter, setter if set_ is not None else None, doc=f"Deprecated: {new}.")
+    return property(
+        getter,
+        setter if set_ is not None else None,
+        doc=f"A deprecated alias (until {REMOVED_IN}); use {new}.",
+    )
