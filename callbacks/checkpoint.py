@@ -25,7 +25,7 @@ from nnx_spmd_trainer.run_lock import RunLock
 
 from .checkpoint_checks import DamagedCheckpoint, agree_on_damage, check_same_model
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
-from .checkpoint_restore import read_meta, read_step, restore_iterator, set_aside
+from .checkpoint_restore import read_meta, read_step, set_aside
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice, QuietManager
@@ -351,9 +351,12 @@ class OrbaxCheckpoint(Callback):
             if not self.directory.is_dir():
                 self.restored_step = None
                 return None
-            # Kept open: the next fit of the trainer reads the Grain position through it.
             manager = self._make_manager(self.directory, read_only=True)
-        step = self._restore(trainer, manager, move_damaged=False)
+        try:
+            step = self._restore(trainer, manager, move_damaged=False)
+        finally:
+            if manager is not None:  # everything is read, the data position too
+                manager.close()
         self.restored_step = step
         self._restored_into = trainer if step is not None else None
         if step is not None and self.report is not None:
@@ -456,7 +459,7 @@ class OrbaxCheckpoint(Callback):
             # Every process must take the same branch: one that read damage makes all skip.
             damaged = agree_on_damage(damaged, step, manager.directory)
             if damaged is None:
-                self._apply(trainer, manager, step, saved)
+                self._apply(trainer, saved)
                 return step
             if not fall_back:
                 raise damaged
@@ -469,14 +472,9 @@ class OrbaxCheckpoint(Callback):
                     self.report(message)
         return None
 
-    def _apply(
-        self, trainer: Trainer, manager: ocp.CheckpointManager, step: int, saved: dict[str, Any]
-    ) -> None:
+    def _apply(self, trainer: Trainer, saved: dict[str, Any]) -> None:
         meta = saved["meta"]
         self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
-        restore_data = None
-        if meta["data"] == "grain":
-            restore_data = lambda iterator: restore_iterator(manager, step, iterator, meta)  # noqa: E731
         arrays = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
         callback_arrays = {
             key: saved[name]
@@ -484,7 +482,7 @@ class OrbaxCheckpoint(Callback):
             if name in saved
         }
         trainer.load_run_state(
-            RunState.from_saved(arrays, meta, callback_arrays=callback_arrays, data=restore_data)
+            RunState.from_saved(arrays, meta, callback_arrays=callback_arrays, data=saved["data"])
         )
 
     def _set_aside_later_than(self, step: int) -> None:

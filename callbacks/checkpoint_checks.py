@@ -132,7 +132,7 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
     one above it cannot be told from a pipeline that counts more than batches.
     """
     if meta.get("data") != "grain" or int(meta.get("num_processes", 1)) != jax.process_count():
-        return  # none saved, or not read (restore_iterator sets it from the metadata)
+        return  # none saved, or not read (another process count: set from the batches taken)
     file = path / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
     where = f"checkpoint step {step} at {path}"
     try:

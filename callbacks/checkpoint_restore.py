@@ -13,7 +13,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from nnx_spmd_trainer.prefetch import has_position
+from nnx_spmd_trainer.data import BATCHES_TAKEN
+from nnx_spmd_trainer.prefetch import as_position
 from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
 
 from .checkpoint_checks import (
@@ -67,7 +68,6 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
         }
     except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
         raise unreadable(error) from error
-    # Grain's position is read back inside fit, after this loop: its file is read here.
     check_data_position(path, step, meta)
     targets = {
         name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
@@ -89,6 +89,10 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
     except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
         raise unreadable(error) from error
     saved["meta"] = meta
+    try:
+        saved["data"] = read_data_position(manager, step, meta)
+    except Exception as error:  # checked above; Grain raises ValueError for a missing file
+        raise unreadable(error) from error
     record = saved["fingerprints"]
     if not record["finite"]:
         raise DamagedCheckpoint(
@@ -156,33 +160,19 @@ def lookup(state: Any, path: tuple[Any, ...]) -> Any:
     return state
 
 
-def restore_iterator(manager: ocp.CheckpointManager, step: int, iterator: Any, meta: dict) -> bool:
-    if not has_position(iterator):
-        return False  # the data given now is not a Grain pipeline: skip batches instead
+def read_data_position(manager: ocp.CheckpointManager, step: int, meta: dict) -> Any:
+    """The step's Grain position as a value for ``RunState.data``: this process's
+    ``get_state()`` as saved; ``data.BATCHES_TAKEN`` when it was saved under another
+    process count (Grain's files are per process); ``None`` when none was saved."""
+    if meta.get("data") != "grain":
+        return None
     if int(meta.get("num_processes", 1)) != jax.process_count():
-        # Grain saved one state file per process of the old count. Every process of a
-        # per-process pipeline (rows[i::n], batched to global/n) has taken the same
-        # batches at a step, whatever n: set its index from the run's own position.
-        if set(iterator.get_state()) != {"next_index"}:
-            return False  # another kind of pipeline: skip batches instead
-        batches = int(meta["batches_in_epoch"])
-        if batches:
-            iterator.set_state({"next_index": batches * _index_per_batch(iterator)})
-        return True
-    manager.restore(
-        step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
-    )
-    return True
-
-
-def _index_per_batch(iterator: Any) -> int:
-    """How far one batch moves a Grain iterator's ``next_index``: 1 where it counts batches
-    (``MapDataset.batch(...).to_iter_dataset()``), a batch's rows where it counts rows
-    (``to_iter_dataset().batch(...)``). Found by taking one batch, so the caller sets the
-    position afterwards."""
-    start = int(iterator.get_state()["next_index"])
-    next(iterator)
-    return int(iterator.get_state()["next_index"]) - start
+        return BATCHES_TAKEN
+    # Read by Grain's own handler: a dict where the metadata recorded one (a
+    # DatasetIterator's state), else the bytes of a DataLoader's (or an older step's).
+    into = as_position({} if meta.get("data_position") is not None else b"")
+    manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(into)))
+    return into.get_state()
 
 
 def set_aside(

@@ -479,3 +479,12 @@ def choose_on(
 class LayoutNotChosen(RuntimeError):
     """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
     was chosen (``fit`` or ``choose_layout``)."""
+
+
+def not_chosen(name: str) -> LayoutNotChosen:
+    """The error for ``trainer.<name>`` asked for before the layout was chosen."""
+    return LayoutNotChosen(
+        f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
+        "placement, state): it chooses one on real batches. Call "
+        "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
+    )

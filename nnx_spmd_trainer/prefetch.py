@@ -45,6 +45,9 @@ class Position(grain.DatasetIterator):
     def close(self) -> None:
         """Nothing to release (a DatasetIterator closes its parents here)."""
 
+    def start_prefetch(self) -> None:
+        """Nothing to start (Grain's restore calls it on what it restored into)."""
+
 
 class _BytesPosition:
     """The same for iterators whose state is bytes (``grain.DataLoader``'s)."""
@@ -58,9 +61,13 @@ class _BytesPosition:
     def set_state(self, state: bytes) -> None:
         self.state = state
 
+    def start_prefetch(self) -> None:
+        """Nothing to start (Grain's restore calls it on what it restored into)."""
+
 
 def as_position(state: Any) -> Any:
-    """A ``get_state()`` value as an object ``grain.checkpoint.CheckpointSave`` can save."""
+    """A ``get_state()`` value as an object ``grain.checkpoint.CheckpointSave`` can save,
+    and ``grain.checkpoint.CheckpointRestore`` read into (``as_position(b"")`` for bytes)."""
     return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
 
 

@@ -1,22 +1,20 @@
-"""Run state: everything a resumed run needs, owned by the core.
+"""Run state: everything a resumed run needs, as a value.
 
-``Trainer.run_state()`` builds a ``RunState``; ``Trainer.load_run_state(...)``
-puts one back. A checkpoint callback maps it to storage and decides when:
-it never reads or writes the trainer's progress field by field.
+The ``Run`` (run.py) owns the run; ``Trainer.run_state()`` is its snapshot as a
+``RunState``, and ``Trainer.load_run_state(...)`` puts one back. A checkpoint
+callback maps it to storage and decides when: it never reads or writes the
+trainer's progress field by field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
-
-from nnx_spmd_trainer.data import DataPosition
-from nnx_spmd_trainer.prefetch import Prefetch
 
 #: The key of the JSON stand-in for an array leaf of a callback's state in ``RunState.host()``.
 ARRAY_MARK = "__nnx_spmd_trainer.array__"
@@ -114,8 +112,10 @@ class RunState:
         with a stand-in ``{ARRAY_MARK: "<i>", "kind": ...}`` for each array, and
         ``callback_arrays()`` the arrays.
       data: where the next batch starts: the epoch iterator's ``get_state()``
-        value (a Grain iterator's dict, a ``DataLoader``'s bytes), or ``None``
-        when the data has no position (a resumed run then skips batches).
+        value (a Grain iterator's dict, a ``DataLoader``'s bytes), ``data.BATCHES_TAKEN``
+        (a Grain position saved under another process count: a per-process pipeline
+        is set from ``batches_in_epoch``), or ``None`` when the data has no position
+        (a resumed run then skips batches).
 
     Example (a checkpoint in plain Orbax; ``RunState.host`` is JSON; a callback state
     holding arrays would add one ``StandardSave`` item per ``callback_arrays()`` key)::
@@ -209,7 +209,8 @@ class RunState:
 
 
 class Progress:
-    """Where the running (or last) ``fit`` is. The trainer writes it; callbacks read it.
+    """Where the running (or last) ``fit`` is. The ``Run`` holds it, the loop writes it,
+    callbacks read it.
 
     Attributes:
       epoch: the epoch, counted from 0 in each ``fit`` (or from where a resumed run stopped).
@@ -232,11 +233,16 @@ class Progress:
         self.eval_every_n_steps: int | None = None
         self.preempted = False
         self.nonfinite_step: int | None = None
-        self.resume_at: DataPosition | None = None  # the next fit's first epoch and batch
-        self.batches: Prefetch | None = None  # the running epoch's batches
+        # While an epoch prefetches batches ahead of its iterator: where the next step's starts.
+        self._ahead: Callable[[], Any] | None = None
 
     def position(self) -> Any:
         """The position of the next training batch, for ``grain.checkpoint.CheckpointSave``:
         the Grain iterator itself, or, while batches are prefetched ahead of it, a
         ``Position`` recorded after the last batch a step took."""
-        return self.batches.position() if self.batches else self.train_iterator
+        return self._ahead() if self._ahead is not None else self.train_iterator
+
+    def read_ahead(self, position: Callable[[], Any] | None) -> None:
+        """The running epoch's position of the next step's batch while its batches are
+        read ahead (``Prefetch.position``); ``None`` when the epoch's loop has ended."""
+        self._ahead = position

@@ -1,50 +1,36 @@
-"""Trainer: the loop over a plan: fit and evaluate, the exception path, the public surface."""
+"""Trainer: the constructor, the user's overrides and the entry points (``Loop`` runs
+them; the ``Run`` holds the run's state)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import itertools
 import os
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto, data, deprecation, predict, step
+from nnx_spmd_trainer import auto, deprecation, predict, step
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
-from nnx_spmd_trainer.callback import Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.callback import Callback, CallbackList, History
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.loop import Loop
 from nnx_spmd_trainer.placement import Placement
 from nnx_spmd_trainer.plan import DefaultMetrics, Plan
-from nnx_spmd_trainer.prefetch import Prefetch, has_position
 from nnx_spmd_trainer.report import MetricsReport
+from nnx_spmd_trainer.run import Run
 from nnx_spmd_trainer.run_state import Progress, RunState
-from nnx_spmd_trainer.state import LiveState, ModelFactory
+from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
 
 _T = TypeVar("_T")
-
-
-def _any_deleted(leaves: Sequence[Any]) -> bool:
-    return any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
-
-
-def _set_position(iterator: Any, state: Any) -> bool:
-    if not has_position(iterator):
-        return False
-    iterator.set_state(state)
-    return True
 
 
 class Trainer:
@@ -112,6 +98,9 @@ class Trainer:
         ``report`` and the state exist once the layout is chosen (``choose_layout``).
       layout_choice: with ``strategy="auto"``, the ranking of the layouts and the
         one chosen (``auto.Choice``); ``None`` otherwise.
+      run: every mutable piece of the run (``Run``: the live state, the step, the
+        metric accumulators, the progress, the resume point); ``run_state()`` is
+        its snapshot. ``progress`` and ``report`` are its.
       progress: where the running (or last) ``fit`` is (``Progress``: epoch,
         batches, the train iterator and its position, preemption). Read-only
         for callbacks: they ask with ``request_stop``.
@@ -220,32 +209,24 @@ class Trainer:
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
-        self._plan: Plan | None = None
         self._placement: Placement | None = None
-        self._report: MetricsReport | None = None
         self._layout_settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
+        # strategy="auto": until the choice, a report that keeps the log schedule asked.
+        metrics_class = metrics if metrics is not None else DefaultMetrics
+        self.run = Run(MetricsReport(metrics_class.empty, jax.local_devices()))
         if plan is not None:
             self._adopt(plan)
-        else:  # strategy="auto": until the choice, a report that keeps the log schedule asked
-            metrics_class = metrics if metrics is not None else DefaultMetrics
-            self._report = MetricsReport(metrics_class.empty, jax.local_devices())
-        self.progress = Progress()
-        self._stop_requested = False
-        self._live: LiveState | None = None  # built when first needed
-        self._resume_point: RunState | None = None  # the run before fit's final report
-        self._host_step: int | None = 0  # a host copy of the optimizer's count; None: read it
-        self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
-        self._train_structure: Any = None
-        self._last_host_batch: Any = None  # what a changed batch is compared with (BatchMismatch)
-        self._updates_per_step: dict[bool, int] = {}  # optimizer updates a compiled step makes
-        self._last_eval_step = -1
+        self._loop = Loop(
+            self, overrides_train_step=type(self).train_step is not Trainer.train_step
+        )
         self.history = History()
         self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
+        self.run.callbacks = self.callbacks
 
     # -- the layout: given, or chosen by strategy="auto" at the first fit --------------
     def _adopt(self, plan: Plan) -> None:
         prefetch, max_steps_in_flight, track_norms, log_every_n_steps = self._layout_settings
-        self._plan = plan
+        self.run.plan = plan
         self._placement = Placement(
             plan.strategy,
             plan.mesh,
@@ -253,26 +234,22 @@ class Trainer:
             prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
-        asked = self._report.log_every if self._report is not None else ()
-        self._report = MetricsReport(
+        asked = self.run.report.log_every
+        self.run.report = MetricsReport(
             plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
         )
         for n in (*asked, *([log_every_n_steps] if log_every_n_steps is not None else [])):
-            self._report.request_log_every(n)
+            self.run.report.request_log_every(n)
 
     def _chosen(self, value: _T | None, name: str) -> _T:
         if value is None:
-            raise auto.LayoutNotChosen(
-                f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
-                "placement, state): it chooses one on real batches. Call "
-                "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
-            )
+            raise auto.not_chosen(name)
         return value
 
     @property
     def plan(self) -> Plan:
         """The layout and the compiled steps (``Plan``)."""
-        return self._chosen(self._plan, "plan")
+        return self._chosen(self.run.plan, "plan")
 
     @property
     def placement(self) -> Placement:
@@ -283,7 +260,12 @@ class Trainer:
     def report(self) -> MetricsReport:
         """The on-device metrics and the log schedule (``MetricsReport``; with
         ``strategy="auto"``, until the layout is chosen, the log schedule only)."""
-        return self._chosen(self._report, "report")
+        return self.run.report
+
+    @property
+    def progress(self) -> Progress:
+        """Where the running (or last) ``fit`` is (``Progress``, the run's)."""
+        return self.run.progress
 
     def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:
         """``strategy="auto"``: plans every layout the devices allow, times those that fit
@@ -315,11 +297,11 @@ class Trainer:
         return choice
 
     def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
-        self._plan = plan  # the train step reads trainer.plan as it is traced: the candidate's
+        self.run.plan = plan  # the train step reads trainer.plan as it is traced: the candidate's
         try:
             return plan.lower(shapes, train_step=self.train_step)
         finally:
-            self._plan = None
+            self.run.plan = None
 
     @property
     def mesh(self) -> Mesh:
@@ -330,13 +312,7 @@ class Trainer:
     def strategy(self) -> Strategy:
         return self.plan.strategy
 
-    # -- the state: one authority, the live objects ----------------------------------
-    def _objects(self) -> LiveState:
-        """The live objects, built from the plan's initialiser the first time."""
-        if self._live is None:
-            self._live = LiveState(nnx.merge(self.plan.graphdef, self.plan.materialize()))
-        return self._live
-
+    # -- the state: the run's live objects -------------------------------------------
     @property
     def model(self) -> nnx.Module:
         """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``.
@@ -347,12 +323,12 @@ class Trainer:
         are what the next step trains. The steps set train/eval mode on their
         own copy; this object's mode is yours.
         """
-        return self._objects().objects["model"]
+        return self.run.objects().objects["model"]
 
     @property
     def optimizer(self) -> nnx.Optimizer[nnx.Module]:
         """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
-        return self._objects().objects["optimizer"]
+        return self.run.objects().objects["optimizer"]
 
     @property
     def state(self) -> nnx.State:
@@ -366,24 +342,11 @@ class Trainer:
         step) and hands its arrays to the next step; before the state was built,
         it is never built.
         """
-        return self._objects().as_state()
+        return self.run.objects().as_state()
 
     @state.setter
     def state(self, state: nnx.State) -> None:
-        try:
-            placed = jax.device_put(state, self.plan.shardings)
-        except ValueError as error:
-            raise ValueError(
-                "The assigned state does not have the trainer's structure "
-                f"({error}). Assign a state saved from a trainer built with the same model "
-                "and optimizer (trainer.state)."
-            ) from error
-        if self._live is None:  # restored before the initial state was built: never build it
-            self._live = LiveState(nnx.merge(self.plan.graphdef, placed))
-        else:
-            nnx.update(self._live.objects, placed)
-            self._live.refresh()
-        self._host_step = None  # the optimizer count came with the state
+        self.run.set_state(state)
 
     @property
     def step(self) -> int:
@@ -393,22 +356,17 @@ class Trainer:
         the devices after ``state`` was assigned and after a step whose count
         is not the one before plus one (a ``train_step`` that updates twice).
         """
-        if self._host_step is None:
-            count = self.optimizer.step.get_raw_value()
-            self._host_step = int(np.asarray(count.addressable_data(0)))
-        return self._host_step
+        return self.run.step
 
     @step.setter
     def step(self, value: int) -> None:
-        counter = self.optimizer.step
-        current = counter.get_raw_value()
-        counter.set_raw_value(jax.device_put(np.asarray(value, current.dtype), current.sharding))
-        self._host_step = int(value)
+        self.run.step = value
 
     # -- the run state: what a checkpoint saves and restores ----------------------------
     def run_state(self, *, abstract: bool = False) -> RunState:
         """The run as it is now: state, metric accumulators, step, epoch and position
-        in it, the data position and every callback's state (``RunState``).
+        in it, the data position and every callback's state (``RunState``; the ``Run``'s
+        snapshot).
 
         After a ``fit`` that ended between log points, it is the run as it was before
         that fit's final report (the end-of-fit evaluation and the partial average
@@ -418,29 +376,7 @@ class Trainer:
         as this trainer lays them out: restore into them and ``load_run_state`` the
         result, and no array of the initial state is ever built.
         """
-        run = self._resume_point or self._progress_now()
-        if not abstract:
-            return dataclasses.replace(run, state=self.state)
-        metrics = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            run.train_metrics,
-        )
-        return dataclasses.replace(run, state=self.plan.state_targets(), train_metrics=metrics)
-
-    def _progress_now(self) -> RunState:
-        """Everything of the run state but the state itself (``state=None``)."""
-        position = self.progress.position()
-        return RunState(
-            state=None,
-            train_metrics=self.report.train,
-            step=self.step,
-            epoch=self.progress.epoch,
-            batches_in_epoch=self.progress.batches_in_epoch,
-            train_metric_steps=self.report.train_steps,
-            # Containers copied (leaves shared): later hooks do not edit this record.
-            callbacks=jax.tree.map(lambda x: x, self.callbacks.state_dict()),
-            data=position.get_state() if has_position(position) else None,
-        )
+        return self.run.snapshot(abstract=abstract)
 
     def load_run_state(self, run: RunState) -> None:
         """Puts a saved run back: the next ``fit`` goes on exactly where it stopped.
@@ -448,29 +384,15 @@ class Trainer:
         The state is placed with this trainer's shardings (from any layout), the
         metric accumulators and callback states are set, and the next ``fit``
         starts in ``run.epoch`` after its first ``run.batches_in_epoch`` batches:
-        the epoch's iterator is set to ``run.data`` (a ``get_state()`` value, or a
-        function ``iterator -> bool`` that sets it), or, without one, that many
-        batches are read and discarded, with a warning.
+        the epoch's iterator is set to ``run.data`` (a ``get_state()`` value), or,
+        without one, that many batches are read and discarded, with a warning.
         """
-        self._resume_point = None
-        self.state = run.state
-        self.report.train = jax.device_put(run.train_metrics, self.plan.replicated)
-        self.report.train_steps = int(run.train_metric_steps)
-        self.callbacks.load_state_dict(dict(run.callbacks))
-        data_state = run.data
-        restore: Any = None
-        if callable(data_state):
-            restore = data_state
-        elif data_state is not None:
-            restore = lambda iterator: _set_position(iterator, data_state)  # noqa: E731
-        self.progress.resume_at = data.DataPosition(
-            int(run.epoch), int(run.batches_in_epoch), restore
-        )
+        self.run.load(run)
 
     @property
     def stop_requested(self) -> bool:
         """Whether ``fit`` ends after the current step (``request_stop`` was called)."""
-        return self._stop_requested
+        return self.run.stop_requested
 
     stop_training = deprecation.renamed_property(
         "Trainer.stop_training",
@@ -484,10 +406,7 @@ class Trainer:
         the trainer's fields). ``preempted``: a checkpoint was saved for a preemption
         (``fit`` then ends without its final evaluation). ``nonfinite_step``: the first
         step whose loss was not finite; no checkpoint saves from it on."""
-        self._stop_requested = True
-        self.progress.preempted |= preempted
-        if nonfinite_step is not None and self.progress.nonfinite_step is None:
-            self.progress.nonfinite_step = nonfinite_step
+        self.run.request_stop(preempted=preempted, nonfinite_step=nonfinite_step)
 
     # -- what subclasses override ---------------------------------------------
     def loss_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -547,18 +466,6 @@ class Trainer:
         divisor = self.plan.grad_accum_steps if divisor is None else divisor
         return self.placement.padded(batch, divisor=divisor)
 
-    def _compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
-        live = self._objects()
-        fns: dict[str, Callable[..., Any]] = {
-            "train": self.train_step,
-            "eval": self.eval_fn,
-            "predict": self.predict_fn,
-        }
-        fn = fns[kind]
-        return self.plan.compiled(
-            kind, batch, fn=fn, norms=norms, graphdef=live.graphdef, treedef=live.treedef
-        )
-
     # -- the loops ---------------------------------------------------------------
     def fit(
         self,
@@ -585,238 +492,14 @@ class Trainer:
             raise ValueError("eval_every_n_steps was given without eval_data.")
         if self._auto is not None:
             train_data = auto.choose_on(train_data, self._auto[0].steps, self.choose_layout)
-        self._stop_requested = False
-        self.progress.preempted, self.progress.nonfinite_step = False, None
-        self._resume_point = None
-        self.progress.max_steps = max_steps
-        self.progress.eval_every_n_steps = eval_every_n_steps
-        self._train_steps, self._train_structure = {}, None  # looked up again in each fit
-        self._last_eval_step = -1
-        if self._live is not None:
-            self._live.refresh()  # the user may have changed the model between fits
-        self.report.perf.restart()
-        try:
-            self.callbacks.on_fit_start({})  # may restore a run state (load_run_state)
-            self.callbacks.on_train_begin({})
-            if self._layout_logs:  # strategy="auto": the choice, in the run's first logs
-                self.callbacks._call("on_logs", self.step, self._layout_logs)
-                self._layout_logs = {}
-            if max_steps is not None and self.step >= max_steps:
-                warnings.warn(
-                    f"fit(max_steps={max_steps}) trains no step: the trainer is already at "
-                    f"step {self.step}, and max_steps is the global step to stop at. Pass "
-                    f"max_steps={self.step} + n to train n more steps.",
-                    stacklevel=2,
-                )
-            first = self.progress.resume_at.epoch if self.progress.resume_at else 0
-            for epoch in itertools.count(first) if epochs is None else range(first, epochs):
-                if self._done(max_steps):
-                    break
-                self.progress.epoch = epoch
-                self.callbacks.on_epoch_begin(epoch, {})
-                if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
-                    if epoch == first:
-                        raise ValueError("train_data yielded no batches.")
-                    asked = f"epochs={epochs}" if epochs is not None else f"max_steps={max_steps}"
-                    warnings.warn(
-                        f"train_data was exhausted at step {self.step}, in epoch {epoch} of "
-                        f"{asked}: it is a one-shot iterator, so only {epoch} epoch(s) ran. "
-                        "Pass a re-iterable dataset (a list, a grain.MapDataset) to run "
-                        "several epochs.",
-                        stacklevel=2,
-                    )
-                    break
-                if self.progress.preempted:  # mid-epoch: the resumed run ends this epoch, not us
-                    break
-                if self._done(max_steps):  # fit's final report begins: a resumed run skips it
-                    self._resume_point = self._progress_now()
-                self.callbacks.on_epoch_end(epoch, self._epoch_logs())
-            self.placement.in_flight.drain()
-            if self.progress.preempted:
-                # The saved accumulators carry the steps since the last log point; a
-                # partial average logged here would be a point the resumed run never has.
-                self.callbacks.on_train_end({})
-            else:
-                # A run resumed from this step must not see this fit's final report.
-                self._resume_point = self._resume_point or self._progress_now()
-                if eval_data is not None and self._last_eval_step != self.step:
-                    self._evaluate(eval_data)
-                self.callbacks.on_train_end(self.report.flush(self.progress.epoch))
-            self.callbacks.on_fit_end({})
-        except BaseException as error:
-            self._abort(error)
-            raise
-        finally:
-            self.progress.eval_every_n_steps = None
-            self.progress.resume_at = None  # a resume point is for this fit only
+        first_logs, self._layout_logs = self._layout_logs, {}
+        self._loop.fit(train_data, eval_data, max_steps, epochs, eval_every_n_steps, first_logs)
         return self.history
-
-    def _abort(self, error: BaseException) -> None:
-        """The exception path of ``fit``: settle the devices, tell the callbacks.
-
-        Nothing here may raise over ``error``: a state left in a shape the
-        trainer cannot read (a failed manual restore) must not hide it.
-        """
-        with contextlib.suppress(Exception):  # a failed device step raises again here
-            self.placement.in_flight.drain()
-        self.placement.in_flight.clear()
-        self.progress.train_iterator = self.progress.batches = None
-        if _any_deleted(jax.tree.leaves(self.report.train)):
-            self.report.reset("train")  # donated to the failed step
-        arrays: list[Any] = []
-        with contextlib.suppress(Exception):
-            arrays = self._live.arrays() if self._live else []
-        if _any_deleted(arrays):
-            error.add_note(
-                f"nnx_spmd_trainer: the step after step {self._host_step} failed on the "
-                "devices after its input state was donated, so that state is lost; restore "
-                "a checkpoint (trainer.state = saved) before training on."
-            )
-        self.callbacks.on_exception(error)
-
-    def _train_epoch(
-        self,
-        train_data: Iterable[Any],
-        eval_data: Iterable[Any] | None,
-        max_steps: int | None,
-        eval_every_n_steps: int | None,
-    ) -> int:
-        """One pass over ``train_data`` (or until done); returns the batches of the epoch
-        taken, those a resumed run had taken before included."""
-        self.progress.train_iterator = iterator = iter(train_data)
-        self.progress.batches_in_epoch = 0
-        if self.progress.resume_at is not None:
-            self.progress.batches_in_epoch = data.seek(iterator, self.progress.resume_at)
-            self.progress.resume_at = None
-        # A one-shot iterator with no position cannot be set back after running ahead.
-        ahead = (
-            self.placement.prefetch if iterator is not train_data or has_position(iterator) else 0
-        )
-        self.progress.batches = batches = Prefetch(
-            iterator,
-            lambda b: self.placement.place(b, divisor=self.plan.grad_accum_steps),
-            ahead,
-            waiting=lambda: self.report.perf.timing("data_wait"),
-            explain=lambda host, error: data.batch_mismatch(
-                error, f"step {self.step + 1}", self._last_host_batch, host
-            ),
-        )
-        try:
-            with jax.set_mesh(self.mesh):
-                self._train_batches(eval_data, max_steps, eval_every_n_steps)
-        finally:
-            batches.close()  # the iterator is left exactly after the last step's batch
-        return self.progress.batches_in_epoch  # train_iterator stays: a final checkpoint saves it
-
-    def _train_batches(
-        self, eval_data: Iterable[Any] | None, max_steps: int | None, eval_every_n_steps: int | None
-    ) -> None:
-        assert self.progress.batches is not None
-        for host, batch in self.progress.batches:
-            self.progress.batches_in_epoch += 1
-            # Hooks get the steps done so far at begin, and the new count at end.
-            self.callbacks.on_train_batch_begin(self.step, {})
-            with self.report.perf.timing("step"):
-                self._train_one(
-                    batch,
-                    host,
-                    norms=self.report.track_norms and self.report.is_log_step(self.step + 1),
-                )
-            logs = (
-                self.report.flush(self.progress.epoch) if self.report.is_log_step(self.step) else {}
-            )
-            self.callbacks.on_train_batch_end(self.step, logs)
-            if eval_every_n_steps and self.step % eval_every_n_steps == 0:
-                assert eval_data is not None
-                self._evaluate(eval_data)
-                self._last_eval_step = self.step
-            self.callbacks.on_step_end(self.step)
-            if self._done(max_steps):
-                break
-
-    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> None:
-        structure = jax.tree.structure(batch)
-        known = self.plan.steps.count
-        if self._train_structure is None or structure != self._train_structure:
-            self._train_steps, self._train_structure = {}, structure
-            self._updates_per_step = {}
-        count = self.step  # before dispatch: afterwards the counter is a future array
-        live = self._objects()
-        first = norms not in self._train_steps
-        try:
-            if first:
-                self._train_steps[norms] = self._compile("train", batch, norms=norms)
-            # A new step traces and compiles in its first call (dispatch is asynchronous).
-            timing = (
-                self.report.perf.timing("compile")
-                if self.plan.steps.count > known
-                else contextlib.nullcontext()
-            )
-            with timing:
-                arrays, self.report.train, loss, self.report.perf.norms = self._train_steps[norms](
-                    live.arrays(), self.report.train, batch
-                )
-        except Exception as error:
-            if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
-                data.raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
-            raise
-        live.write(arrays)
-        self._last_host_batch = host
-        if first and type(self).train_step is not Trainer.train_step:
-            # An override may update any number of times: one read, in the step that
-            # compiled, says how many (the default updates once and reads nothing).
-            self._host_step = None
-            self._updates_per_step[norms] = self.step - count
-        self._host_step = count + self._updates_per_step.get(norms, 1)
-        self.report.last_loss, self.report.last_batch = loss, batch
-        self.placement.in_flight.add(loss)
-        self.report.train_steps += 1
-
-    def _done(self, max_steps: int | None) -> bool:
-        return self._stop_requested or (max_steps is not None and self.step >= max_steps)
-
-    def _epoch_logs(self) -> Logs:
-        self.placement.in_flight.drain()
-        return self.report.flush(self.progress.epoch)
 
     def evaluate(self, eval_data: Iterable[Any]) -> dict[str, float]:
         """Runs ``eval_fn`` over all of ``eval_data``; returns ``{"loss": ..., ...}``."""
-        logs = self._evaluate(eval_data)
+        logs = self._loop.evaluate(eval_data)
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
-
-    def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
-        with self.report.perf.timing("eval"):
-            return self._evaluate_timed(eval_data)
-
-    def _evaluate_timed(self, eval_data: Iterable[Any]) -> Logs:
-        arrays = self._objects().arrays()
-        self.report.reset("eval")
-        self.callbacks.on_test_begin({})
-        batches = 0
-        eval_step, structure = None, None
-        previous = self._last_host_batch  # the first eval batch is compared with training's
-        with jax.set_mesh(self.mesh):
-            for batches, host_batch in enumerate(eval_data, start=1):
-                self.callbacks.on_test_batch_begin(batches, {})
-                try:
-                    batch = self.placement.place(self.placement.eval_batch(host_batch))
-                    if eval_step is None or jax.tree.structure(batch) != structure:
-                        eval_step = self._compile("eval", batch)
-                        structure = jax.tree.structure(batch)
-                    self.report.eval = eval_step(arrays, self.report.eval, batch)
-                except Exception as error:
-                    where = f"evaluation batch {batches} (after step {self.step})"
-                    data.raise_if_changed(error, where, previous, host_batch)
-                    raise
-                previous = host_batch
-                self.placement.in_flight.add(jax.tree.leaves(self.report.eval)[0])
-                self.callbacks.on_test_batch_end(batches, {})
-        if batches == 0:
-            raise ValueError("eval_data yielded no batches.")
-        self.placement.in_flight.drain()
-        logs = self.report.compute("eval")
-        self.callbacks.on_test_end(logs)
-        return logs
 
     def predict(self, data: Iterable[Any], *, to_numpy: bool = False) -> list[Any]:
         """``predict_fn``'s outputs for each batch of ``data``, in order.
@@ -830,12 +513,12 @@ class Trainer:
 
             logits = trainer.predict(test_batches, to_numpy=True)  # [(rows, classes), ...]
         """
-        arrays = self._objects().arrays()
+        arrays = self.run.objects().arrays()
         with jax.set_mesh(self.mesh):
             return predict.predict_batches(
                 data,
                 self.placement,
-                lambda batch: self._compile("predict", batch),
+                lambda batch: self._loop.compile("predict", batch),
                 arrays,
                 to_numpy=to_numpy,
             )

@@ -93,10 +93,10 @@ def test_a_model_that_sows_intermediates_trains(strategy):
 def test_intermediates_a_loss_leaves_in_the_module_are_not_carried():
     batches = make_batches(3)
     trainer = Trainer(Sowing, optax.adam(1e-2), loss_fn=classification_loss)  # never pops
-    leaves = len(trainer._objects().arrays())
+    leaves = len(trainer.run.objects().arrays())
     trainer.fit(batches, max_steps=3)
     trainer.evaluate(batches)
-    assert len(trainer._objects().arrays()) == leaves
+    assert len(trainer.run.objects().arrays()) == leaves
     assert not nnx.state(trainer.model, nnx.Intermediate)
     params, _ = train_reference(Sowing, optax.adam(1e-2), batches)
     assert_params_match(trainer, params)

@@ -1,0 +1,305 @@
+"""Loop: the order things happen in ``fit`` and ``evaluate``, apart from the Trainer.
+
+Epochs, batches, one train step, evaluation and the exception path. The loop
+reads and writes the run only through the ``Run``; of the ``Trainer`` it asks
+the user's overrides (``train_step``, ``eval_fn``, ``predict_fn``), the
+callbacks, and the layout (``plan``, ``placement``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from nnx_spmd_trainer import data
+from nnx_spmd_trainer.callback import Logs
+from nnx_spmd_trainer.prefetch import Prefetch, has_position
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.trainer import Trainer
+
+
+def _any_deleted(leaves: Sequence[Any]) -> bool:
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
+
+
+class Loop:
+    """Runs a trainer's epochs and evaluations on its ``Run``.
+
+    It keeps only what the order of things needs between calls: the compiled
+    train steps of the running ``fit`` (by whether they compute norms), and the
+    last host batch a step took (what a changed batch is compared with).
+    """
+
+    def __init__(self, trainer: Trainer, *, overrides_train_step: bool) -> None:
+        self.trainer = trainer
+        self.run = trainer.run
+        #: An overriding ``train_step`` may update any number of times (read once).
+        self.overrides_train_step = overrides_train_step
+        self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
+        self._train_structure: Any = None
+        self._updates_per_step: dict[bool, int] = {}  # optimizer updates a compiled step makes
+        self._last_host_batch: Any = None  # what a changed batch is compared with (BatchMismatch)
+        self._last_eval_step = -1
+
+    def compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
+        """The plan's compiled ``kind`` step ("train", "eval", "predict") for ``batch``,
+        running the trainer's override of that kind."""
+        trainer, live = self.trainer, self.run.objects()
+        fns: dict[str, Callable[..., Any]] = {
+            "train": trainer.train_step,
+            "eval": trainer.eval_fn,
+            "predict": trainer.predict_fn,
+        }
+        return trainer.plan.compiled(
+            kind, batch, fn=fns[kind], norms=norms, graphdef=live.graphdef, treedef=live.treedef
+        )
+
+    # -- fit -------------------------------------------------------------------------------
+    def fit(
+        self,
+        train_data: Iterable[Any],
+        eval_data: Iterable[Any] | None,
+        max_steps: int | None,
+        epochs: int | None,
+        eval_every_n_steps: int | None,
+        first_logs: Logs,
+    ) -> None:
+        """``Trainer.fit``'s epochs, once its arguments are checked and the layout chosen."""
+        run, callbacks = self.run, self.trainer.callbacks
+        run.begin_fit(max_steps, eval_every_n_steps)
+        self._train_steps, self._train_structure = {}, None  # looked up again in each fit
+        self._last_eval_step = -1
+        run.report.perf.restart()
+        try:
+            callbacks.on_fit_start({})  # may restore a run state (Run.load)
+            callbacks.on_train_begin({})
+            if first_logs:  # strategy="auto": the choice, in the run's first logs
+                callbacks._call("on_logs", run.step, first_logs)
+            if max_steps is not None and run.step >= max_steps:
+                warnings.warn(
+                    f"fit(max_steps={max_steps}) trains no step: the trainer is already at "
+                    f"step {run.step}, and max_steps is the global step to stop at. Pass "
+                    f"max_steps={run.step} + n to train n more steps.",
+                    stacklevel=3,
+                )
+            self._epochs(train_data, eval_data, max_steps, epochs, eval_every_n_steps)
+            self.trainer.placement.in_flight.drain()
+            if run.progress.preempted:
+                # The saved accumulators carry the steps since the last log point; a
+                # partial average logged here would be a point the resumed run never has.
+                callbacks.on_train_end({})
+            else:
+                # A run resumed from this step must not see this fit's final report.
+                run.hold_resume_point(keep=True)
+                if eval_data is not None and self._last_eval_step != run.step:
+                    self.evaluate(eval_data)
+                callbacks.on_train_end(run.report.flush(run.progress.epoch))
+            callbacks.on_fit_end({})
+        except BaseException as error:
+            self.abort(error)
+            raise
+        finally:
+            run.end_fit()
+
+    def _epochs(
+        self,
+        train_data: Iterable[Any],
+        eval_data: Iterable[Any] | None,
+        max_steps: int | None,
+        epochs: int | None,
+        eval_every_n_steps: int | None,
+    ) -> None:
+        run, callbacks = self.run, self.trainer.callbacks
+        first = run.start.epoch if run.start else 0
+        for epoch in itertools.count(first) if epochs is None else range(first, epochs):
+            if run.done(max_steps):
+                break
+            run.progress.epoch = epoch
+            callbacks.on_epoch_begin(epoch, {})
+            if self._train_epoch(train_data, eval_data, max_steps, eval_every_n_steps) == 0:
+                if epoch == first:
+                    raise ValueError("train_data yielded no batches.")
+                asked = f"epochs={epochs}" if epochs is not None else f"max_steps={max_steps}"
+                warnings.warn(
+                    f"train_data was exhausted at step {run.step}, in epoch {epoch} of "
+                    f"{asked}: it is a one-shot iterator, so only {epoch} epoch(s) ran. "
+                    "Pass a re-iterable dataset (a list, a grain.MapDataset) to run "
+                    "several epochs.",
+                    stacklevel=4,
+                )
+                break
+            if run.progress.preempted:  # mid-epoch: the resumed run ends this epoch, not us
+                break
+            if run.done(max_steps):  # fit's final report begins: a resumed run skips it
+                run.hold_resume_point()
+            self.trainer.placement.in_flight.drain()
+            callbacks.on_epoch_end(epoch, run.report.flush(epoch))
+
+    def abort(self, error: BaseException) -> None:
+        """The exception path of ``fit``: settle the devices, tell the callbacks.
+
+        Nothing here may raise over ``error``: a state left in a shape the
+        trainer cannot read (a failed manual restore) must not hide it.
+        """
+        run, placement = self.run, self.trainer.placement
+        with contextlib.suppress(Exception):  # a failed device step raises again here
+            placement.in_flight.drain()
+        placement.in_flight.clear()
+        run.progress.train_iterator = None
+        run.progress.read_ahead(None)
+        if _any_deleted(jax.tree.leaves(run.report.train)):
+            run.report.reset("train")  # donated to the failed step
+        arrays: list[Any] = []
+        with contextlib.suppress(Exception):
+            arrays = run.live.arrays() if run.live else []
+        if _any_deleted(arrays):
+            error.add_note(
+                f"nnx_spmd_trainer: the step after step {run.host_step} failed on the "
+                "devices after its input state was donated, so that state is lost; restore "
+                "a checkpoint (trainer.state = saved) before training on."
+            )
+        self.trainer.callbacks.on_exception(error)
+
+    def _train_epoch(
+        self,
+        train_data: Iterable[Any],
+        eval_data: Iterable[Any] | None,
+        max_steps: int | None,
+        eval_every_n_steps: int | None,
+    ) -> int:
+        """One pass over ``train_data`` (or until done); returns the batches of the epoch
+        taken, those a resumed run had taken before included."""
+        run, placement = self.run, self.trainer.placement
+        run.progress.train_iterator = iterator = iter(train_data)
+        run.progress.batches_in_epoch = 0
+        if run.start is not None:
+            run.progress.batches_in_epoch = data.seek(iterator, run.start)
+            run.start = None
+        # A one-shot iterator with no position cannot be set back after running ahead.
+        ahead = placement.prefetch if iterator is not train_data or has_position(iterator) else 0
+        batches = Prefetch(
+            iterator,
+            lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
+            ahead,
+            waiting=lambda: run.report.perf.timing("data_wait"),
+            explain=lambda host, error: data.batch_mismatch(
+                error, f"step {run.step + 1}", self._last_host_batch, host
+            ),
+        )
+        run.progress.read_ahead(batches.position)
+        try:
+            with jax.set_mesh(self.trainer.plan.mesh):
+                self._train_batches(batches, eval_data, max_steps, eval_every_n_steps)
+        finally:
+            batches.close()  # the iterator is left exactly after the last step's batch
+            run.progress.read_ahead(None)  # train_iterator stays: a final checkpoint saves it
+        return run.progress.batches_in_epoch
+
+    def _train_batches(
+        self,
+        batches: Prefetch,
+        eval_data: Iterable[Any] | None,
+        max_steps: int | None,
+        eval_every_n_steps: int | None,
+    ) -> None:
+        run, report, callbacks = self.run, self.run.report, self.trainer.callbacks
+        for host, batch in batches:
+            run.progress.batches_in_epoch += 1
+            # Hooks get the steps done so far at begin, and the new count at end.
+            callbacks.on_train_batch_begin(run.step, {})
+            with report.perf.timing("step"):
+                self._train_one(
+                    batch, host, norms=report.track_norms and report.is_log_step(run.step + 1)
+                )
+            logs = report.flush(run.progress.epoch) if report.is_log_step(run.step) else {}
+            callbacks.on_train_batch_end(run.step, logs)
+            if eval_every_n_steps and run.step % eval_every_n_steps == 0:
+                assert eval_data is not None
+                self.evaluate(eval_data)
+                self._last_eval_step = run.step
+            callbacks.on_step_end(run.step)
+            if run.done(max_steps):
+                break
+
+    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> None:
+        run, report, plan = self.run, self.run.report, self.trainer.plan
+        structure = jax.tree.structure(batch)
+        known = plan.steps.count
+        if self._train_structure is None or structure != self._train_structure:
+            self._train_steps, self._train_structure = {}, structure
+            self._updates_per_step = {}
+        count = run.step  # before dispatch: afterwards the counter is a future array
+        live = run.objects()
+        first = norms not in self._train_steps
+        try:
+            if first:
+                self._train_steps[norms] = self.compile("train", batch, norms=norms)
+            # A new step traces and compiles in its first call (dispatch is asynchronous).
+            timing = (
+                report.perf.timing("compile")
+                if plan.steps.count > known
+                else contextlib.nullcontext()
+            )
+            with timing:
+                arrays, report.train, loss, report.perf.norms = self._train_steps[norms](
+                    live.arrays(), report.train, batch
+                )
+        except Exception as error:
+            if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
+                data.raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
+            raise
+        live.write(arrays)
+        self._last_host_batch = host
+        if first and self.overrides_train_step:
+            # An override may update any number of times: one read, in the step that
+            # compiled, says how many (the default updates once and reads nothing).
+            run.host_step = None
+            self._updates_per_step[norms] = run.step - count
+        run.host_step = count + self._updates_per_step.get(norms, 1)
+        report.last_loss, report.last_batch = loss, batch
+        self.trainer.placement.in_flight.add(loss)
+        report.train_steps += 1
+
+    # -- evaluate --------------------------------------------------------------------------
+    def evaluate(self, eval_data: Iterable[Any]) -> Logs:
+        """``eval_fn`` over all of ``eval_data``: ``{"eval/loss": ..., ...}``."""
+        with self.run.report.perf.timing("eval"):
+            return self._evaluate(eval_data)
+
+    def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
+        run, report, callbacks = self.run, self.run.report, self.trainer.callbacks
+        placement = self.trainer.placement
+        arrays = run.objects().arrays()
+        report.reset("eval")
+        callbacks.on_test_begin({})
+        batches = 0
+        eval_step, structure = None, None
+        previous = self._last_host_batch  # the first eval batch is compared with training's
+        with jax.set_mesh(self.trainer.plan.mesh):
+            for batches, host_batch in enumerate(eval_data, start=1):
+                callbacks.on_test_batch_begin(batches, {})
+                try:
+                    batch = placement.place(placement.eval_batch(host_batch))
+                    if eval_step is None or jax.tree.structure(batch) != structure:
+                        eval_step = self.compile("eval", batch)
+                        structure = jax.tree.structure(batch)
+                    report.eval = eval_step(arrays, report.eval, batch)
+                except Exception as error:
+                    where = f"evaluation batch {batches} (after step {run.step})"
+                    data.raise_if_changed(error, where, previous, host_batch)
+                    raise
+                previous = host_batch
+                placement.in_flight.add(jax.tree.leaves(report.eval)[0])
+                callbacks.on_test_batch_end(batches, {})
+        if batches == 0:
+            raise ValueError("eval_data yielded no batches.")
+        placement.in_flight.drain()
+        logs = report.compute("eval")
+        callbacks.on_test_end(logs)
+        return logs
