@@ -3,7 +3,6 @@ them; the ``Run`` holds the run's state)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -15,9 +14,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto, deprecation, predict, step
-from nnx_spmd_trainer import remat as remat_lib
-from nnx_spmd_trainer.backend_defaults import backend_default
+from nnx_spmd_trainer import auto, deprecation, layout, predict, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.loop import Loop
@@ -144,78 +141,40 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         config: Any = None,
     ) -> None:
-        auto_layout = auto.as_auto(strategy, memory_budget_bytes)
-        plan: Plan | None = None
-        #: strategy="auto" until the layout is chosen: its settings and the chooser
-        self._auto: tuple[auto.Auto, Callable[..., auto.Choice]] | None = None
-        self.layout_choice: auto.Choice | None = None
-        self._layout_logs: dict[str, float] = {}  # the choice, for the next fit's first logs
-        if isinstance(model, Plan):
-            given = {
-                "optimizer": optimizer is not None,
-                "strategy": strategy is not None,
-                "metrics": metrics is not None,
-                "seed": seed != 0,
-                "grad_accum_steps": grad_accum_steps != 1,
-                "wrt": wrt is not nnx.Param,
-                "devices": devices is not None,
-                "donate": donate is not None,
-                "remat": remat != "none",
-                "skip_nonfinite_updates": skip_nonfinite_updates,
-            }
-            if any(given.values()):
-                names = ", ".join(name for name, was in given.items() if was)
-                raise TypeError(
-                    f"Trainer(plan, ...) takes the layout from the plan; {names} belong to "
-                    "Plan(...). Give them there."
-                )
-            plan = model
-        else:
-            if optimizer is None:
-                raise TypeError("Trainer needs an optimizer: Trainer(model, optax.adam(1e-3)).")
-            settings: dict[str, Any] = {
-                "loss_fn": loss_fn,
-                "eval_fn": eval_fn,
-                "metrics": metrics,
-                "seed": seed,
-                "grad_accum_steps": grad_accum_steps,
-                "wrt": wrt,
-                "devices": devices,
-                "donate": donate,
-                "remat": remat,
-                "skip_nonfinite_updates": skip_nonfinite_updates,
-            }
-            if auto_layout is not None:  # now, not as every candidate's failure in fit
-                platform = (devices or jax.devices())[0].platform
-                remat_lib.checkpoint_policy(remat, platform=platform)
-            if auto_layout is None:
-                assert not isinstance(strategy, str | auto.Auto)
-                plan = Plan(model, optimizer, strategy=strategy, **settings)
-            else:
-                choose = functools.partial(
-                    auto.choose,
-                    model,
-                    optimizer,
-                    memory_budget_bytes=auto_layout.memory_budget_bytes,
-                    strategies=auto_layout.candidates,
-                    steps=auto_layout.steps,
-                    rounds=auto_layout.rounds,
-                    **settings,
-                )
-                self._auto = (auto_layout, choose)
+        settings: dict[str, Any] = {
+            "loss_fn": loss_fn,
+            "eval_fn": eval_fn,
+            "metrics": metrics,
+            "seed": seed,
+            "grad_accum_steps": grad_accum_steps,
+            "wrt": wrt,
+            "devices": devices,
+            "donate": donate,
+            "remat": remat,
+            "skip_nonfinite_updates": skip_nonfinite_updates,
+        }
+        plan, pending = layout.plan_or_chooser(
+            model, optimizer, strategy, memory_budget_bytes, settings
+        )
         self._loss_fn = loss_fn or (plan.loss_fn if plan else None)
         self._eval_fn = eval_fn or (plan.eval_fn if plan else None)
         self._predict_fn = predict_fn
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
-        self._placement: Placement | None = None
-        self._layout_settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
         # strategy="auto": until the choice, a report that keeps the log schedule asked.
         metrics_class = metrics if metrics is not None else DefaultMetrics
         self.run = Run(MetricsReport(metrics_class.empty, jax.local_devices()))
+        self._layout = layout.Layout(
+            self.run,
+            pending,
+            prefetch=prefetch,
+            max_steps_in_flight=max_steps_in_flight,
+            track_norms=track_norms,
+            log_every_n_steps=log_every_n_steps,
+        )
         if plan is not None:
-            self._adopt(plan)
+            self._layout.adopt(plan)
         self._loop = Loop(
             self, overrides_train_step=type(self).train_step is not Trainer.train_step
         )
@@ -224,23 +183,6 @@ class Trainer:
         self.run.callbacks = self.callbacks
 
     # -- the layout: given, or chosen by strategy="auto" at the first fit --------------
-    def _adopt(self, plan: Plan) -> None:
-        prefetch, max_steps_in_flight, track_norms, log_every_n_steps = self._layout_settings
-        self.run.plan = plan
-        self._placement = Placement(
-            plan.strategy,
-            plan.mesh,
-            plan.data_shard,
-            prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
-            max_steps_in_flight=max_steps_in_flight,
-        )
-        asked = self.run.report.log_every
-        self.run.report = MetricsReport(
-            plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
-        )
-        for n in (*asked, *([log_every_n_steps] if log_every_n_steps is not None else [])):
-            self.run.report.request_log_every(n)
-
     def _chosen(self, value: _T | None, name: str) -> _T:
         if value is None:
             raise auto.not_chosen(name)
@@ -254,7 +196,7 @@ class Trainer:
     @property
     def placement(self) -> Placement:
         """Batch placement (``Placement``)."""
-        return self._chosen(self._placement, "placement")
+        return self._chosen(self._layout.placement, "placement")
 
     @property
     def report(self) -> MetricsReport:
@@ -279,22 +221,21 @@ class Trainer:
         ``OrbaxCheckpoint`` holding steps) keeps the layout it ran in, untimed, where
         that layout is a candidate and still fits.
         """
-        if self._auto is None:
+        if self._layout.pending is None:
             if self.layout_choice is not None:
                 return self.layout_choice
             raise TypeError(
                 f"choose_layout is for Trainer(strategy='auto'); this trainer's layout is "
                 f"{self.strategy!r}."
             )
-        settings, choose = self._auto
         # A resumed run keeps its layout; every process takes process 0's answer.
         resume = auto.agreed_text(self.callbacks.layout_to_resume())
-        choice = choose(batches, lower=self._lower_candidate, resume=resume)
-        self._adopt(choice.plan)
-        self._auto, self.layout_choice, self._layout_logs = None, choice, choice.logs()
-        if settings.report is not None:
-            settings.report(choice.table())
-        return choice
+        return self._layout.choose(batches, self._lower_candidate, resume)
+
+    @property
+    def layout_choice(self) -> auto.Choice | None:
+        """With ``strategy="auto"``, the ranking and the layout chosen (``auto.Choice``)."""
+        return self._layout.choice
 
     def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
         self.run.plan = plan  # the train step reads trainer.plan as it is traced: the candidate's
@@ -490,9 +431,10 @@ class Trainer:
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
-        if self._auto is not None:
-            train_data = auto.choose_on(train_data, self._auto[0].steps, self.choose_layout)
-        first_logs, self._layout_logs = self._layout_logs, {}
+        if self._layout.pending is not None:
+            steps = self._layout.pending[0].steps
+            train_data = auto.choose_on(train_data, steps, self.choose_layout)
+        first_logs, self._layout.first_logs = self._layout.first_logs, {}
         self._loop.fit(train_data, eval_data, max_steps, epochs, eval_every_n_steps, first_logs)
         return self.history
 
