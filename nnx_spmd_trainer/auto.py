@@ -113,8 +113,19 @@ def candidates(device_count: int, tp_sizes: Iterable[int] | None = None) -> list
     return found
 
 
-def _splits_model_axis(plan: Plan) -> bool:
-    return any("model" in str(s.spec) for s in plan.leaf_shardings)
+def _layer_axes(strategy: Strategy) -> tuple[str, ...]:
+    """The mesh axes a strategy splits layers over: its ``TensorParallel`` members' axes."""
+    members = strategy.members if isinstance(strategy, Hybrid) else (strategy,)
+    return tuple(m.axis for m in members if isinstance(m, TensorParallel))
+
+
+def _axes_used(plan: Plan) -> set[str]:
+    """The mesh axes some state leaf's spec splits a dimension over."""
+    used: set[str] = set()
+    for sharding in plan.leaf_shardings:
+        for entry in sharding.spec:
+            used.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
+    return used
 
 
 @dataclasses.dataclass
@@ -335,8 +346,9 @@ def _plan_candidates(
                 model, optimizer, strategy=strategy, loss_fn=loss_fn, devices=devices, **plan_kwargs
             )
             row.mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-            if "model" in row.mesh and not _splits_model_axis(plan):
-                row.reason = "no dimension of the model is annotated for the 'model' axis"
+            unused = [a for a in _layer_axes(strategy) if a not in _axes_used(plan)]
+            if unused:
+                row.reason = f"no dimension of the model is annotated for the {unused[0]!r} axis"
                 continue
             if jax.process_count() > 1:
                 data_shard = data_shard or plan.data_shard

@@ -1,6 +1,6 @@
-"""Loop: the order things happen in ``fit`` and ``evaluate``, apart from the Trainer.
+"""Loop: the order things happen in ``fit``, ``evaluate`` and ``predict``, apart from the Trainer.
 
-Epochs, batches, one train step, evaluation and the exception path. The loop
+Epochs, batches, one train step, evaluation, prediction and the exception path. The loop
 reads and writes the run only through the ``Run``; of the ``Trainer`` it asks
 the user's overrides (``train_step``, ``eval_fn``, ``predict_fn``), the
 callbacks, and the layout (``plan``, ``placement``).
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from nnx_spmd_trainer import data
+from nnx_spmd_trainer import data, predict
 from nnx_spmd_trainer.callback import Logs
 from nnx_spmd_trainer.prefetch import Prefetch, has_position
 
@@ -303,3 +303,16 @@ class Loop:
         logs = report.compute("eval")
         callbacks.on_test_end(logs)
         return logs
+
+    # -- predict ---------------------------------------------------------------------------
+    def predict(self, batches: Iterable[Any], *, to_numpy: bool) -> list[Any]:
+        """``predict_fn``'s outputs for each of ``batches`` (see ``Trainer.predict``)."""
+        arrays = self.run.objects().arrays()
+        with jax.set_mesh(self.trainer.plan.mesh):
+            return predict.predict_batches(
+                batches,
+                self.trainer.placement,
+                lambda batch: self.compile("predict", batch),
+                arrays,
+                to_numpy=to_numpy,
+            )

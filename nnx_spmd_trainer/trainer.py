@@ -455,15 +455,7 @@ class Trainer:
 
             logits = trainer.predict(test_batches, to_numpy=True)  # [(rows, classes), ...]
         """
-        arrays = self.run.objects().arrays()
-        with jax.set_mesh(self.mesh):
-            return predict.predict_batches(
-                data,
-                self.placement,
-                lambda batch: self._loop.compile("predict", batch),
-                arrays,
-                to_numpy=to_numpy,
-            )
+        return self._loop.predict(data, to_numpy=to_numpy)
 
     def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Writes the model's parameters where plain Orbax loads them (``export_params``).
