@@ -8,6 +8,7 @@ and the run ends bitwise where an uninterrupted run ends (issue 17, items 3 and 
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import grain
@@ -142,3 +143,30 @@ def test_a_position_counted_in_rows_is_not_mistaken_for_damage(tmp_path, uninter
     resumed.fit(rows_data(), max_steps=STEPS)
     assert checkpoint.restored_step == 6 and not (checkpoints / "6.damaged").exists()
     assert_bitwise(params(resumed), uninterrupted)  # the same batches as batches_data()
+
+
+def loader_data() -> grain.DataLoader:
+    """A ``DataLoader``, whose position is bytes (Grain saves it as text, not JSON)."""
+    return grain.DataLoader(
+        data_source=[lookup(i) for i in range(80)],
+        sampler=grain.samplers.IndexSampler(
+            80, shard_options=grain.sharding.NoSharding(), shuffle=True, seed=1, num_epochs=1
+        ),
+        operations=[grain.transforms.Batch(16)],
+        worker_count=0,
+    )
+
+
+def test_a_data_loader_position_is_read_back_as_bytes_and_resumes_exactly(tmp_path):
+    """The restore reads the position as a value (``RunState.data``, bytes here), and the
+    resumed epoch's iterator is set to it: no batch is skipped by reading it."""
+    whole = trainer_for()
+    whole.fit(loader_data(), max_steps=STEPS)
+    checkpoints = saved_run(tmp_path, loader_data())
+    checkpoint = OrbaxCheckpoint(checkpoints)
+    resumed = trainer_for(checkpoint)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no restorable position")
+        resumed.fit(loader_data(), max_steps=STEPS)
+    assert checkpoint.restored_step == 6 and resumed.step == STEPS
+    assert_bitwise(params(resumed), params(whole))
