@@ -2,7 +2,8 @@
 
 The loop reads and writes the run only through a ``Run``; a checkpoint
 callback asks for a ``snapshot()`` and gives one back to ``load()``. No other
-object holds a piece of the run.
+object holds a piece of what a ``RunState`` records (the loop keeps only its
+compiled steps and the last host batch, which no resumed run needs).
 """
 
 from __future__ import annotations
