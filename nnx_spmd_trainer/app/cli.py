@@ -361,6 +361,10 @@ def run(
             for callback in run_callbacks:
                 if isinstance(callback, callbacks.OrbaxCheckpoint):
                     callback.check_model()
+        if jax.process_count() > 1:
+            # Every process has looked before any creates the directory: they all saw the
+            # same files, so all opened the same Orbax managers (whose barriers count).
+            multihost_utils.sync_global_devices("checkpoints checked against the model")
     if notes is not None:  # a dry run
         first = batch if batch is not None else next(iter(splits.train))
         _say(str(plan_of(trainer, first)))
