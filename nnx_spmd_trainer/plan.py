@@ -60,8 +60,12 @@ class Plan:
       skip_nonfinite_updates: a train step whose loss or new parameters are not finite
         leaves the weights and the optimizer's state as they were (the step count and
         RNG state move on), as ``optax.apply_if_finite`` does; its loss still reaches
-        the metrics and ``TerminateOnNaN``. Costs a check and a select over the state
-        each step. Default ``False``.
+        the metrics and ``TerminateOnNaN``. Costs a check over the new parameters and
+        a select over the state each step, with the updated state held in temporaries
+        until the check is done: measured on the CPU with Adam and a small batch (a
+        step mostly the optimizer's), 1.2-1.4x the step time and temporaries of about
+        0.4x the state under ``DataParallel``, within noise and none under ``FSDP``.
+        Default ``False``.
 
     Attributes:
       strategy, mesh: the layout; ``data_shard``: the rows this process feeds.

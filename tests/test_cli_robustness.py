@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,57 @@ def test_a_dry_run_of_two_processes_prints_one_plan_and_exits_0(tmp_path):
                      "{'data': 4, 'model': 2} (cpu)"]  # fmt: skip
     assert "compiled step per device" in proc.stdout
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+# -- item 6: Ctrl-C inside a save -------------------------------------------------------------
+# The CLI, with SIGINT sent DELAY seconds into Orbax's save of step AT: the signal lands
+# in the save's blocking part, inside Orbax's own event loop and threads (where, from
+# outside, it lands only now and then).
+INTERRUPT = """
+import os, signal, sys, threading
+import orbax.checkpoint as ocp
+from nnx_spmd_trainer.app import cli
+
+at, delay = int(sys.argv[1]), float(sys.argv[2])
+save = ocp.CheckpointManager.save
+
+def save_interrupted(self, step, *args, **kwargs):
+    if step == at:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return save(self, step, *args, **kwargs)
+
+ocp.CheckpointManager.save = save_interrupted
+cli.main(["nnx-spmd-train", *sys.argv[3:]])
+"""
+SAVING = [  # a save after every step
+    "--config=mlp", "--config.max_steps=40", "--config.checkpoint_every_n_steps=1",
+    "--config.log_every_n_steps=50", "--config.eval_every_n_steps=0",
+]  # fmt: skip
+EXIT_LINE = (
+    "nnx-spmd-train: interrupted; the checkpoints committed so far are kept: "
+    "run the same command to resume"
+)
+
+
+@pytest.mark.parametrize("delay", [0.005, 0.015])
+def test_ctrl_c_inside_a_save_exits_130_at_once_with_nothing_after_the_exit_line(tmp_path, delay):
+    """Orbax closes its event loop on the interrupted coroutines and may leave a thread of
+    the save waiting for a signal that never comes: Python's exit used to wait for it (the
+    run hung) or collect those coroutines ("Event loop is closed" tracebacks after the
+    exit line). The steps committed before stay, and resume."""
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    command = [sys.executable, "-c", INTERRUPT, "3", str(delay), f"--workdir={workdir}", *SAVING]
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"still running 120 s after it started: {hung.stderr!r}"[-3000:])
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == EXIT_LINE, proc.stderr[-3000:]
+    for noise in ("Traceback", "Event loop is closed", "Exception ignored", "destroyed"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+    steps = OrbaxCheckpoint(workdir / "checkpoints").steps()
+    assert steps[:2] == [1, 2] and steps[-1] <= 3  # step 3 committed only if its write was
 
 
 # -- items 7 and 8: a workdir the run must leave as it was ----------------------------------

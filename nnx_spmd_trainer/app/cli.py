@@ -27,8 +27,10 @@ or name ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import gc
 import importlib.metadata
 import importlib.resources
 import importlib.util
@@ -359,6 +361,10 @@ def run(
             for callback in run_callbacks:
                 if isinstance(callback, callbacks.OrbaxCheckpoint):
                     callback.check_model()
+        if jax.process_count() > 1:
+            # Every process has looked before any creates the directory: they all saw the
+            # same files, so all opened the same Orbax managers (whose barriers count).
+            multihost_utils.sync_global_devices("checkpoints checked against the model")
     if notes is not None:  # a dry run
         first = batch if batch is not None else next(iter(splits.train))
         _say(str(plan_of(trainer, first)))
@@ -701,7 +707,29 @@ def main(argv: Sequence[str] | None = None) -> None:
             "nnx-spmd-train: interrupted; the checkpoints committed so far are kept: "
             "run the same command to resume\n"
         )
-        sys.exit(130)  # 128 + SIGINT, as a shell reports it
+        _exit_at_once(130)  # 128 + SIGINT, as a shell reports it
+
+
+def _exit_at_once(status: int) -> NoReturn:
+    """Ends the process after Ctrl-C: the exit handlers run (JAX's, the logs'), but not
+    Python's wait for the threads left or its final garbage collection.
+
+    Ctrl-C inside an Orbax save interrupts Orbax's event loop on the main thread, which
+    Orbax then closes with coroutines still suspended in it, and may leave a thread of
+    the save waiting for a signal that never comes. At exit, Python would wait for that
+    thread (the process hung until killed), and collecting those coroutines runs their
+    cleanup on the closed loop ("RuntimeError: Event loop is closed" and "Task was
+    destroyed" after the exit line). Nothing of value is left running:
+    ``OrbaxCheckpoint.on_exception`` already waited for the save that was in flight, and
+    the interrupted one was never committed.
+    """
+    gc.disable()  # no collection of the interrupted save's coroutines from here on
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # what sys.exit would run, minus the thread joins
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

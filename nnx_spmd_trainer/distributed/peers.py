@@ -62,14 +62,20 @@ class PeerWatch:
             return None
         watch = cls(client, jax.process_index(), jax.process_count(), timeout_s)
         watch._thread.start()
-        atexit.register(watch.exiting.set)  # runs before JAX's shutdown (registered earlier)
+        atexit.register(watch.stop)  # runs before JAX's shutdown (registered earlier)
         cls._current = watch
         return watch
+
+    def stop(self) -> None:
+        """Ends the watch before JAX's exit-time shutdown: a call of the client's still in
+        flight while the client shuts down can abort the process from C++."""
+        self.exiting.set()
+        self._thread.join(timeout=10 * self.interval_s)
 
     def _run(self) -> None:
         beat, start = 0, time.monotonic()
         last: dict[str, tuple[str, float]] = {}  # key -> (value, when it last changed)
-        while True:
+        while not self.exiting.is_set():
             beat += 1
             try:
                 self.client.key_value_set(f"{self.KEY}{self.process_id}", str(beat), True)
@@ -88,7 +94,7 @@ class PeerWatch:
                     last[key] = (value, now if value else start)
                 if now - last[key][1] > self.timeout_s:
                     self._lost(peer, f"no sign of life for {self.timeout_s:g} s: it died or hangs")
-            time.sleep(self.interval_s)
+            self.exiting.wait(self.interval_s)
 
     def _lost(self, peer: int, why: str) -> None:
         line = (
