@@ -45,8 +45,16 @@ class RunLock:
         """Takes the lock, or raises ``DirectoryInUse`` naming the process holding it."""
         if self._fd is not None:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:  # same type (PermissionError, ...), a message with the fix
+            raise type(error)(
+                error.errno,
+                f"cannot write the run lock {self.path} ({error.strerror}): a run must be able "
+                "to write its directory. Give one this process can write, or fix its "
+                "permissions (ls -ld; a read-only or full file system, an immutable flag).",
+            ) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

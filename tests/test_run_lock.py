@@ -70,6 +70,32 @@ def test_two_trainers_of_one_process_on_one_directory_are_refused_too(tmp_path):
         first.release()
 
 
+def _make_read_only(directory: Path) -> None:  # root writes past permission bits, not chattr +i
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(directory)], check=True)
+    else:
+        os.chmod(directory, 0o555)
+
+
+def test_a_directory_that_cannot_be_written_is_named_with_the_fix_keeping_the_error_type(
+    tmp_path,
+):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"run lock .*a_file.*permissions"):
+        RunLock(tmp_path / "a_file" / "run").acquire()
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    _make_read_only(read_only)
+    try:
+        with pytest.raises(PermissionError, match=rf"cannot write the run lock {read_only}/"):
+            RunLock(read_only).acquire()
+        assert not (read_only / RunLock.FILE).exists()
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(read_only)], check=True)
+        os.chmod(read_only, 0o755)
+
+
 def _latest_state(checkpoints: Path) -> list[np.ndarray]:
     options = ocp.CheckpointManagerOptions(read_only=True)
     manager = ocp.CheckpointManager(checkpoints, options=options)
