@@ -4,8 +4,8 @@ import importlib.metadata
 
 from nnx_spmd_trainer import auto, distributed, remat
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
+from nnx_spmd_trainer.batch_errors import BatchMismatch
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
-from nnx_spmd_trainer.data import BatchMismatch
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.pipeline import grain_pipeline

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from nnx_spmd_trainer import data, predict
+from nnx_spmd_trainer import data_position, predict
+from nnx_spmd_trainer.batch_errors import batch_mismatch, raise_if_changed
 from nnx_spmd_trainer.callback import Logs
 from nnx_spmd_trainer.prefetch import Prefetch, has_position
 
@@ -179,7 +180,7 @@ class Loop:
         run.progress.train_iterator = iterator = iter(train_data)
         run.progress.batches_in_epoch = 0
         if run.start is not None:
-            run.progress.batches_in_epoch = data.seek(iterator, run.start)
+            run.progress.batches_in_epoch = data_position.seek(iterator, run.start)
             run.start = None
         # A one-shot iterator with no position cannot be set back after running ahead.
         ahead = placement.prefetch if iterator is not train_data or has_position(iterator) else 0
@@ -188,7 +189,7 @@ class Loop:
             lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
             ahead,
             waiting=lambda: run.report.perf.timing("data_wait"),
-            explain=lambda host, error: data.batch_mismatch(
+            explain=lambda host, error: batch_mismatch(
                 error, f"step {run.step + 1}", self._last_host_batch, host
             ),
         )
@@ -252,7 +253,7 @@ class Loop:
                 )
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
-                data.raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
+                raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         live.write(arrays)
         self._last_host_batch = host
@@ -292,7 +293,7 @@ class Loop:
                     report.eval = eval_step(arrays, report.eval, batch)
                 except Exception as error:
                     where = f"evaluation batch {batches} (after step {run.step})"
-                    data.raise_if_changed(error, where, previous, host_batch)
+                    raise_if_changed(error, where, previous, host_batch)
                     raise
                 previous = host_batch
                 placement.in_flight.add(jax.tree.leaves(report.eval)[0])

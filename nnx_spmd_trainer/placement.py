@@ -1,7 +1,9 @@
-"""Placement: host batches onto the mesh, asking the strategy once per kind of batch."""
+"""Placement: host batches onto the mesh, asking the strategy once per kind of batch,
+and ``InFlight``, the bound on the steps dispatched ahead of the host."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import threading
@@ -13,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import data
+from nnx_spmd_trainer import batches, same_rows
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 
 
@@ -62,7 +64,7 @@ def check_same_rows(batch: Any, data_shard: DataShard) -> None:
     the first batch of each kind).
 
     Each process publishes its ``DataShard``, its batch's shapes and
-    ``data.batch_fingerprint(batch)`` under the batch's structure and how many
+    ``same_rows.batch_fingerprint(batch)`` under the batch's structure and how many
     times it has checked one of that structure, then reads every process's: all
     see the same values, so all reach the same verdict and raise together. The
     exchange goes through JAX's coordination service, not the devices: it may run
@@ -87,7 +89,7 @@ def check_same_rows(batch: Any, data_shard: DataShard) -> None:
     mine = {
         "shard": list(data_shard),
         "shapes": [list(np.shape(x)) for x in jax.tree.leaves(batch)],
-        "fingerprints": data.batch_fingerprint(batch),
+        "fingerprints": same_rows.batch_fingerprint(batch),
     }
     client.key_value_set(rows_key(structure, occurrence, jax.process_index()), json.dumps(mine))
     reports = []
@@ -108,7 +110,7 @@ def check_same_rows(batch: Any, data_shard: DataShard) -> None:
     names = [
         jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_leaves_with_path(batch)
     ]
-    problem = data.same_rows_error(
+    problem = same_rows.same_rows_error(
         [r["shard"] for r in reports],
         [r["fingerprints"] for r in reports],
         names,
@@ -116,6 +118,33 @@ def check_same_rows(batch: Any, data_shard: DataShard) -> None:
     )
     if problem:
         raise ShardingError(problem)
+
+
+class InFlight:
+    """Keeps at most ``limit`` dispatched steps unfinished by blocking on the oldest.
+
+    Unbounded async dispatch deadlocks XLA:CPU collectives on simulated devices
+    (PITFALLS.md), and a real trainer wants the bound anyway.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1, got {limit}.")
+        self.limit = limit
+        self._pending: collections.deque[jax.Array] = collections.deque()
+
+    def add(self, marker: jax.Array) -> None:
+        self._pending.append(marker)
+        while len(self._pending) > self.limit:
+            self._pending.popleft().block_until_ready()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().block_until_ready()
+
+    def clear(self) -> None:
+        """Forgets the pending steps without waiting (after a failure)."""
+        self._pending.clear()
 
 
 class Placement:
@@ -143,7 +172,7 @@ class Placement:
     ) -> None:
         self.strategy, self.mesh, self.data_shard = strategy, mesh, data_shard
         self.prefetch = prefetch
-        self.in_flight = data.InFlight(max_steps_in_flight)
+        self.in_flight = InFlight(max_steps_in_flight)
         self._shardings: dict[Any, Any] = {}
         self._multiples: dict[Any, int] = {}
 
@@ -164,23 +193,25 @@ class Placement:
         shardings = self._shardings.get(key)
         if shardings is None:
             shardings = self.strategy.batch_sharding(batch, self.mesh)
-            data.check_batch(batch, shardings, divisor=divisor, data_shards=self.data_shard.count)
+            batches.check_batch(
+                batch, shardings, divisor=divisor, data_shards=self.data_shard.count
+            )
             check_same_rows(batch, self.data_shard)
             self._shardings[key] = shardings
-        return data.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
+        return batches.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
     def rows_multiple(self, batch: Any, *, divisor: int = 1) -> int:
         """What this process's rows must be a multiple of, for batches like ``batch``."""
         key = _batch_key(batch, divisor)
         if key not in self._multiples:
-            self._multiples[key] = data.rows_multiple(
+            self._multiples[key] = batches.rows_multiple(
                 self.shardings(batch), divisor=divisor, data_shards=self.data_shard.count
             )
         return self._multiples[key]
 
     def padded(self, batch: Any, *, divisor: int = 1) -> Any:
         """``batch`` with rows padded to a count the mesh can split, and a ``"mask"``."""
-        return data.pad_batch(batch, self.rows_multiple(batch, divisor=divisor))
+        return batches.pad_batch(batch, self.rows_multiple(batch, divisor=divisor))
 
     def eval_batch(self, batch: Any) -> Any:
         """An eval batch as is, or padded and masked if its rows do not split."""
@@ -188,4 +219,4 @@ class Placement:
         if not isinstance(batch, Mapping) or not leaves or not np.shape(leaves[0]):
             return batch  # placement names what is wrong
         multiple = self.rows_multiple(batch)
-        return batch if len(leaves[0]) % multiple == 0 else data.pad_batch(batch, multiple)
+        return batch if len(leaves[0]) % multiple == 0 else batches.pad_batch(batch, multiple)

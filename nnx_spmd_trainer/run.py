@@ -16,7 +16,7 @@ from flax import nnx
 
 from nnx_spmd_trainer import auto
 from nnx_spmd_trainer.callback import CallbackList
-from nnx_spmd_trainer.data import DataPosition
+from nnx_spmd_trainer.data_position import DataPosition
 from nnx_spmd_trainer.plan import Plan
 from nnx_spmd_trainer.prefetch import has_position
 from nnx_spmd_trainer.report import MetricsReport

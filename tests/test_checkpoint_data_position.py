@@ -145,6 +145,30 @@ def test_a_position_counted_in_rows_is_not_mistaken_for_damage(tmp_path, uninter
     assert_bitwise(params(resumed), uninterrupted)  # the same batches as batches_data()
 
 
+def without_recorded_position(step_dir: Path) -> None:
+    """The step as written before its metadata recorded the data position."""
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("data_position") == {"next_index": 1}
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_a_step_saved_before_the_metadata_recorded_the_position_resumes_exactly(
+    checkpoints, uninterrupted
+):
+    """Without the record the position is read back as bytes (Grain's JSON text), and the
+    resumed epoch's ``DatasetIterator`` is set to the dict they hold: the step is neither
+    set aside nor resumed by reading and discarding batches."""
+    without_recorded_position(checkpoints / "6")
+    checkpoint = OrbaxCheckpoint(checkpoints)
+    resumed = trainer_for(checkpoint)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no restorable position")
+        resumed.fit(batches_data(), max_steps=STEPS)
+    assert checkpoint.restored_step == 6 and not (checkpoints / "6.damaged").exists()
+    assert_bitwise(params(resumed), uninterrupted)
+
+
 def loader_data() -> grain.DataLoader:
     """A ``DataLoader``, whose position is bytes (Grain saves it as text, not JSON)."""
     return grain.DataLoader(

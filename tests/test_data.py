@@ -5,7 +5,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import DataParallel, Hybrid, ShardingError, TensorParallel
-from nnx_spmd_trainer.data import InFlight, place_batch
+from nnx_spmd_trainer.data import place_batch
+from nnx_spmd_trainer.placement import InFlight
 
 
 class Marker:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nnx_spmd_trainer import placement
-from nnx_spmd_trainer.data import batch_fingerprint, leaf_fingerprint, same_rows_error
+from nnx_spmd_trainer.same_rows import batch_fingerprint, leaf_fingerprint, same_rows_error
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 
 
