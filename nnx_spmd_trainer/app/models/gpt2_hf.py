@@ -1,0 +1,247 @@
+"""GPT-2 exactly as Hugging Face's ``GPT2LMHeadModel`` computes it, and the map of its files.
+
+The architecture of the published GPT-2: learned token (``wte``) and position
+(``wpe``) embeddings; ``n_layer`` pre-LayerNorm blocks (LayerNorm epsilon
+``1e-5``) of causal self-attention scaled by ``1/sqrt(head_dim)`` and an MLP of
+``4 * n_embd`` with the tanh-approximate GELU (HF's ``gelu_new``); a final
+LayerNorm; and the head tied to the token embedding (logits ``= x @ wte^T``).
+
+Parameters keep HF's names, so ``h/3/mlp/c_fc/kernel`` is ``h.3.mlp.c_fc.weight``:
+HF's ``Conv1D`` stores ``(in, out)``, as ``nnx.Linear`` does, so no kernel is
+transposed. Two things differ from the file, each a transform of the map
+(``gpt2_weight_map``): the fused ``c_attn`` is three projections ``q``, ``k``,
+``v`` here (so a ``model`` axis splits whole heads, Megatron's way), and the
+vocabulary may be padded (``pad_vocab_to``) so that a ``model`` axis divides it;
+the padded tokens' logits are the dtype's lowest value. Under ``scan_layers`` the
+blocks are one stacked block (``h/mlp/c_fc/kernel`` of shape
+``(n_layer, n_embd, 4 * n_embd)``), run by ``nnx.scan``; the map stacks the
+file's per-layer tensors.
+
+Dropout (``dropout``) follows HF's ``resid_pdrop``/``embd_pdrop``; the attention
+weights themselves are not dropped (``attn_pdrop`` is not modelled), which
+changes nothing in eval mode, where the logits equal HF's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
+from nnx_spmd_trainer.app.models.gpt import loss_fn, stacked_blocks
+from nnx_spmd_trainer.attention import causal_attention
+from nnx_spmd_trainer.sharding import LAYERS
+from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
+
+__all__ = ["GPT2", "GPT2Block", "GPT2Config", "gpt2_weight_map", "loss_fn"]
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The sizes of a GPT-2 (HF's ``GPT2Config`` names; defaults: GPT-2 small).
+
+    ``pad_vocab_to``: the embedding has ``vocab_size`` rounded up to a multiple of it
+    (64: 50257 -> 50304, which a ``model`` axis of 2, 4 or 8 divides).
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+    dropout: float = 0.1
+    pad_vocab_to: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
+
+
+def _layer_norm(config: GPT2Config, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        config.n_embd,
+        epsilon=config.layer_norm_epsilon,
+        # (None,): replicated, annotated so that a stacked copy's layer dimension is marked
+        scale_init=annotated(nnx.initializers.ones_init(), None),
+        bias_init=annotated(nnx.initializers.zeros_init(), None),
+        rngs=rngs,
+    )
+
+
+def _linear(n_in: int, n_out: int, split_dim: str, rngs: nnx.Rngs) -> nnx.Linear:
+    """A Conv1D: ``split_dim`` ``"out"`` splits the output features over ``model`` (q, k, v,
+    c_fc), ``"in"`` the input features (the projections back, whose bias is whole)."""
+    kernel = (None, MODEL) if split_dim == "out" else (MODEL, None)
+    bias = MODEL if split_dim == "out" else None
+    return nnx.Linear(
+        n_in,
+        n_out,
+        kernel_init=annotated(nnx.initializers.normal(0.02), *kernel),
+        bias_init=annotated(nnx.initializers.zeros_init(), bias),
+        rngs=rngs,
+    )
+
+
+class GPT2Attention(nnx.Module):
+    """Causal self-attention: ``c_attn``'s q, k, v as three projections, then ``c_proj``."""
+
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs) -> None:
+        d = config.n_embd
+        self.n_head = config.n_head
+        self.q = _linear(d, d, "out", rngs)
+        self.k = _linear(d, d, "out", rngs)
+        self.v = _linear(d, d, "out", rngs)
+        self.c_proj = _linear(d, d, "in", rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, length, d = x.shape
+        heads = [
+            p(x).reshape(batch, length, self.n_head, d // self.n_head)
+            for p in (self.q, self.k, self.v)
+        ]
+        return self.c_proj(causal_attention(*heads).reshape(batch, length, d))
+
+
+class GPT2MLP(nnx.Module):
+    """``c_fc``, the tanh-approximate GELU (``gelu_new``), ``c_proj``."""
+
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs) -> None:
+        self.c_fc = _linear(config.n_embd, 4 * config.n_embd, "out", rngs)
+        self.c_proj = _linear(4 * config.n_embd, config.n_embd, "in", rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
+
+
+class GPT2Block(nnx.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``, with residual dropout."""
+
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs) -> None:
+        self.ln_1 = _layer_norm(config, rngs)
+        self.attn = GPT2Attention(config, rngs)
+        self.ln_2 = _layer_norm(config, rngs)
+        self.mlp = GPT2MLP(config, rngs)
+        self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+@nnx.scan(
+    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS}
+)
+def _scan_blocks(x: jax.Array, block: GPT2Block) -> jax.Array:
+    return block(x)
+
+
+class GPT2(nnx.Module):
+    """GPT-2 returning logits ``(batch, seq, padded_vocab_size)`` for token ids.
+
+    >>> config = GPT2Config(vocab_size=10, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+    ...                     pad_vocab_to=4)
+    >>> with nnx.use_eager_sharding(False):  # outside a mesh; the Trainer builds it inside one
+    ...     model = GPT2(config, rngs=nnx.Rngs(0), scan_layers=True)
+    >>> model(jnp.zeros((1, 8), jnp.int32)).shape
+    (1, 8, 12)
+    >>> model.h.mlp.c_fc.kernel.shape
+    (2, 16, 64)
+    """
+
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs, *, scan_layers: bool = False) -> None:
+        self.config = config
+        self.wte = nnx.Embed(
+            config.padded_vocab_size,
+            config.n_embd,
+            embedding_init=annotated(nnx.initializers.normal(0.02), MODEL, None),
+            rngs=rngs,
+        )
+        self.wpe = nnx.Embed(
+            config.n_positions,
+            config.n_embd,
+            embedding_init=nnx.initializers.normal(0.01),
+            rngs=rngs,
+        )
+        self.drop = nnx.Dropout(config.dropout, rngs=rngs)
+        self.h: GPT2Block | nnx.List[GPT2Block] = (
+            stacked_blocks(lambda r: GPT2Block(config, r), config.n_layer, rngs)
+            if scan_layers
+            else nnx.List([GPT2Block(config, rngs) for _ in range(config.n_layer)])
+        )
+        self.ln_f = _layer_norm(config, rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        length = tokens.shape[-1]
+        if length > self.config.n_positions:
+            raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
+        x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(length)))
+        if isinstance(self.h, GPT2Block):  # scan_layers: one stacked block
+            x = _scan_blocks(x, self.h)
+        else:
+            for block in self.h:
+                x = block(x)
+        logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
+        padding = jnp.arange(logits.shape[-1]) >= self.config.vocab_size
+        return jnp.where(padding, jnp.finfo(logits.dtype).min, logits)
+
+
+def gpt2_weight_map(
+    config: GPT2Config, *, scan_layers: bool = False, dtype: np.dtype | type = np.float32
+) -> WeightMap:
+    """How ``GPT2(config, scan_layers=...)`` is made from Hugging Face's GPT-2 safetensors.
+
+    The names are ``GPT2Model``'s (``wte.weight``, ``h.0.attn.c_attn.weight``, ...);
+    a ``GPT2LMHeadModel`` file's ``transformer.`` prefix is accepted, and its tied
+    ``lm_head.weight`` and the old causal-mask buffers (``h.0.attn.bias``,
+    ``h.0.attn.masked_bias``) are skipped. ``c_attn`` is split into q, k, v, the
+    vocabulary padded, and under ``scan_layers`` the layers stacked; exported, the
+    file has HF's names and shapes again.
+
+    >>> m = gpt2_weight_map(GPT2Config(n_layer=2), scan_layers=True)
+    >>> m.targets["h/attn/q/kernel"].shape
+    (2, 768, 768)
+    """
+    d, vocab = config.n_embd, config.vocab_size
+
+    def t(name: str, *shape: int) -> Expr:
+        return tensor(name, shape, dtype)
+
+    def layer(i: int) -> dict[str, Expr]:
+        h = f"h.{i}."
+        qkv_w, qkv_b = t(h + "attn.c_attn.weight", d, 3 * d), t(h + "attn.c_attn.bias", 3 * d)
+        out: dict[str, Expr] = {}
+        for j, part in enumerate("qkv"):
+            out[f"attn/{part}/kernel"] = split(qkv_w, axis=1, parts=3, index=j)
+            out[f"attn/{part}/bias"] = split(qkv_b, axis=0, parts=3, index=j)
+        sizes = {"attn.c_proj": (d, d), "mlp.c_fc": (d, 4 * d), "mlp.c_proj": (4 * d, d)}
+        for name, (n_in, n_out) in sizes.items():
+            path = name.replace(".", "/")
+            out[f"{path}/kernel"] = t(h + name + ".weight", n_in, n_out)
+            out[f"{path}/bias"] = t(h + name + ".bias", n_out)
+        for ln in ("ln_1", "ln_2"):
+            out[f"{ln}/scale"], out[f"{ln}/bias"] = t(h + ln + ".weight", d), t(h + ln + ".bias", d)
+        return out
+
+    targets: dict[str, Expr] = {
+        "wte/embedding": pad(t("wte.weight", vocab, d), axis=0, size=config.padded_vocab_size),
+        "wpe/embedding": t("wpe.weight", config.n_positions, d),
+        "ln_f/scale": t("ln_f.weight", d),
+        "ln_f/bias": t("ln_f.bias", d),
+    }
+    layers = [layer(i) for i in range(config.n_layer)]
+    for key in layers[0]:
+        if scan_layers:
+            targets[f"h/{key}"] = stack([one[key] for one in layers])
+        else:
+            targets.update({f"h/{i}/{key}": one[key] for i, one in enumerate(layers)})
+    return WeightMap(
+        targets,
+        ignore=(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", r"lm_head\.weight"),
+        prefixes=("transformer.",),
+    )

@@ -1,0 +1,149 @@
+"""Pretrained weights into a plan's layout: each device given only its own blocks.
+
+``load_weights`` checks the map, the model and the source first and raises one
+``WeightsMismatch`` listing every problem; then it builds one array at a time
+with ``jax.make_array_from_callback``, whose callback reads just the block one
+device holds (through the memory-mapped file and the map's transforms). No
+device ever holds a whole array it does not own a block of, and the host holds
+at most one block (one whole tensor where a transform must reshape it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import optax
+from flax import nnx
+
+from nnx_spmd_trainer.sharding import path_str
+from nnx_spmd_trainer.weights.expr import Expr, normalize_index
+from nnx_spmd_trainer.weights.mapping import WeightMap, WeightsMismatch, check
+from nnx_spmd_trainer.weights.sources import SafetensorsSource, WeightSource
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.plan import Plan
+    from nnx_spmd_trainer.trainer import Trainer
+
+__all__ = ["load_weights", "param_targets", "pretrained_state", "start_from"]
+
+
+def param_targets(plan: Plan) -> nnx.State:
+    """The model's ``nnx.Param`` leaves as ``jax.ShapeDtypeStruct`` s with the plan's
+    shardings: what ``load_weights`` fills."""
+    return nnx.filter_state(plan.state_targets()["model"], nnx.Param)
+
+
+def _as_source(source: WeightSource | str | os.PathLike[str]) -> WeightSource:
+    return SafetensorsSource(source) if isinstance(source, str | os.PathLike) else source
+
+
+def load_weights(
+    target: Plan | nnx.State,
+    source: WeightSource | str | os.PathLike[str],
+    weight_map: WeightMap,
+) -> nnx.State:
+    """The model's parameters read from ``source`` through ``weight_map``, laid out as
+    ``target`` says.
+
+    Args:
+      target: a ``Plan`` (its model's ``nnx.Param`` leaves, ``param_targets(plan)``),
+        or any state of ``jax.ShapeDtypeStruct`` s carrying shardings.
+      source: a ``WeightSource``, or a path to a ``.safetensors`` file or a directory
+        of them (``SafetensorsSource``).
+      weight_map: model path -> expression over the source's tensors.
+
+    Returns:
+      ``target``'s structure holding ``jax.Array`` s, every one with its target's sharding.
+
+    Raises:
+      WeightsMismatch: every missing, unexpected, mis-shaped, mistyped or damaged
+        tensor, and every model array the map does not make, at once, before any
+        array is built.
+    """
+    targets = param_targets(target) if not isinstance(target, nnx.State) else target
+    source = _as_source(source)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(targets)
+    by_path = {path_str(p): leaf for p, leaf in leaves}
+    problems = check(weight_map, by_path, source)
+    if problems:
+        raise WeightsMismatch(problems, where=repr(source.__class__.__name__))
+    resolved = weight_map.resolve(source.tensors())
+    tensors = _Renamed(source, resolved)
+    arrays = [_build(weight_map.targets[path], leaf, tensors) for path, leaf in by_path.items()]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+class _Renamed:
+    """The source's tensors under the map's names (a ``transformer.`` prefix dropped)."""
+
+    def __init__(self, source: WeightSource, names: dict[str, str]) -> None:
+        self.source, self.names = source, names
+
+    def __getitem__(self, name: str) -> Any:
+        return self.source[self.names[name]]
+
+
+def _build(expr: Expr, target: jax.ShapeDtypeStruct, tensors: Any) -> jax.Array:
+    shape = tuple(target.shape)
+    blocks: dict[Any, Any] = {}  # replicated devices ask for the same block: read it once
+
+    def block(index: tuple[slice, ...]) -> Any:
+        key = normalize_index(index, shape)
+        bounds = tuple((s.start, s.stop) for s in key)
+        if bounds not in blocks:
+            blocks[bounds] = expr.read(key, tensors)
+        return blocks[bounds]
+
+    sharding = target.sharding
+    if sharding is None:
+        raise ValueError(f"the target {target} carries no sharding")
+    return jax.make_array_from_callback(shape, sharding, block)  # type: ignore[arg-type]
+
+
+def pretrained_state(plan: Plan, params: nnx.State) -> nnx.State:
+    """The plan's whole initial state (``{"model", "optimizer"}``) with ``params`` as the
+    model's parameters: the optimizer's state made from them (``tx.init``), every
+    other variable (RNG streams, ...) as the plan's initialiser makes it.
+
+    One ``jax.jit`` with the plan's output shardings, ``params`` donated: the random
+    parameters the initialiser would make are dead code XLA removes, so they are
+    never built, and the devices hold the parameters once. ``params`` must not be
+    used afterwards.
+    """
+    tx = optax.with_extra_args_support(plan.optimizer)
+
+    def with_params(state: nnx.State, loaded: nnx.State) -> nnx.State:
+        objects = nnx.merge(plan.graphdef, state)
+        nnx.update(objects["model"], loaded)
+        optimizer = nnx.Optimizer(objects["model"], tx, wrt=plan.wrt)
+        return nnx.state({"model": objects["model"], "optimizer": optimizer})
+
+    build: Callable[..., nnx.State]
+    args: tuple[nnx.State, ...]
+    init = getattr(getattr(plan, "_init", None), "init_fn", None)
+    if init is not None and getattr(plan._init, "args", None) == ():  # a model factory
+        # Traced inside this jit, the initialiser's random parameters are never used.
+        build, args = (lambda loaded: with_params(init(), loaded)), (params,)
+    else:  # a plan of a built module: its arrays exist already, and are donated here
+        build, args = with_params, (plan.materialize(), params)
+    jitted = jax.jit(build, out_shardings=plan.shardings, donate_argnums=tuple(range(len(args))))
+    with jax.set_mesh(plan.mesh):
+        return jitted(*args)
+
+
+def start_from(
+    trainer: Trainer,
+    source: WeightSource | str | os.PathLike[str],
+    weight_map: WeightMap,
+) -> None:
+    """Makes ``trainer`` start from pretrained weights: loaded into its plan's layout and
+    assigned as its state before the initial state is built (so it never is).
+
+    Call it before ``fit`` (a trainer with ``strategy="auto"`` after ``choose_layout``);
+    the optimizer starts fresh from the loaded parameters.
+    """
+    plan = trainer.plan
+    trainer.state = pretrained_state(plan, load_weights(plan, source, weight_map))
