@@ -303,11 +303,11 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
 ):
     from test_cli import load, shrink
 
-    from nnx_spmd_trainer.app import cli, tasks
+    from nnx_spmd_trainer.app import job, tasks
 
     config = shrink(load("mlp"))
     config.strategy = "auto"
-    result = cli.run(config, tmp_path / "run")  # its MetricsLogger asks the log schedule early
+    result = job.run(config, tmp_path / "run")  # its MetricsLogger asks the log schedule early
     out = capsys.readouterr().out
     assert result.trainer is not None and result.trainer.layout_choice is not None
     chosen = result.trainer.layout_choice.strategy
@@ -322,10 +322,10 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
     class OneCandidate(Auto):
         candidates: Sequence[Strategy] | None = (DataParallel(),)
 
-    monkeypatch.setattr(cli, "Auto", OneCandidate)
+    monkeypatch.setattr(job, "Auto", OneCandidate)
     config.memory_budget_bytes = 1024
     with pytest.raises(tasks.ConfigError, match=r"config.memory_budget_bytes=1024.*1024"):
-        cli.run(config, tmp_path / "too-small")
+        job.run(config, tmp_path / "too-small")
     assert not (tmp_path / "too-small").exists()  # refused before anything is written
 
 

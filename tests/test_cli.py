@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
-from nnx_spmd_trainer.app import cli, tasks
+from nnx_spmd_trainer.app import host_devices, job, tasks
+from nnx_spmd_trainer.app.command_line import CONFIGS_DIR, normalize_argv
 
-CONFIG_NAMES = sorted(p.stem for p in cli.CONFIGS_DIR.glob("*.py") if not p.name.startswith("_"))
+CONFIG_NAMES = sorted(p.stem for p in CONFIGS_DIR.glob("*.py") if not p.name.startswith("_"))
 REQUIRED_KEYS = (
     "max_steps", "batch_size", "seed", "strategy", "log_every_n_steps",
     "eval_every_n_steps", "learning_rate", "grad_accum_steps",
@@ -73,18 +74,18 @@ def test_parse_strategy_errors_name_the_problem(spec, message):
 # -- argv and devices ---------------------------------------------------------------------
 def test_normalize_argv_makes_the_config_explicit(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # no configs/ here: names resolve to the embedded files
-    default = str(cli.CONFIGS_DIR / "default.py")
-    assert cli.normalize_argv(["prog", "--config.max_steps=3"]) == [
+    default = str(CONFIGS_DIR / "default.py")
+    assert normalize_argv(["prog", "--config.max_steps=3"]) == [
         "prog", f"--config={default}", "--config.max_steps=3",
     ]  # fmt: skip
-    tp = str(cli.CONFIGS_DIR / "tp.py")
-    assert cli.normalize_argv(["prog", "--config=tp"])[1] == f"--config={tp}"
-    assert cli.normalize_argv(["prog", "--config", "configs/tp.py"])[2] == tp
-    assert cli.normalize_argv(["prog", "--config=tp.py:arg"])[1] == f"--config={tp}:arg"
-    assert cli.normalize_argv(["prog", f"--config={tp}"])[1] == f"--config={tp}"
+    tp = str(CONFIGS_DIR / "tp.py")
+    assert normalize_argv(["prog", "--config=tp"])[1] == f"--config={tp}"
+    assert normalize_argv(["prog", "--config", "configs/tp.py"])[2] == tp
+    assert normalize_argv(["prog", "--config=tp.py:arg"])[1] == f"--config={tp}:arg"
+    assert normalize_argv(["prog", f"--config={tp}"])[1] == f"--config={tp}"
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tp.py").write_text("")  # a file that exists wins
-    assert cli.normalize_argv(["prog", "--config=configs/tp.py"])[1] == "--config=configs/tp.py"
+    assert normalize_argv(["prog", "--config=configs/tp.py"])[1] == "--config=configs/tp.py"
 
 
 @pytest.mark.parametrize(
@@ -96,19 +97,19 @@ def test_normalize_argv_makes_the_config_explicit(monkeypatch, tmp_path):
     ],
 )
 def test_simulate_host_devices_respects_the_users_flags(monkeypatch, before, after):
-    monkeypatch.setattr(cli, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(host_devices, "_has_accelerator", lambda: False)
     if before is None:
         monkeypatch.delenv("XLA_FLAGS", raising=False)
     else:
         monkeypatch.setenv("XLA_FLAGS", before)
-    cli.simulate_host_devices(8)
+    host_devices.simulate_host_devices(8)
     assert os.environ["XLA_FLAGS"] == after
 
 
 def test_simulate_host_devices_leaves_accelerators_alone(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    cli.simulate_host_devices(8)
+    host_devices.simulate_host_devices(8)
     assert "XLA_FLAGS" not in os.environ
 
 
@@ -205,7 +206,7 @@ def test_default_job_end_to_end_in_a_subprocess(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_every_config_runs_two_steps(name, tmp_path):
-    result = cli.run(shrink(load(name)), tmp_path)
+    result = job.run(shrink(load(name)), tmp_path)
     assert result.history.steps["train/loss"][-1] == 2
     assert np.isfinite(result.eval_loss) and result.baseline > 0
     assert Path(tmp_path / "metrics.csv").exists()
@@ -233,7 +234,7 @@ def test_help_lists_the_flags_the_shipped_configs_and_the_keys_and_exits_0(tmp_p
 def test_a_config_name_resolves_to_a_file_never_to_a_folder(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mlp").mkdir()  # a folder named like a shipped config
-    assert cli.normalize_argv(["prog", "--config=mlp"])[1] == f"--config={cli.CONFIGS_DIR}/mlp.py"
+    assert normalize_argv(["prog", "--config=mlp"])[1] == f"--config={CONFIGS_DIR}/mlp.py"
 
 
 @pytest.mark.parametrize(

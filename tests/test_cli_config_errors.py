@@ -8,7 +8,8 @@ import ml_collections
 import pytest
 from test_cli import _cli, load, shrink
 
-from nnx_spmd_trainer.app import cli, tasks
+from nnx_spmd_trainer.app import job, tasks
+from nnx_spmd_trainer.app.workdir import check_writable
 
 TINY = ("--config=mlp", "--config.max_steps=2")  # the failures come before any step
 
@@ -94,7 +95,7 @@ def test_a_range_error_names_the_key_and_the_fix_and_writes_nothing(tmp_path, ke
     config = load("mlp")
     config.update({"max_steps": 2, key: value})
     with pytest.raises(tasks.ConfigError) as refused:
-        cli.run(config, tmp_path / "run")
+        job.run(config, tmp_path / "run")
     (line,) = str(refused.value).splitlines()
     assert f"config.{key}={value}" in line and fix in line
     assert tree(tmp_path) == set()
@@ -140,20 +141,20 @@ def test_the_shipped_configs_and_their_off_switches_pass(name):
 
 def test_check_writable_reads_the_permissions_of_the_nearest_existing_folder(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(cli.os, "access", lambda path, mode: asked.append(path) and False)
+    monkeypatch.setattr(os, "access", lambda path, mode: asked.append(path) and False)
     with pytest.raises(tasks.ConfigError, match=r"is not writable \(its parent .* is not\)"):
-        cli.check_writable(tmp_path / "a" / "b", "--export")
+        check_writable(tmp_path / "a" / "b", "--export")
     assert asked == [tmp_path]
     with pytest.raises(tasks.ConfigError, match=r"^--workdir=.* is not writable: permission"):
-        cli.check_writable(tmp_path, "--workdir")
+        check_writable(tmp_path, "--workdir")
 
 
 def test_check_writable_writes_nothing(tmp_path):
-    assert cli.check_writable(tmp_path / "a" / "b", "--workdir") == tmp_path / "a" / "b"
+    assert check_writable(tmp_path / "a" / "b", "--workdir") == tmp_path / "a" / "b"
     assert tree(tmp_path) == set()
     (tmp_path / "f").write_text("")
     with pytest.raises(tasks.ConfigError, match=r"--workdir=.*/f is not writable: it is a file"):
-        cli.check_writable(tmp_path / "f", "--workdir")
+        check_writable(tmp_path / "f", "--workdir")
 
 
 @pytest.mark.parametrize(
@@ -170,7 +171,7 @@ def test_run_refuses_before_writing_anything(tmp_path, change, message):
     config.strategy = "data"
     config.update(change)
     with pytest.raises(tasks.ConfigError, match=message):
-        cli.run(config, tmp_path / "run")
+        job.run(config, tmp_path / "run")
     assert tree(tmp_path) == set()
 
 
@@ -178,7 +179,7 @@ def test_a_layer_the_layout_cannot_split_names_the_strategy_and_the_model(tmp_pa
     config = shrink(load("mlp"))  # data=4,model=2
     config.mlp.hidden_dim = 33
     with pytest.raises(tasks.ConfigError, match=r"config.strategy=.* \(or config.mlp\): .*33"):
-        cli.run(config, tmp_path / "run")
+        job.run(config, tmp_path / "run")
     assert tree(tmp_path) == set()
 
 

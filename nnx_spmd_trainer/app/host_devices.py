@@ -1,0 +1,42 @@
+"""Devices for a run on a machine without an accelerator: CPU devices simulated for XLA.
+
+Which platform JAX may pick is decided from the environment and the installed plugins,
+without starting a backend, so ``XLA_FLAGS`` can still be set.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _has_accelerator() -> bool:
+    """Whether JAX may pick a non-CPU backend, decided without starting one."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    if importlib.util.find_spec("libtpu") is not None:
+        return True
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return True
+    try:
+        import jax_plugins  # namespace package of the CUDA/ROCm plugins
+    except ImportError:
+        return False
+    return any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+def simulate_host_devices(num_devices: int) -> None:
+    """Asks XLA for ``num_devices`` CPU devices, unless XLA_FLAGS already sets a count.
+
+    Must run before JAX starts its backend (importing jax is fine); does
+    nothing when an accelerator may be present.
+    """
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if HOST_DEVICES_FLAG in flags_now or _has_accelerator():
+        return
+    os.environ["XLA_FLAGS"] = f"{flags_now} {HOST_DEVICES_FLAG}={num_devices}".strip()

@@ -1,0 +1,59 @@
+"""Ctrl-C in a run: Orbax's logs kept quiet, and a prompt exit that waits for no stuck thread."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import logging as std_logging
+import os
+import sys
+from types import FrameType
+from typing import NoReturn
+
+
+class _OrbaxLog(std_logging.Filter):
+    """Orbax logs a failed save with a traceback from each of its threads, though the
+    failure reaches the run as one ``CheckpointWriteError``: its lines keep no traceback,
+    and after Ctrl-C (which fails the save in flight on purpose) none is kept."""
+
+    interrupted = False
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return not self.interrupted
+
+
+ORBAX_LOG = _OrbaxLog()
+
+
+def interrupt(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C: Python's own ``KeyboardInterrupt``, with Orbax's logs quiet from here."""
+    del signum, frame
+    ORBAX_LOG.interrupted = True
+    raise KeyboardInterrupt
+
+
+
+def exit_at_once(status: int) -> NoReturn:
+    """Ends the process after Ctrl-C: the exit handlers run (JAX's, the logs'), but not
+    Python's wait for the threads left or its final garbage collection.
+
+    Ctrl-C inside an Orbax save interrupts Orbax's event loop on the main thread, which
+    Orbax then closes with coroutines still suspended in it, and may leave a thread of
+    the save waiting for a signal that never comes. At exit, Python would wait for that
+    thread (the process hung until killed), and collecting those coroutines runs their
+    cleanup on the closed loop ("RuntimeError: Event loop is closed" and "Task was
+    destroyed" after the exit line). Nothing of value is left running:
+    ``OrbaxCheckpoint.on_exception`` already waited for the save that was in flight, and
+    the interrupted one was never committed.
+    """
+    gc.disable()  # no collection of the interrupted save's coroutines from here on
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # what sys.exit would run, minus the thread joins
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

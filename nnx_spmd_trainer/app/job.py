@@ -1,0 +1,281 @@
+"""A training job from a config: built and checked before anything is written, then
+trained, evaluated and reported (``run``: ``nnx-spmd-train`` without the flags)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+# callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
+from nnx_spmd_trainer import History, Trainer, callbacks, data  # type: ignore[attr-defined]
+from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app.console import say
+from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks
+from nnx_spmd_trainer.app.workdir import (
+    check_workdir_writable,
+    set_old_checkpoints_aside,
+    workdir_lock,
+)
+from nnx_spmd_trainer.auto import Auto
+from nnx_spmd_trainer.sharding import ShardingError
+from nnx_spmd_trainer.strategies import DataParallel, Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What ``run`` returns: the history, the final held-out loss and the baseline it must beat."""
+
+    history: History
+    eval_loss: float
+    baseline: float
+    baseline_name: str
+    trainer: Trainer | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def beats_baseline(self) -> bool:
+        return self.eval_loss < self.baseline
+
+
+@contextlib.contextmanager
+def blamed_on(key: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Re-raises ``errors`` (default ``ValueError``, ``TypeError``) raised inside as a
+    ``ConfigError`` whose message starts with ``key``; a ``ConfigError`` names its own key."""
+    caught = errors or (ValueError, TypeError)
+    try:
+        yield
+    except tasks.ConfigError:
+        raise
+    except caught as error:
+        raise tasks.ConfigError(f"{key}: {error}") from error
+
+
+@contextlib.contextmanager
+def refused_or_noted(notes: list[str] | None, *errors: type[Exception]) -> Iterator[None]:
+    """``errors`` raised inside propagate (they refuse the run), or, with ``notes`` (a dry
+    run, which writes nothing and need not be refused), are kept there as messages."""
+    try:
+        yield
+    except errors as error:
+        if notes is None:
+            raise
+        notes.append(str(error))
+
+
+def _first_batch(data: Any) -> Any:
+    """The first batch of ``data`` without consuming it (``None``: none, or a one-pass
+    iterator); a Grain ``MapDataset`` or a sequence is indexed, starting no workers."""
+    if isinstance(data, grain.MapDataset | Sequence):
+        try:
+            return data[0]
+        except IndexError:
+            return None
+    iterator = iter(data)
+    return None if iterator is data else next(iterator, None)
+
+
+def run(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], *, dry_run: bool = False
+) -> RunResult:
+    """Trains the model ``config`` describes and evaluates it: ``main`` without the flags.
+
+    JAX must already see enough devices for ``config.strategy`` (see
+    ``simulate_host_devices``). Writes ``config.json``, ``metrics.csv``, ``tb/``
+    and ``checkpoints/`` under ``workdir``, and nothing before the whole run is
+    built and checked: a config that cannot run (a value out of range, a
+    layout that does not fit, a batch the mesh cannot split, an unwritable
+    ``workdir``, or one that holds a file or checkpoints it cannot write) raises a
+    ``tasks.ConfigError`` naming the key, and a resume from checkpoints of another
+    model raises ``CheckpointOfAnotherModel``, with nothing written.
+    With ``dry_run`` it prints the plan of the train step (``Plan.report``) and
+    returns there: nothing trained, nothing written; what would refuse the run in
+    ``workdir`` (it writes nothing, so it works in a read-only one) follows the plan
+    as a note.
+    """
+    tasks.check_config(config)
+    workdir = Path(workdir)
+    notes: list[str] | None = [] if dry_run else None
+    with refused_or_noted(notes, tasks.ConfigError):
+        check_workdir_writable(workdir)
+    with blamed_on(f"config.strategy={config.strategy!r}"):
+        # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
+        spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
+        strategy: Strategy | Auto
+        if spec == "auto":  # chosen below, holding each process to DataParallel's rows
+            strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, report=say)
+            shard = DataParallel().data_shard(DataParallel().make_mesh())
+        else:
+            strategy = tasks.parse_strategy(spec)
+            # Which rows this process reads is a question of the layout: the strategy says.
+            # The trainer's placement.data_shard would say the same, but the data is needed
+            # before there is a trainer: a task builds its model with its data (the GPT's
+            # vocabulary is its text's), and "auto" chooses the layout on that data. So the
+            # strategy answers on the mesh the trainer's plan will build from the same
+            # devices; from the trainer on, trainer.placement is asked.
+            shard = strategy.data_shard(strategy.make_mesh())
+    with blamed_on(f"config.{config.model}"):
+        task = tasks.build_task(config, shard=shard)
+    splits = task.splits
+    with blamed_on("--workdir", OSError):
+        run_callbacks = make_callbacks(config, workdir)
+    try:  # the state is built lazily: this traces the model, allocates nothing
+        trainer = Trainer(
+            task.model,
+            tasks.make_optimizer(config),
+            strategy=strategy,
+            loss_fn=task.loss_fn,
+            metrics=tasks.Metrics,
+            callbacks=[*run_callbacks, BaselineReport(splits.baseline, splits.baseline_name)],
+            seed=config.seed,
+            grad_accum_steps=config.grad_accum_steps,
+            max_steps_in_flight=config.max_steps_in_flight,
+            config=config,
+        )
+    except ShardingError as error:  # a parameter the layout cannot split
+        raise tasks.ConfigError(
+            f"config.strategy={spec!r} (or config.{config.model}): {error}"
+        ) from error
+    except (ValueError, TypeError) as error:
+        raise tasks.ConfigError(f"config.{config.model}: {error}") from error
+    if isinstance(strategy, Auto):  # planned and timed on the first batches, as fit would
+        with blamed_on(
+            f"config.strategy='auto' (config.memory_budget_bytes={strategy.memory_budget_bytes})"
+        ):
+            strategy = trainer.choose_layout(
+                itertools.islice(iter(splits.train), strategy.steps)
+            ).strategy
+    accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
+    batch_key = (
+        f"config.batch_size={config.batch_size}"
+        f"{accumulation if config.grad_accum_steps > 1 else ''}"
+    )
+    with blamed_on(batch_key):
+        batch = _first_batch(splits.train)
+    # The layout's answer for the batch: a sequence SequenceParallel cannot split is the
+    # sequence length's fault (or the layout's), not the batch size's.
+    seq_len = config.get(config.model, {}).get("seq_len")
+    with blamed_on(
+        f"config.strategy={spec!r}"
+        + (f" with config.{config.model}.seq_len={seq_len}" if seq_len else "")
+    ):
+        shardings = trainer.placement.shardings(batch) if batch is not None else None
+    with blamed_on(batch_key):
+        if batch is not None:  # as fit will place it
+            data.check_batch(
+                batch,
+                shardings,
+                divisor=config.grad_accum_steps,
+                data_shards=trainer.placement.data_shard.count,
+            )
+    if config.resume:  # the checkpoints to resume must be of this model
+        with refused_or_noted(notes, callbacks.checkpoint_checks.CheckpointOfAnotherModel):
+            for callback in run_callbacks:
+                if isinstance(callback, callbacks.OrbaxCheckpoint):
+                    callback.check_model()
+        if jax.process_count() > 1:
+            # Every process has looked before any creates the directory: they all saw the
+            # same files, so all opened the same Orbax managers (whose barriers count).
+            multihost_utils.sync_global_devices("checkpoints checked against the model")
+    if notes is not None:  # a dry run
+        first = batch if batch is not None else next(iter(splits.train))
+        say(str(plan_of(trainer, first)))
+        for note in notes:
+            say(f"note: the run itself would be refused: {note}")
+        return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
+    started = (
+        f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
+        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
+        f"{': ' + why if why else ''}), {config.max_steps} steps of "
+        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
+        f"workdir {workdir}"
+    )
+    # Checked: from here on the run writes, and no other run may write here too.
+    with workdir_lock(workdir):
+        return _train(config, workdir, trainer, splits, started)
+
+
+def _train(
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    trainer: Trainer,
+    splits: datasets.Splits,
+    started: str,
+) -> RunResult:
+    """The writing part of ``run``, with everything checked: trains, evaluates, reports."""
+    if jax.process_index() == 0:
+        with blamed_on(f"--workdir={workdir} is not writable", OSError):
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    if not config.resume:
+        set_old_checkpoints_aside(workdir)
+        if jax.process_count() > 1:  # the others look for checkpoints only after the move
+            multihost_utils.sync_global_devices("old checkpoints set aside")
+    say(started)
+    history = trainer.fit(
+        iter(splits.train),  # one iterator: a second fit would continue the stream
+        eval_data=splits.eval,
+        max_steps=config.max_steps,
+        eval_every_n_steps=config.eval_every_n_steps or None,
+    )
+    eval_losses = history.history.get("eval/loss", [float("nan")])
+    result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
+    if trainer.progress.preempted:
+        say(_preempted_line(trainer))
+        return result
+    verdict = "beats" if result.beats_baseline else "does NOT beat"
+    accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
+    say(
+        f"final after {trainer.step} steps: eval loss {result.eval_loss:.4f} (accuracy "
+        f"{accuracy:.3f}); {verdict} the {splits.baseline_name} {splits.baseline:.4f} "
+        f"by {splits.baseline - result.eval_loss:+.4f} nats"
+    )
+    if waits := history.history.get("perf/data_wait_fraction"):
+        say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
+    say(goodput_line(trainer.report.perf.goodput()))
+    return result
+
+
+def _preempted_line(trainer: Trainer) -> str:
+    """What a SIGTERM left behind: the step saved, or (before any step) the checkpoints as
+    they were."""
+    checkpoint = next(c for c in trainer.callbacks if isinstance(c, callbacks.OrbaxCheckpoint))
+    if checkpoint.stopped_before_a_step:
+        return (
+            f"stopped by SIGTERM before any step (at step {trainer.step}): nothing trained, "
+            "nothing saved; run the same command to continue"
+        )
+    return f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
+
+
+def plan_of(trainer: Trainer, batch: Any) -> Any:
+    """The plan report of ``trainer``'s train step on global batches shaped like ``batch``
+    (this process's rows, times the row sets the processes feed)."""
+    rows = trainer.placement.data_shard.count
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * rows, *np.shape(x)[1:]), x.dtype),
+        jax.tree.map(np.asarray, batch),
+    )
+    return trainer.plan.report(shapes, train_step=trainer.train_step)
+
+
+def goodput_line(goodput: dict[str, float]) -> str:
+    """One line: where the wall time of ``fit`` went, in seconds and shares."""
+    wall = goodput["goodput/wall_s"]
+    parts = [
+        (key.removeprefix("goodput/").removesuffix("_s"), value)
+        for key, value in goodput.items()
+        if key != "goodput/wall_s"
+    ]
+    shares = ", ".join(f"{name} {100 * value / wall:.1f}%" for name, value in parts if wall > 0)
+    return f"time: {wall:.1f} s of fit = {shares}"
+
