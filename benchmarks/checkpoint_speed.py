@@ -136,7 +136,7 @@ class Saves:
     def settle(self) -> None:
         """Nothing of the trainer's in flight: a save then times the save alone."""
         jax.block_until_ready(self.trainer.state)
-        loss = self.trainer.report.last_loss
+        loss = self.trainer.metric_log.last_loss
         assert loss is None or np.isfinite(np.asarray(jax.device_get(loss))), loss
 
 

@@ -14,7 +14,7 @@ from nnx_spmd_trainer import Callback, Logs
 class TerminateOnNaN(Callback):
     """Stops training when the loss becomes NaN or infinite, and names the step.
 
-    Every step it keeps a reference to ``trainer.report.last_loss`` (still on device:
+    Every step it keeps a reference to ``trainer.metric_log.last_loss`` (still on device:
     no copy). Every ``check_every_n_steps`` steps it copies to the host, in one
     transfer, only the kept losses of steps the trainer has already waited for
     (those at least ``trainer.placement.max_steps_in_flight`` steps old), so checking
@@ -27,7 +27,7 @@ class TerminateOnNaN(Callback):
     diverged state): on detection it calls
     ``trainer.request_stop(nonfinite_step=<first bad step>)``. A checkpoint callback must
     skip saving while ``trainer.progress.nonfinite_step is not None``, and must check
-    that the loss of the step it saves is finite (``trainer.report.last_loss``: saving
+    that the loss of the step it saves is finite (``trainer.metric_log.last_loss``: saving
     waits for that step anyway), which covers the few steps not yet checked
     here. Losses of a diverged model stay non-finite, so no NaN state is saved.
 
@@ -108,8 +108,8 @@ class TerminateOnNaN(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self.stopped_step is not None:
             return
-        assert self.trainer.report.last_loss is not None
-        self._pending.append((step, self.trainer.report.last_loss))
+        assert self.trainer.metric_log.last_loss is not None
+        self._pending.append((step, self.trainer.metric_log.last_loss))
         if "train/loss" in logs:  # a log point: the devices were just synced for the metrics
             self.check()
         elif step % self.check_every_n_steps == 0:

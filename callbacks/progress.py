@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
-from nnx_spmd_trainer.report import is_step_report
+from nnx_spmd_trainer.metric_log import is_perf_key
 
 
 def format_logs(logs: Logs) -> str:
@@ -57,7 +57,7 @@ class ProgressBar(Callback):
         self._out: IO[str] = sys.stdout
 
     def _print(self, step: int, logs: Logs) -> None:
-        logs = {k: v for k, v in logs.items() if not is_step_report(k)}  # metrics only
+        logs = {k: v for k, v in logs.items() if not is_perf_key(k)}  # metrics only
         if not logs or jax.process_index() != 0:
             return
         if self._bar is not None:

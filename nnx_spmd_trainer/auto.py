@@ -4,8 +4,9 @@ Each candidate is planned from shapes alone (``Plan`` and its compiled train
 step: ``PlanReport``), so one that does not fit the per-device memory never
 has its state built. The candidates that fit are timed on real batches, a
 few steps each, taking turns round after round (the median of the rounds),
-with only one candidate's state on the devices at a time and every array of
-a timing deleted after it: what stays is the chosen ``Plan``, whose state is
+with only one candidate's state on the devices at a time (each step taken as
+the trainer's loop takes it: ``loop.train_one``) and every array of a timing
+deleted after it: what stays is the chosen ``Plan``, whose state is
 then built afresh (the initial state, as if the layout had been given).
 
 >>> candidates(8, tp_sizes=[2])  # doctest: +NORMALIZE_WHITESPACE
@@ -28,11 +29,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer import plan_report
-from nnx_spmd_trainer.placement import Placement
+from nnx_spmd_trainer import deprecation, plan_report
+from nnx_spmd_trainer.loop import train_one
+from nnx_spmd_trainer.metric_log import MetricLog
+from nnx_spmd_trainer.placement import InFlight, Placement
 from nnx_spmd_trainer.plan import Plan, abstract_batch
 from nnx_spmd_trainer.plan_report import PlanReport, size
 from nnx_spmd_trainer.prefetch import has_position
+from nnx_spmd_trainer.run import LayoutNotChosen as LayoutNotChosen  # its public home was here
+from nnx_spmd_trainer.run import Run
+from nnx_spmd_trainer.run import not_chosen as not_chosen
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
 from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
@@ -45,6 +51,7 @@ class NoLayoutFits(ValueError):
     """No candidate layout fits the per-device memory; the message lists each one's bytes."""
 
 
+@deprecation.renamed_keywords(report="print_fn")
 @dataclasses.dataclass(frozen=True)
 class Auto:
     """``strategy="auto"`` with its settings: ``Trainer(..., strategy=Auto(steps=5))``.
@@ -58,14 +65,17 @@ class Auto:
         ``steps`` batches).
       rounds: timed rounds (after one untimed round); each candidate's time is the
         median of its rounds.
-      report: where the ranking table goes (default ``print``; ``None``: nowhere).
+      print_fn: where the ranking table goes (default ``print``; ``None``: nowhere), as
+        Keras's ``summary(print_fn=...)``. ``report=`` is its deprecated name.
     """
 
     memory_budget_bytes: int | None = None
     candidates: Sequence[Strategy] | None = None
     steps: int = 3
     rounds: int = 3
-    report: Callable[[str], Any] | None = print
+    print_fn: Callable[[str], Any] | None = print
+
+    report = deprecation.renamed_property("Auto.report", "Auto.print_fn", lambda a: a.print_fn)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.rounds < 1:
@@ -277,24 +287,28 @@ class _Timed:
         self.row, self.plan, self.compiled, self.placement = row, plan, compiled, placement
 
     def run(self, batches: Sequence[Any], in_flight: int = 2) -> float:
-        """Seconds per step over ``batches`` from a fresh state, then every array deleted."""
+        """Seconds per step over ``batches`` from a fresh state, each step taken as ``fit``
+        takes it (``loop.train_one`` on a ``Run`` of the candidate's, ``in_flight`` steps
+        unfinished at most), then every array of the run deleted."""
         placed = [self.placement.place(b, divisor=self.plan.grad_accum_steps) for b in batches]
-        state = jax.tree.leaves(self.plan.materialize())
-        metrics = self.plan.empty_metrics()
-        outputs: list[Any] = []
+        plan = self.plan
+        run = Run(MetricLog(plan.empty_metrics, plan.mesh.local_devices, track_norms=False))
+        run.plan = plan
+        bound = InFlight(in_flight)
         try:
-            with jax.set_mesh(self.plan.mesh):
-                jax.block_until_ready((state, metrics, placed))
+            with jax.set_mesh(plan.mesh):
+                jax.block_until_ready((run.objects().arrays(), run.metric_log.train, placed))
                 start = time.perf_counter()
                 for batch in placed:
-                    state, metrics, loss, norms = self.compiled(state, metrics, batch)
-                    outputs.append((loss, norms))
-                    if len(outputs) > in_flight:  # unbounded, CPU collectives deadlock
-                        jax.block_until_ready(outputs[-in_flight - 1])
-                jax.block_until_ready((state, metrics, outputs))
+                    train_one(run, self.compiled, batch, bound)
+                bound.drain()
+                jax.block_until_ready((run.objects().arrays(), run.metric_log.train))
                 return (time.perf_counter() - start) / len(placed)
         finally:
-            _delete((state, metrics, placed, outputs))
+            bound.clear()
+            log = run.metric_log
+            arrays = run.live.arrays() if run.live is not None else []
+            _delete((arrays, log.train, log.eval, log.last_loss, log.perf.norms, placed))
 
 
 def _agreed(times: list[float]) -> list[float]:
@@ -355,7 +369,7 @@ def _plan_candidates(
                 if plan.data_shard != data_shard:
                     row.reason = f"its processes feed {plan.data_shard}, the data is {data_shard}"
                     continue
-            placement = Placement(strategy, plan.mesh, plan.data_shard, prefetch=0)
+            placement = Placement(plan, prefetch=0)
             first = placement.place(first_batch, divisor=plan.grad_accum_steps)
             shapes = abstract_batch(first)
             _delete(first)
@@ -486,17 +500,3 @@ def choose_on(
     taken = list(itertools.islice(iterator, steps))
     choose_layout(taken)
     return itertools.chain(taken, iterator)
-
-
-class LayoutNotChosen(RuntimeError):
-    """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
-    was chosen (``fit`` or ``choose_layout``)."""
-
-
-def not_chosen(name: str) -> LayoutNotChosen:
-    """The error for ``trainer.<name>`` asked for before the layout was chosen."""
-    return LayoutNotChosen(
-        f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
-        "placement, state): it chooses one on real batches. Call "
-        "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
-    )

@@ -2,7 +2,7 @@
 
 The core calls these hooks; concrete callbacks live in ``nnx_spmd_trainer.callbacks``.
 
-The report flow reads one way. The trainer alone decides when training
+The logs flow one way. The trainer alone decides when training
 metrics leave the devices (its log steps, epoch ends, the end of ``fit``) and
 puts them in ``logs`` *before* it calls a hook; evaluation values arrive the
 same way at ``on_test_end``. A hook may add values of its own (the learning
@@ -234,7 +234,7 @@ class CallbackList:
         return next((layout for layout in answers if layout is not None), None)
 
     def _call(self, hook: str, *args: Any) -> None:
-        timing = self.trainer.report.perf.timing
+        timing = self.trainer.metric_log.perf.timing
         for method, part in self._bound[hook]:
             with timing(part):
                 method(*args)

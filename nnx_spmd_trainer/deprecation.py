@@ -6,9 +6,12 @@ is given once per process, so a loop reading an old name is not flooded.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: The release after which a name deprecated now is gone.
 REMOVED_IN = "0.2.0"
@@ -61,3 +64,41 @@ def renamed_property(
         setter if set_ is not None else None,
         doc=f"A deprecated alias (until {REMOVED_IN}); use {new}.",
     )
+
+
+def renamed_keywords(**renames: str) -> Callable[[_F], _F]:
+    """A decorator: the function (or a class's ``__init__``) also takes each old keyword
+    ``old="new"`` names, as ``new``, warning that it is now ``new``. Its signature shows
+    only the new names.
+
+    >>> @renamed_keywords(report="print_fn")
+    ... def show(text, *, print_fn=print):
+    ...     print_fn(text)
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     show("hi", report=lambda text: print(text.upper()))
+    HI
+    """
+
+    def decorate(target: _F) -> _F:
+        function = target.__init__ if isinstance(target, type) else target  # type: ignore[misc]
+        name = target.__qualname__
+
+        @functools.wraps(function)
+        def accepting_old_names(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{name}: give {new}= only ({old}= is its old name).")
+                warn_renamed(f"{name}({old}=...)", f"{name}({new}=...)")
+                kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+
+        if isinstance(target, type):
+            target.__init__ = accepting_old_names  # type: ignore[misc]
+            return target
+        return accepting_old_names  # type: ignore[return-value]
+
+    return decorate

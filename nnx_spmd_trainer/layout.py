@@ -1,23 +1,29 @@
-"""Layout: a trainer's plan and batch placement, given, or chosen by ``strategy="auto"``."""
+"""Layout: a trainer's plan and batch placement, given, or chosen by ``strategy="auto"``;
+and ``LayoutAccess``, the ``Trainer``'s members that reach them."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from nnx_spmd_trainer import auto
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
+from nnx_spmd_trainer.callback import CallbackList
+from nnx_spmd_trainer.metric_log import MetricLog
 from nnx_spmd_trainer.placement import Placement
 from nnx_spmd_trainer.plan import Plan
-from nnx_spmd_trainer.report import MetricsReport
-from nnx_spmd_trainer.run import Run
+from nnx_spmd_trainer.run import Run, not_chosen
 from nnx_spmd_trainer.state import ModelFactory
+from nnx_spmd_trainer.strategies import Strategy
+
+_T = TypeVar("_T")
 
 #: ``Plan`` settings a ``Trainer`` takes, with the value meaning "not given".
 PLAN_SETTINGS: dict[str, Any] = {
@@ -109,23 +115,21 @@ class Layout:
         self._settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
 
     def adopt(self, plan: Plan) -> None:
-        """Makes ``plan`` the run's, with its placement and a metrics report for it (the
+        """Makes ``plan`` the run's, with its placement and a metric log for it (the
         log schedule asked so far kept)."""
         prefetch, max_steps_in_flight, track_norms, log_every_n_steps = self._settings
         self.run.plan = plan
         self.placement = Placement(
-            plan.strategy,
-            plan.mesh,
-            plan.data_shard,
+            plan,
             prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
-        asked = self.run.report.log_every
-        self.run.report = MetricsReport(
+        asked = self.run.metric_log.log_every
+        self.run.metric_log = MetricLog(
             plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
         )
         for n in (*asked, *([log_every_n_steps] if log_every_n_steps is not None else [])):
-            self.run.report.request_log_every(n)
+            self.run.metric_log.request_log_every(n)
 
     def choose(
         self,
@@ -140,6 +144,79 @@ class Layout:
         choice = choose(batches, lower=lower, resume=resume)
         self.adopt(choice.plan)
         self.pending, self.choice, self.first_logs = None, choice, choice.logs()
-        if settings.report is not None:
-            settings.report(choice.table())
+        if settings.print_fn is not None:
+            settings.print_fn(choice.table())
         return choice
+
+
+class LayoutAccess:
+    """The layout, through the trainer (a mixin of ``Trainer``): the plan, the placement,
+    the mesh and strategy, and with ``strategy="auto"`` the choice. Each raises
+    ``LayoutNotChosen`` while the choice is still to make."""
+
+    run: Run
+    _layout: Layout
+    callbacks: CallbackList
+
+    if TYPE_CHECKING:
+
+        def train_step(
+            self, model: nnx.Module, optimizer: nnx.Optimizer[nnx.Module], batch: Any
+        ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+    def _chosen(self, value: _T | None, name: str) -> _T:
+        if value is None:
+            raise not_chosen(name)
+        return value
+
+    @property
+    def plan(self) -> Plan:
+        """The layout and the compiled steps (``Plan``)."""
+        return self._chosen(self.run.plan, "plan")
+
+    @property
+    def placement(self) -> Placement:
+        """Batch placement (``Placement``)."""
+        return self._chosen(self._layout.placement, "placement")
+
+    def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:
+        """``strategy="auto"``: plans every layout the devices allow, times those that fit
+        on the first batches of ``batches`` and keeps the fastest (``auto.choose``).
+
+        The ranking is printed (``Auto.print_fn``), kept in ``layout_choice`` and put in
+        the next ``fit``'s first logs (``layout/...``); no candidate's arrays stay on the
+        devices, and the state is then built as for the chosen strategy given
+        explicitly. ``fit`` calls this with its first batches when it was not called.
+        A run about to be resumed (a callback's ``layout_to_resume``, e.g. an
+        ``OrbaxCheckpoint`` holding steps) keeps the layout it ran in, untimed, where
+        that layout is a candidate and still fits.
+        """
+        if self._layout.pending is None:
+            if self.layout_choice is not None:
+                return self.layout_choice
+            raise TypeError(
+                f"choose_layout is for Trainer(strategy='auto'); this trainer's layout is "
+                f"{self.strategy!r}."
+            )
+        # A resumed run keeps its layout; every process takes process 0's answer.
+        resume = auto.agreed_text(self.callbacks.layout_to_resume())
+        return self._layout.choose(batches, self._lower_candidate, resume)
+
+    @property
+    def layout_choice(self) -> auto.Choice | None:
+        """With ``strategy="auto"``, the ranking and the layout chosen (``auto.Choice``)."""
+        return self._layout.choice
+
+    def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
+        # compute_gradients reads the plan being traced (tracing_plan): the candidate's.
+        return plan.lower(shapes, train_step=self.train_step)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ``jax.sharding.Mesh`` the strategy built."""
+        return self.plan.mesh
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy the plan lays the run out with."""
+        return self.plan.strategy

@@ -3,7 +3,8 @@
 Epochs, batches, one train step, evaluation, prediction and the exception path. The loop
 reads and writes the run only through the ``Run``; of the ``Trainer`` it asks
 the user's overrides (``train_step``, ``eval_fn``, ``predict_fn``), the
-callbacks, and the layout (``plan``, ``placement``).
+callbacks, and the layout (``plan``, ``placement``). One train step on a ``Run``
+(``train_one``, ``take_step``) is also how ``strategy="auto"`` times its candidates.
 """
 
 from __future__ import annotations
@@ -22,11 +23,36 @@ from nnx_spmd_trainer.callback import Logs
 from nnx_spmd_trainer.prefetch import Prefetch, has_position
 
 if TYPE_CHECKING:
+    from nnx_spmd_trainer.placement import InFlight
+    from nnx_spmd_trainer.run import Run
     from nnx_spmd_trainer.trainer import Trainer
+
+#: What a compiled train step returns: ``(state arrays, train metrics, loss, norms)``.
+StepOutputs = tuple[list[jax.Array], Any, jax.Array, dict[str, jax.Array]]
 
 
 def _any_deleted(leaves: Sequence[Any]) -> bool:
     return any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
+
+
+def take_step(run: Run, outputs: StepOutputs, batch: Any, in_flight: InFlight) -> None:
+    """A dispatched train step's ``outputs`` taken into ``run`` as ``fit`` takes them: the
+    new state written into the live objects, the metrics and norms kept, the loss and
+    ``batch`` kept on the devices, and the step joined to ``in_flight`` (which waits for
+    the oldest step when more are unfinished than its bound)."""
+    metric_log = run.metric_log
+    arrays, metric_log.train, loss, metric_log.perf.norms = outputs
+    run.objects().write(arrays)
+    metric_log.last_loss, metric_log.last_batch = loss, batch
+    in_flight.add(loss)
+    metric_log.train_steps += 1
+
+
+def train_one(run: Run, step: Callable[..., StepOutputs], batch: Any, in_flight: InFlight) -> None:
+    """One compiled train ``step`` on ``run``'s live state and metrics, taken as ``fit``
+    takes it (``take_step``): ``strategy="auto"`` times a candidate layout with it on a
+    ``Run`` of its own, so a layout is timed as it trains."""
+    take_step(run, step(run.objects().arrays(), run.metric_log.train, batch), batch, in_flight)
 
 
 class Loop:
@@ -76,7 +102,7 @@ class Loop:
         run.begin_fit(max_steps, eval_every_n_steps)
         self._train_steps, self._train_structure = {}, None  # looked up again in each fit
         self._last_eval_step = -1
-        run.report.perf.restart()
+        run.metric_log.perf.restart()
         try:
             callbacks.on_fit_start({})  # may restore a run state (Run.load)
             callbacks.on_train_begin({})
@@ -96,11 +122,11 @@ class Loop:
                 # partial average logged here would be a point the resumed run never has.
                 callbacks.on_train_end({})
             else:
-                # A run resumed from this step must not see this fit's final report.
+                # A run resumed from this step must not see this fit's final logs.
                 run.hold_resume_point(keep=True)
                 if eval_data is not None and self._last_eval_step != run.step:
                     self.evaluate(eval_data)
-                callbacks.on_train_end(run.report.flush(run.progress.epoch))
+                callbacks.on_train_end(run.metric_log.flush(run.progress.epoch))
             callbacks.on_fit_end({})
         except BaseException as error:
             self.abort(error)
@@ -137,10 +163,10 @@ class Loop:
                 break
             if run.progress.preempted:  # mid-epoch: the resumed run ends this epoch, not us
                 break
-            if run.done(max_steps):  # fit's final report begins: a resumed run skips it
+            if run.done(max_steps):  # fit's final log point begins: a resumed run skips it
                 run.hold_resume_point()
             self.trainer.placement.in_flight.drain()
-            callbacks.on_epoch_end(epoch, run.report.flush(epoch))
+            callbacks.on_epoch_end(epoch, run.metric_log.flush(epoch))
 
     def abort(self, error: BaseException) -> None:
         """The exception path of ``fit``: settle the devices, tell the callbacks.
@@ -154,8 +180,8 @@ class Loop:
         placement.in_flight.clear()
         run.progress.train_iterator = None
         run.progress.read_ahead(None)
-        if _any_deleted(jax.tree.leaves(run.report.train)):
-            run.report.reset("train")  # donated to the failed step
+        if _any_deleted(jax.tree.leaves(run.metric_log.train)):
+            run.metric_log.reset("train")  # donated to the failed step
         arrays: list[Any] = []
         with contextlib.suppress(Exception):
             arrays = run.live.arrays() if run.live else []
@@ -188,7 +214,7 @@ class Loop:
             iterator,
             lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
             ahead,
-            waiting=lambda: run.report.perf.timing("data_wait"),
+            waiting=lambda: run.metric_log.perf.timing("data_wait"),
             explain=lambda host, error: batch_mismatch(
                 error, f"step {run.step + 1}", self._last_host_batch, host
             ),
@@ -209,16 +235,15 @@ class Loop:
         max_steps: int | None,
         eval_every_n_steps: int | None,
     ) -> None:
-        run, report, callbacks = self.run, self.run.report, self.trainer.callbacks
+        run, metric_log, callbacks = self.run, self.run.metric_log, self.trainer.callbacks
         for host, batch in batches:
             run.progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             callbacks.on_train_batch_begin(run.step, {})
-            with report.perf.timing("step"):
-                self._train_one(
-                    batch, host, norms=report.track_norms and report.is_log_step(run.step + 1)
-                )
-            logs = report.flush(run.progress.epoch) if report.is_log_step(run.step) else {}
+            with metric_log.perf.timing("step"):
+                norms = metric_log.track_norms and metric_log.is_log_step(run.step + 1)
+                self._train_one(batch, host, norms=norms)
+            logs = metric_log.flush(run.progress.epoch) if metric_log.is_log_step(run.step) else {}
             callbacks.on_train_batch_end(run.step, logs)
             if eval_every_n_steps and run.step % eval_every_n_steps == 0:
                 assert eval_data is not None
@@ -229,7 +254,7 @@ class Loop:
                 break
 
     def _train_one(self, batch: Any, host: Any, *, norms: bool) -> None:
-        run, report, plan = self.run, self.run.report, self.trainer.plan
+        run, metric_log, plan = self.run, self.run.metric_log, self.trainer.plan
         structure = jax.tree.structure(batch)
         known = plan.steps.count
         if self._train_structure is None or structure != self._train_structure:
@@ -243,41 +268,36 @@ class Loop:
                 self._train_steps[norms] = self.compile("train", batch, norms=norms)
             # A new step traces and compiles in its first call (dispatch is asynchronous).
             timing = (
-                report.perf.timing("compile")
+                metric_log.perf.timing("compile")
                 if plan.steps.count > known
                 else contextlib.nullcontext()
             )
             with timing:
-                arrays, report.train, loss, report.perf.norms = self._train_steps[norms](
-                    live.arrays(), report.train, batch
-                )
+                outputs = self._train_steps[norms](live.arrays(), metric_log.train, batch)
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
-        live.write(arrays)
         self._last_host_batch = host
+        take_step(run, outputs, batch, self.trainer.placement.in_flight)
         if first and self.overrides_train_step:
             # An override may update any number of times: one read, in the step that
             # compiled, says how many (the default updates once and reads nothing).
             run.host_step = None
             self._updates_per_step[norms] = run.step - count
         run.host_step = count + self._updates_per_step.get(norms, 1)
-        report.last_loss, report.last_batch = loss, batch
-        self.trainer.placement.in_flight.add(loss)
-        report.train_steps += 1
 
     # -- evaluate --------------------------------------------------------------------------
     def evaluate(self, eval_data: Iterable[Any]) -> Logs:
         """``eval_fn`` over all of ``eval_data``: ``{"eval/loss": ..., ...}``."""
-        with self.run.report.perf.timing("eval"):
+        with self.run.metric_log.perf.timing("eval"):
             return self._evaluate(eval_data)
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:
-        run, report, callbacks = self.run, self.run.report, self.trainer.callbacks
+        run, metric_log, callbacks = self.run, self.run.metric_log, self.trainer.callbacks
         placement = self.trainer.placement
         arrays = run.objects().arrays()
-        report.reset("eval")
+        metric_log.reset("eval")
         callbacks.on_test_begin({})
         batches = 0
         eval_step, structure = None, None
@@ -290,18 +310,18 @@ class Loop:
                     if eval_step is None or jax.tree.structure(batch) != structure:
                         eval_step = self.compile("eval", batch)
                         structure = jax.tree.structure(batch)
-                    report.eval = eval_step(arrays, report.eval, batch)
+                    metric_log.eval = eval_step(arrays, metric_log.eval, batch)
                 except Exception as error:
                     where = f"evaluation batch {batches} (after step {run.step})"
                     raise_if_changed(error, where, previous, host_batch)
                     raise
                 previous = host_batch
-                placement.in_flight.add(jax.tree.leaves(report.eval)[0])
+                placement.in_flight.add(jax.tree.leaves(metric_log.eval)[0])
                 callbacks.on_test_batch_end(batches, {})
         if batches == 0:
             raise ValueError("eval_data yielded no batches.")
         placement.in_flight.drain()
-        logs = report.compute("eval")
+        logs = metric_log.compute("eval")
         callbacks.on_test_end(logs)
         return logs
 

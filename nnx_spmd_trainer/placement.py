@@ -9,14 +9,16 @@ import json
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from nnx_spmd_trainer import batches, same_rows
 from nnx_spmd_trainer.sharding import DataShard, ShardingError
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.plan import Plan
 
 
 def _batch_key(batch: Any, *extra: Any) -> Any:
@@ -148,32 +150,26 @@ class InFlight:
 
 
 class Placement:
-    """Turns this process's batches into global arrays with the strategy's batch sharding.
+    """Turns this process's batches into global arrays with the plan's batch shardings.
 
-    The strategy is asked, and a batch checked, once per batch structure and
-    shapes; later batches of the same kind go straight to the devices. With
+    The plan asks its strategy once per batch structure, shapes and dtypes
+    (``Plan.batch_shardings``), and a batch is checked once per kind; later
+    batches of the same kind go straight to the devices. With
     several processes that check also compares the batch with those of the
     processes ``data_shard`` says feed the same rows (``check_same_rows``).
 
     Attributes:
-      data_shard: which rows this process feeds (``strategy.data_shard(mesh)``).
+      plan: the layout the batches are placed in.
+      data_shard: which rows this process feeds (the plan's ``data_shard``).
       prefetch: training batches placed ahead of the steps, by a background thread.
       in_flight: the bound on dispatched steps the host has not waited for.
     """
 
-    def __init__(
-        self,
-        strategy: Any,
-        mesh: Mesh,
-        data_shard: DataShard,
-        *,
-        prefetch: int = 2,
-        max_steps_in_flight: int = 2,
-    ) -> None:
-        self.strategy, self.mesh, self.data_shard = strategy, mesh, data_shard
+    def __init__(self, plan: Plan, *, prefetch: int = 2, max_steps_in_flight: int = 2) -> None:
+        self.plan, self.data_shard = plan, plan.data_shard
         self.prefetch = prefetch
         self.in_flight = InFlight(max_steps_in_flight)
-        self._shardings: dict[Any, Any] = {}
+        self._checked: set[Any] = set()  # kinds of batch (and divisors) already checked
         self._multiples: dict[Any, int] = {}
 
     @property
@@ -181,23 +177,19 @@ class Placement:
         return self.in_flight.limit
 
     def shardings(self, batch: Any) -> Any:
-        """The strategy's batch sharding for batches shaped like ``batch`` (asked once)."""
-        key = _batch_key(batch)
-        if key not in self._shardings:
-            self._shardings[key] = self.strategy.batch_sharding(batch, self.mesh)
-        return self._shardings[key]
+        """The batch shardings for batches shaped like ``batch`` (``Plan.batch_shardings``)."""
+        return self.plan.batch_shardings(batch)
 
     def place(self, batch: Any, *, divisor: int = 1) -> Any:
         """This process's batch -> global arrays (checked once per kind of batch)."""
+        shardings = self.plan.batch_shardings(batch)
         key = _batch_key(batch, divisor)
-        shardings = self._shardings.get(key)
-        if shardings is None:
-            shardings = self.strategy.batch_sharding(batch, self.mesh)
+        if key not in self._checked:
             batches.check_batch(
                 batch, shardings, divisor=divisor, data_shards=self.data_shard.count
             )
             check_same_rows(batch, self.data_shard)
-            self._shardings[key] = shardings
+            self._checked.add(key)
         return batches.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
     def rows_multiple(self, batch: Any, *, divisor: int = 1) -> int:

@@ -4,15 +4,23 @@ The mesh, the abstract state and its shardings, and the compiled steps come
 from shapes alone, so a run can be planned (``plan.lower(shapes)``: memory
 and cost analysis), and a checkpoint restored straight into the plan's
 abstract targets, without ever building the initial state.
+
+The plan binds a strategy to its mesh and is the one object that asks the
+strategy: the initialiser, the step compiler and the batch placement ask the
+plan (``state_shardings``, ``batch_shardings``, ``data_shard``,
+``trace_context``, ``compile_step``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
@@ -26,6 +34,18 @@ from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
+
+
+_tracing: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("tracing", default=None)
+
+
+def tracing_plan() -> Plan | None:
+    """The plan whose step is being traced (inside its ``trace_context``), else ``None``.
+
+    A trainer's ``compute_gradients`` reads it, so a step traced for another plan
+    (a ``strategy="auto"`` candidate) uses that plan's layout, with nothing swapped.
+    """
+    return _tracing.get()
 
 
 def abstract_batch(batch: Any) -> Any:
@@ -68,7 +88,8 @@ class Plan:
         Default ``False``.
 
     Attributes:
-      strategy, mesh: the layout; ``data_shard``: the rows this process feeds.
+      strategy, mesh: the layout (ask the plan, not the strategy: ``batch_shardings``,
+        ``trace_context``, ``compile_step``); ``data_shard``: the rows this process feeds.
       graphdef, abstract_state, shardings: the ``{"model", "optimizer"}`` state's
         structure, shapes (no arrays) and one ``NamedSharding`` per leaf.
 
@@ -110,7 +131,8 @@ class Plan:
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
         self.metrics_class = metrics if metrics is not None else DefaultMetrics
         self.grad_accum_steps, self.wrt = grad_accum_steps, wrt
-        self._init = model_builder(model, optimizer, self.strategy, self.mesh, seed, wrt)
+        self._batch_shardings: dict[Any, Any] = {}
+        self._init = model_builder(model, optimizer, self.state_shardings, self.mesh, seed, wrt)
         self.graphdef = self._init.graphdef
         self.abstract_state = self._init.abstract_state
         self.shardings = self._init.shardings
@@ -118,12 +140,52 @@ class Plan:
         if donate is None:
             donate = backend_default("donate", self.mesh)
         self.skip_nonfinite_updates = skip_nonfinite_updates
-        self.steps = step.StepCompiler(
-            self.strategy,
-            self.mesh,
-            self.leaf_shardings,
-            donate=donate,
-            skip_nonfinite=skip_nonfinite_updates,
+        self.steps = step.StepCompiler(self, donate=donate, skip_nonfinite=skip_nonfinite_updates)
+
+    # -- the strategy's answers, on this plan's mesh ------------------------------------
+    def state_shardings(self, abstract_state: nnx.State) -> Any:
+        """A ``NamedSharding`` per leaf of ``abstract_state`` (the strategy's answer)."""
+        return self.strategy.state_shardings(abstract_state, self.mesh)
+
+    def batch_shardings(self, batch: Any) -> Any:
+        """A ``NamedSharding`` per leaf of batches like ``batch`` (arrays, tracers or
+        ``jax.ShapeDtypeStruct`` s): the strategy's answer, asked once per tree
+        structure, shapes and dtypes."""
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        if key not in self._batch_shardings:
+            self._batch_shardings[key] = self.strategy.batch_sharding(batch, self.mesh)
+        return self._batch_shardings[key]
+
+    @contextlib.contextmanager
+    def trace_context(self) -> Iterator[None]:
+        """What is in force while a step is traced: the strategy's ``trace_context``, and
+        this plan as ``tracing_plan()``."""
+        token = _tracing.set(self)
+        try:
+            with self.strategy.trace_context(self.mesh):
+                yield
+        finally:
+            _tracing.reset(token)
+
+    def compile_step(
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        batch: Any,
+        out_shardings: Any,
+        donate_argnums: tuple[int, ...] = (),
+    ) -> Callable[..., Any]:
+        """``step_fn(state_arrays, metrics, batch)`` jitted as the strategy compiles it:
+        wrapped by its ``transform_step``, traced inside ``trace_context()``, with the
+        state in this plan's shardings, the metrics replicated and the batch in
+        ``batch_shardings(batch)``."""
+        wrapped = step.traced_within(self.strategy.transform_step(step_fn), self.trace_context)
+        return self.strategy.compile_step(
+            wrapped,
+            in_shardings=(self.leaf_shardings, self.replicated, self.batch_shardings(batch)),
+            out_shardings=out_shardings,
+            donate_argnums=donate_argnums,
         )
 
     @functools.cached_property
@@ -177,7 +239,7 @@ class Plan:
             loss_fn,
             wrt=self.wrt,
             grad_accum_steps=self.grad_accum_steps,
-            batch_sharding=self.strategy.batch_sharding(batch, self.mesh),
+            batch_sharding=self.batch_shardings(batch),
             checkpoint=self._checkpoint,
         )
 
@@ -227,11 +289,10 @@ class Plan:
         says what a device will hold before anything is allocated."""
         shapes = abstract_batch(batch)
         jitted: Any = self.compiled("train", shapes, fn=train_step, norms=norms)
-        batch_shardings = self.strategy.batch_sharding(shapes, self.mesh)
         placed = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             shapes,
-            batch_shardings,
+            self.batch_shardings(shapes),
         )
         metrics = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),

@@ -14,14 +14,28 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnx_spmd_trainer import auto
+from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.callback import CallbackList
 from nnx_spmd_trainer.data_position import DataPosition
+from nnx_spmd_trainer.metric_log import MetricLog
 from nnx_spmd_trainer.plan import Plan
 from nnx_spmd_trainer.prefetch import has_position
-from nnx_spmd_trainer.report import MetricsReport
 from nnx_spmd_trainer.run_state import Progress, RunState
 from nnx_spmd_trainer.state import LiveState
+
+
+class LayoutNotChosen(RuntimeError):
+    """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
+    was chosen (``fit`` or ``choose_layout``)."""
+
+
+def not_chosen(name: str) -> LayoutNotChosen:
+    """The error for ``trainer.<name>`` asked for before the layout was chosen."""
+    return LayoutNotChosen(
+        f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
+        "placement, state): it chooses one on real batches. Call "
+        "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
+    )
 
 
 class Run:
@@ -30,8 +44,8 @@ class Run:
     Attributes:
       plan: the layout the state lives in; ``None`` with ``strategy="auto"`` until
         the layout is chosen.
-      report: the on-device metric accumulators, the last step's loss and batch, the
-        log schedule and the timings (``MetricsReport``).
+      metric_log: the on-device metric accumulators, the last step's loss and batch, the
+        log schedule and the timings (``MetricLog``).
       progress: the epoch, the batches taken of it, the epoch's iterator and the
         position of its next batch, preemption, the first non-finite step (``Progress``).
       live: the live model and optimizer (``LiveState``), once built (``objects()``).
@@ -43,21 +57,28 @@ class Run:
       callbacks: the callbacks whose states a snapshot holds.
     """
 
-    def __init__(self, report: MetricsReport) -> None:
+    def __init__(self, metric_log: MetricLog) -> None:
         self.plan: Plan | None = None
-        self.report = report
+        self.metric_log = metric_log
         self.progress = Progress()
         self.live: LiveState | None = None  # built when first needed
         self.host_step: int | None = 0
         self.stop_requested = False
         self.start: DataPosition | None = None
         self.callbacks: CallbackList | None = None
-        self._resume_point: RunState | None = None  # the run before fit's final report
+        self._resume_point: RunState | None = None  # the run before fit's final logs
+
+    report = deprecation.renamed_property(
+        "Run.report",
+        "run.metric_log",
+        lambda run: run.metric_log,
+        lambda run, value: setattr(run, "metric_log", value),
+    )
 
     def layout(self) -> Plan:
-        """The plan; ``auto.LayoutNotChosen`` while ``strategy="auto"`` has not chosen."""
+        """The plan; ``LayoutNotChosen`` while ``strategy="auto"`` has not chosen."""
         if self.plan is None:
-            raise auto.not_chosen("state")
+            raise not_chosen("state")
         return self.plan
 
     # -- the state: one authority, the live objects ----------------------------------
@@ -128,7 +149,7 @@ class Run:
 
     def hold_resume_point(self, *, keep: bool = False) -> None:
         """From here, ``snapshot`` is the run as it is now: what a resumed run starts
-        from, before ``fit``'s final report (``keep``: unless one is already held)."""
+        from, before ``fit``'s final logs (``keep``: unless one is already held)."""
         if not (keep and self._resume_point is not None):
             self._resume_point = self._now()
 
@@ -151,11 +172,11 @@ class Run:
         position = self.progress.position()
         return RunState(
             state=None,
-            train_metrics=self.report.train,
+            train_metrics=self.metric_log.train,
             step=self.step,
             epoch=self.progress.epoch,
             batches_in_epoch=self.progress.batches_in_epoch,
-            train_metric_steps=self.report.train_steps,
+            train_metric_steps=self.metric_log.train_steps,
             # Containers copied (leaves shared): later hooks do not edit this record.
             callbacks=jax.tree.map(lambda x: x, self.callbacks.state_dict()),
             data=position.get_state() if has_position(position) else None,
@@ -166,7 +187,7 @@ class Run:
         assert self.callbacks is not None
         self._resume_point = None
         self.set_state(run.state)
-        self.report.train = jax.device_put(run.train_metrics, self.layout().replicated)
-        self.report.train_steps = int(run.train_metric_steps)
+        self.metric_log.train = jax.device_put(run.train_metrics, self.layout().replicated)
+        self.metric_log.train_steps = int(run.train_metric_steps)
         self.callbacks.load_state_dict(dict(run.callbacks))
         self.start = DataPosition(int(run.epoch), int(run.batches_in_epoch), run.data)

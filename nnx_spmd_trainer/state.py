@@ -12,16 +12,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.strategies import Strategy
 from nnx_spmd_trainer.strategies.base import is_variable
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
-class ShardedInit:
-    """Builds ``{"model": ..., "optimizer": ...}`` in one ``jax.jit`` with the strategy's layout.
+#: The layout of a state: ``abstract state -> a NamedSharding per leaf`` (the plan's
+#: ``state_shardings``, which asks its strategy).
+StateShardings = Callable[[nnx.State], Any]
 
-    ``nnx.eval_shape`` gives the abstract state, the strategy answers one
+
+class ShardedInit:
+    """Builds ``{"model": ..., "optimizer": ...}`` in one ``jax.jit`` with the plan's layout.
+
+    ``nnx.eval_shape`` gives the abstract state, ``state_shardings`` answers one
     sharding per leaf, and the jitted builder returns every leaf (optimizer
     moments included) already laid out: the seeds' "sharded initialization".
 
@@ -35,7 +39,7 @@ class ShardedInit:
     def __init__(
         self,
         build: Callable[..., dict[str, Any]],
-        strategy: Strategy,
+        state_shardings: StateShardings,
         mesh: Mesh,
         *args: Any,
     ) -> None:
@@ -45,7 +49,7 @@ class ShardedInit:
 
         with nnx.use_eager_sharding(False):
             self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(build, *args))
-        self.shardings = strategy.state_shardings(self.abstract_state, mesh)
+        self.shardings = state_shardings(self.abstract_state)
         # A pre-built module's placed arrays are donated: its state is never held twice.
         donate = tuple(range(len(args)))
         self.init_fn = jax.jit(build_state, out_shardings=self.shardings, donate_argnums=donate)
@@ -68,7 +72,7 @@ class ShardedInit:
 def model_builder(
     model: ModelFactory | nnx.Module,
     tx: optax.GradientTransformation,
-    strategy: Strategy,
+    state_shardings: StateShardings,
     mesh: Mesh,
     seed: int,
     wrt: nnx.filterlib.Filter = nnx.Param,
@@ -94,13 +98,13 @@ def model_builder(
 
     if isinstance(model, nnx.Module):
         graphdef, model_state = nnx.split(model)
-        model_state = jax.device_put(model_state, strategy.state_shardings(model_state, mesh))
+        model_state = jax.device_put(model_state, state_shardings(model_state))
         return ShardedInit(
-            lambda s: with_optimizer(nnx.merge(graphdef, s)), strategy, mesh, model_state
+            lambda s: with_optimizer(nnx.merge(graphdef, s)), state_shardings, mesh, model_state
         )
     if not callable(model):
         raise TypeError(f"model must be an nnx.Module or a factory rngs -> Module, got {model!r}.")
-    return ShardedInit(lambda: with_optimizer(model(nnx.Rngs(seed))), strategy, mesh)
+    return ShardedInit(lambda: with_optimizer(model(nnx.Rngs(seed))), state_shardings, mesh)
 
 
 class LiveState:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.plan import Plan
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Any
@@ -406,22 +409,12 @@ class StepCompiler:
 
     It needs shapes, not arrays: the state's layout comes from the plan's
     abstract state, so a step can be lowered before any array of the state
-    exists (``Plan.lower``). The strategy is asked how to compile
-    (``compile_step``), what to enter while tracing (``trace_context``) and
-    how to wrap the step (``transform_step``).
+    exists (``Plan.lower``). The plan compiles each step as its strategy says
+    (``Plan.compile_step``: how to wrap, trace and jit it).
     """
 
-    def __init__(
-        self,
-        strategy: Any,
-        mesh: Mesh,
-        state_shardings: list[NamedSharding],
-        *,
-        donate: bool = True,
-        skip_nonfinite: bool = False,
-    ) -> None:
-        self.strategy, self.mesh = strategy, mesh
-        self.state_shardings = state_shardings
+    def __init__(self, plan: Plan, *, donate: bool = True, skip_nonfinite: bool = False) -> None:
+        self.plan = plan
         self.donate = donate  # the train step's state and metrics buffers, to its outputs
         self.skip_nonfinite = skip_nonfinite  # make_train_step's
         self._compiled: dict[Any, Callable[..., Any]] = {}
@@ -453,13 +446,12 @@ class StepCompiler:
         cache_key = (kind, norms, graphdef, jax.tree.structure(batch), fn, key)
         if cache_key in self._compiled:
             return self._compiled[cache_key]
-        replicated = NamedSharding(self.mesh, P())
-        batch_sharding = self.strategy.batch_sharding(batch, self.mesh)
+        replicated = self.plan.replicated
         if kind == "train":
             built = make_train_step(
                 graphdef, fn, wrt=wrt, norms=norms, skip_nonfinite=self.skip_nonfinite
             )
-            out: Any = (self.state_shardings, replicated, replicated, replicated)
+            out: Any = (self.plan.leaf_shardings, replicated, replicated, replicated)
             donate: tuple[int, ...] = (0, 1) if self.donate else ()
         elif kind == "eval":
             built = make_eval_step(graphdef, fn)
@@ -467,13 +459,8 @@ class StepCompiler:
         else:
             built, out, donate = make_predict_step(graphdef, fn), None, ()
         flat = over_flat_state(built, treedef, returns_state=kind == "train")
-        compiled = self.strategy.compile_step(
-            traced_within(
-                self.strategy.transform_step(flat), lambda: self.strategy.trace_context(self.mesh)
-            ),
-            in_shardings=(self.state_shardings, replicated, batch_sharding),
-            out_shardings=out,
-            donate_argnums=donate,
+        compiled = self.plan.compile_step(
+            flat, batch=batch, out_shardings=out, donate_argnums=donate
         )
         self._compiled[cache_key] = compiled
         return compiled

@@ -1,36 +1,34 @@
 """Trainer: the constructor, the user's overrides and the entry points (``Loop`` runs
-them; the ``Run`` holds the run's state)."""
+them; the ``Run`` holds the run's state). The members that reach the run and the layout
+are its mixins' (``run_access.RunAccess``, ``layout.LayoutAccess``)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
-from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto, deprecation, layout, predict, step
+from nnx_spmd_trainer import auto, layout, predict, step
 from nnx_spmd_trainer.callback import Callback, CallbackList, History
 from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.layout import LayoutAccess
 from nnx_spmd_trainer.loop import Loop
-from nnx_spmd_trainer.placement import Placement
-from nnx_spmd_trainer.plan import DefaultMetrics, Plan
-from nnx_spmd_trainer.report import MetricsReport
+from nnx_spmd_trainer.metric_log import MetricLog
+from nnx_spmd_trainer.plan import DefaultMetrics, Plan, tracing_plan
 from nnx_spmd_trainer.run import Run
-from nnx_spmd_trainer.run_state import Progress, RunState
+from nnx_spmd_trainer.run_access import RunAccess
 from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
 
-_T = TypeVar("_T")
 
-
-class Trainer:
+class Trainer(LayoutAccess, RunAccess):
     """Trains an NNX model on a device mesh laid out by a strategy.
 
     Args:
@@ -92,17 +90,18 @@ class Trainer:
     Attributes:
       plan: the layout and the compiled steps (``Plan``); ``mesh`` and
         ``strategy`` are its. With ``strategy="auto"``, these, ``placement``,
-        ``report`` and the state exist once the layout is chosen (``choose_layout``).
+        ``metric_log`` and the state exist once the layout is chosen (``choose_layout``).
       layout_choice: with ``strategy="auto"``, the ranking of the layouts and the
         one chosen (``auto.Choice``); ``None`` otherwise.
       run: every mutable piece of the run (``Run``: the live state, the step, the
         metric accumulators, the progress, the resume point); ``run_state()`` is
-        its snapshot. ``progress`` and ``report`` are its.
+        its snapshot. ``progress`` and ``metric_log`` are its.
       progress: where the running (or last) ``fit`` is (``Progress``: epoch,
         batches, the train iterator and its position, preemption). Read-only
         for callbacks: they ask with ``request_stop``.
-      report: the on-device metrics and the log schedule (``MetricsReport``;
-        ``report.request_log_every(n)``, ``report.last_loss``).
+      metric_log: the on-device metrics and the log schedule (``MetricLog``;
+        ``metric_log.request_log_every(n)``, ``metric_log.last_loss``). ``report``
+        is its deprecated name (``report`` is a ``PlanReport``: ``plan.report``).
       placement: batch placement (``Placement``: ``place``, ``data_shard``,
         ``prefetch``, the in-flight bound).
       stop_requested: whether ``fit`` ends after the current step (``request_stop``;
@@ -162,9 +161,9 @@ class Trainer:
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
-        # strategy="auto": until the choice, a report that keeps the log schedule asked.
+        # strategy="auto": until the choice, a metric log that keeps the log schedule asked.
         metrics_class = metrics if metrics is not None else DefaultMetrics
-        self.run = Run(MetricsReport(metrics_class.empty, jax.local_devices()))
+        self.run = Run(MetricLog(metrics_class.empty, jax.local_devices()))
         self._layout = layout.Layout(
             self.run,
             pending,
@@ -181,173 +180,6 @@ class Trainer:
         self.history = History()
         self.callbacks = CallbackList([*callbacks, self.history], self)  # the trainer is complete
         self.run.callbacks = self.callbacks
-
-    # -- the layout: given, or chosen by strategy="auto" at the first fit --------------
-    def _chosen(self, value: _T | None, name: str) -> _T:
-        if value is None:
-            raise auto.not_chosen(name)
-        return value
-
-    @property
-    def plan(self) -> Plan:
-        """The layout and the compiled steps (``Plan``)."""
-        return self._chosen(self.run.plan, "plan")
-
-    @property
-    def placement(self) -> Placement:
-        """Batch placement (``Placement``)."""
-        return self._chosen(self._layout.placement, "placement")
-
-    @property
-    def report(self) -> MetricsReport:
-        """The on-device metrics and the log schedule (``MetricsReport``; with
-        ``strategy="auto"``, until the layout is chosen, the log schedule only)."""
-        return self.run.report
-
-    @property
-    def progress(self) -> Progress:
-        """Where the running (or last) ``fit`` is (``Progress``, the run's)."""
-        return self.run.progress
-
-    def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:
-        """``strategy="auto"``: plans every layout the devices allow, times those that fit
-        on the first batches of ``batches`` and keeps the fastest (``auto.choose``).
-
-        The ranking is printed (``Auto.report``), kept in ``layout_choice`` and put in
-        the next ``fit``'s first logs (``layout/...``); no candidate's arrays stay on the
-        devices, and the state is then built as for the chosen strategy given
-        explicitly. ``fit`` calls this with its first batches when it was not called.
-        A run about to be resumed (a callback's ``layout_to_resume``, e.g. an
-        ``OrbaxCheckpoint`` holding steps) keeps the layout it ran in, untimed, where
-        that layout is a candidate and still fits.
-        """
-        if self._layout.pending is None:
-            if self.layout_choice is not None:
-                return self.layout_choice
-            raise TypeError(
-                f"choose_layout is for Trainer(strategy='auto'); this trainer's layout is "
-                f"{self.strategy!r}."
-            )
-        # A resumed run keeps its layout; every process takes process 0's answer.
-        resume = auto.agreed_text(self.callbacks.layout_to_resume())
-        return self._layout.choose(batches, self._lower_candidate, resume)
-
-    @property
-    def layout_choice(self) -> auto.Choice | None:
-        """With ``strategy="auto"``, the ranking and the layout chosen (``auto.Choice``)."""
-        return self._layout.choice
-
-    def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
-        self.run.plan = plan  # the train step reads trainer.plan as it is traced: the candidate's
-        try:
-            return plan.lower(shapes, train_step=self.train_step)
-        finally:
-            self.run.plan = None
-
-    @property
-    def mesh(self) -> Mesh:
-        """The ``jax.sharding.Mesh`` the strategy built."""
-        return self.plan.mesh
-
-    @property
-    def strategy(self) -> Strategy:
-        return self.plan.strategy
-
-    # -- the state: the run's live objects -------------------------------------------
-    @property
-    def model(self) -> nnx.Module:
-        """The live ``nnx.Module``; its parameters are sharded on ``self.mesh``.
-
-        It is current after every step: each step writes its results into the
-        same Variables, and the next step donates their arrays, so read values
-        again in each hook rather than keeping arrays. Edits to it (``set_value``)
-        are what the next step trains. The steps set train/eval mode on their
-        own copy; this object's mode is yours.
-        """
-        return self.run.objects().objects["model"]
-
-    @property
-    def optimizer(self) -> nnx.Optimizer[nnx.Module]:
-        """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
-        return self.run.objects().objects["optimizer"]
-
-    @property
-    def state(self) -> nnx.State:
-        """``{"model": ..., "optimizer": ...}`` as one ``nnx.State``: what a checkpoint saves.
-
-        A snapshot with its own Variables, holding this step's arrays; the next
-        step donates those arrays, so copy what you keep
-        (``jax.tree.map(jnp.copy, trainer.state)`` on device, or ``jax.device_get``).
-        Assigning ``trainer.state = saved`` places ``saved`` with the strategy's
-        shardings into the live objects (``trainer.step`` follows its optimizer
-        step) and hands its arrays to the next step; before the state was built,
-        it is never built.
-        """
-        return self.run.objects().as_state()
-
-    @state.setter
-    def state(self, state: nnx.State) -> None:
-        self.run.set_state(state)
-
-    @property
-    def step(self) -> int:
-        """The global step: the optimizer's update count, read from the state.
-
-        A host copy follows each step without a device sync; it is re-read from
-        the devices after ``state`` was assigned and after a step whose count
-        is not the one before plus one (a ``train_step`` that updates twice).
-        """
-        return self.run.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.run.step = value
-
-    # -- the run state: what a checkpoint saves and restores ----------------------------
-    def run_state(self, *, abstract: bool = False) -> RunState:
-        """The run as it is now: state, metric accumulators, step, epoch and position
-        in it, the data position and every callback's state (``RunState``; the ``Run``'s
-        snapshot).
-
-        After a ``fit`` that ended between log points, it is the run as it was before
-        that fit's final report (the end-of-fit evaluation and the partial average
-        of the metrics): a run resumed from it logs what an uninterrupted run logs.
-
-        With ``abstract``, the arrays are ``jax.ShapeDtypeStruct`` targets laid out
-        as this trainer lays them out: restore into them and ``load_run_state`` the
-        result, and no array of the initial state is ever built.
-        """
-        return self.run.snapshot(abstract=abstract)
-
-    def load_run_state(self, run: RunState) -> None:
-        """Puts a saved run back: the next ``fit`` goes on exactly where it stopped.
-
-        The state is placed with this trainer's shardings (from any layout), the
-        metric accumulators and callback states are set, and the next ``fit``
-        starts in ``run.epoch`` after its first ``run.batches_in_epoch`` batches:
-        the epoch's iterator is set to ``run.data`` (a ``get_state()`` value), or,
-        without one, that many batches are read and discarded, with a warning.
-        """
-        self.run.load(run)
-
-    @property
-    def stop_requested(self) -> bool:
-        """Whether ``fit`` ends after the current step (``request_stop`` was called)."""
-        return self.run.stop_requested
-
-    stop_training = deprecation.renamed_property(
-        "Trainer.stop_training",
-        "trainer.request_stop() to stop, trainer.stop_requested to read",
-        lambda trainer: trainer.stop_requested,
-        lambda trainer, stop: trainer.request_stop() if stop else None,
-    )
-
-    def request_stop(self, *, preempted: bool = False, nonfinite_step: int | None = None) -> None:
-        """Ends ``fit`` after the current step (what a callback asks instead of writing
-        the trainer's fields). ``preempted``: a checkpoint was saved for a preemption
-        (``fit`` then ends without its final evaluation). ``nonfinite_step``: the first
-        step whose loss was not finite; no checkpoint saves from it on."""
-        self.run.request_stop(preempted=preempted, nonfinite_step=nonfinite_step)
 
     # -- what subclasses override ---------------------------------------------
     def loss_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -380,8 +212,10 @@ class Trainer:
     ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
         """``(loss, aux, grads)`` of ``loss_fn`` (default ``self.loss_fn``) on ``batch``,
         with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches,
-        checkpointed with the ``remat`` policy."""
-        return self.plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
+        checkpointed with the ``remat`` policy. Inside a step, the plan it is traced
+        for lays the batch out (``tracing_plan``); else ``self.plan``."""
+        plan = tracing_plan() or self.plan
+        return plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
 
     def eval_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Evaluation loss and metrics inputs; defaults to ``loss_fn``."""

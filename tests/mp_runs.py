@@ -105,9 +105,9 @@ class RecordBatches(Callback):
         self.rows: list[np.ndarray] = []
 
     def on_train_batch_end(self, step: int, logs: dict) -> None:
-        x = multihost_utils.process_allgather(self.trainer.report.last_batch["x"], tiled=True)
+        x = multihost_utils.process_allgather(self.trainer.metric_log.last_batch["x"], tiled=True)
         self.rows.append(np.sort(np.asarray(x), axis=0))
-        self.losses.append(float(np.asarray(self.trainer.report.last_loss.addressable_data(0))))
+        self.losses.append(float(np.asarray(self.trainer.metric_log.last_loss.addressable_data(0))))
 
 
 def rows_counted_pipeline(index: int, count: int) -> grain.IterDataset:

@@ -105,7 +105,7 @@ def test_auto_within_a_budget_picks_a_layout_that_fits_trains_as_it_given_and_le
     trainer = Trainer(
         big_net,
         tx,
-        strategy=Auto(candidates=strategies, steps=2, rounds=1, report=printed.append),
+        strategy=Auto(candidates=strategies, steps=2, rounds=1, print_fn=printed.append),
         memory_budget_bytes=budget,
         loss_fn=classification_loss,
         callbacks=[losses := RecordLosses()],
@@ -176,7 +176,7 @@ def test_auto_picks_a_layout_as_fast_as_the_fastest_the_test_measures():
         Hybrid(FSDP(4, min_size=64), TensorParallel(2)),
     ]
     trainer = Trainer(
-        big_net, optax.sgd(1e-3), strategy=Auto(candidates=strategies, report=None),
+        big_net, optax.sgd(1e-3), strategy=Auto(candidates=strategies, print_fn=None),
         loss_fn=classification_loss,
     )  # fmt: skip
     choice = trainer.choose_layout(batches)
@@ -212,7 +212,7 @@ def test_auto_times_on_the_first_batches_without_taking_them_from_training(
     }[kind]()
     trainer = Trainer(
         Net, optax.adam(1e-3),
-        strategy=Auto(candidates=[FSDP(min_size=64)], steps=2, rounds=1, report=None),
+        strategy=Auto(candidates=[FSDP(min_size=64)], steps=2, rounds=1, print_fn=None),
         loss_fn=classification_loss, callbacks=[losses := RecordLosses()],
     )  # fmt: skip
     trainer.fit(data, max_steps=4)
@@ -260,7 +260,7 @@ def _texts(logdir):
 def test_tensorboard_shows_the_ranking_and_the_plan_report(tmp_path):
     trainer = Trainer(
         Net, optax.adam(1e-3), strategy=Auto(candidates=[DataParallel(), FSDP(min_size=64)],
-        steps=1, rounds=1, report=None), loss_fn=classification_loss,
+        steps=1, rounds=1, print_fn=None), loss_fn=classification_loss,
         callbacks=[TensorBoard(tmp_path / "auto")],
     )  # fmt: skip
     trainer.fit(make_batches(2), max_steps=2)
@@ -287,7 +287,7 @@ def test_tensorboard_shows_the_ranking_and_the_plan_report(tmp_path):
 def test_a_trainer_that_chose_keeps_its_choice():
     trainer = Trainer(
         Net, optax.adam(1e-3),
-        strategy=Auto(candidates=[FSDP(min_size=64)], steps=1, rounds=1, report=None),
+        strategy=Auto(candidates=[FSDP(min_size=64)], steps=1, rounds=1, print_fn=None),
         loss_fn=classification_loss,
     )  # fmt: skip
     choice = trainer.choose_layout(itertools.repeat(make_batches(1)[0]))
@@ -345,13 +345,13 @@ def test_a_resumed_auto_run_keeps_its_layout_untimed_and_ends_as_one_run_would(t
     uninterrupted.fit(data, max_steps=6)
     saved_in = FSDP(min_size=64)
     first = trainer(
-        Auto(candidates=[saved_in], steps=1, rounds=1, report=None),
+        Auto(candidates=[saved_in], steps=1, rounds=1, print_fn=None),
         OrbaxCheckpoint(tmp_path / "ckpt", save_every_n_steps=2, async_save=False),
     )
     first.fit(data, max_steps=4)
     tables: list[str] = []
     resumed = trainer(
-        Auto(candidates=[DataParallel(), saved_in], steps=1, rounds=1, report=tables.append),
+        Auto(candidates=[DataParallel(), saved_in], steps=1, rounds=1, print_fn=tables.append),
         OrbaxCheckpoint(tmp_path / "ckpt", save_every_n_steps=2, async_save=False),
     )
     resumed.fit(data, max_steps=6)
@@ -364,7 +364,7 @@ def test_a_resumed_auto_run_keeps_its_layout_untimed_and_ends_as_one_run_would(t
         np.testing.assert_array_equal(value, expected[path], err_msg=path)
 
     elsewhere = trainer(
-        Auto(candidates=[DataParallel()], steps=1, rounds=1, report=None),
+        Auto(candidates=[DataParallel()], steps=1, rounds=1, print_fn=None),
         OrbaxCheckpoint(tmp_path / "ckpt", restore=4, save_every_n_steps=100),
     )
     elsewhere.choose_layout(data)
@@ -373,3 +373,34 @@ def test_a_resumed_auto_run_keeps_its_layout_untimed_and_ends_as_one_run_would(t
     elsewhere.fit(data, max_steps=6)
     assert elsewhere.strategy == DataParallel()
     assert_params_match(elsewhere, nnx.state(uninterrupted.model, nnx.Param), rtol=1e-5)
+
+
+class Unannotated(nnx.Module):
+    """No sharding annotation: a tensor-parallel axis would split none of it."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
+    # The axis is read from the strategy: a renamed one is refused by its own name.
+    renamed = Hybrid(DataParallel(4), TensorParallel(2, axis="tp"))
+    choice = auto.choose(
+        Unannotated,
+        optax.sgd(0.1),
+        make_batches(1),
+        loss_fn=classification_loss,
+        strategies=[DataParallel(), TensorParallel(8), renamed],
+        steps=1,
+        rounds=1,
+    )
+    rows = {row.layout: row for row in choice.rows}
+    assert choice.strategy == DataParallel()
+    for layout, axis in (("TensorParallel(8)", "'model'"), (repr(renamed), "'tp'")):
+        assert rows[layout].status == "cannot split"
+        assert f"annotated for the {axis} axis" in rows[layout].reason
+        assert rows[layout].step_time_s is None

@@ -15,7 +15,7 @@ from nnx_spmd_trainer.callbacks import (
     MetricsLogger,
     Profiler,
 )
-from nnx_spmd_trainer.report import is_step_report
+from nnx_spmd_trainer.metric_log import is_perf_key
 
 
 def test_early_stopping_state_round_trips_and_a_resumed_run_keeps_its_patience():
@@ -117,7 +117,7 @@ def test_lambda_callback_is_dispatched_only_for_the_hooks_it_was_given():
     callback = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, sorted(logs))))
     assert "on_train_batch_end" not in vars(callback)  # nothing to call per step
     make_trainer([callback]).fit(make_batches(2), max_steps=2)
-    assert [(epoch, [k for k in keys if not is_step_report(k)]) for epoch, keys in seen] == [
+    assert [(epoch, [k for k in keys if not is_perf_key(k)]) for epoch, keys in seen] == [
         (0, ["train/accuracy", "train/loss"])
     ]
 

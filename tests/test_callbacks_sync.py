@@ -40,7 +40,7 @@ from nnx_spmd_trainer.callbacks import (
     TensorBoard,
     TerminateOnNaN,
 )
-from nnx_spmd_trainer.report import MetricsReport
+from nnx_spmd_trainer.metric_log import MetricLog
 
 
 class HostReads:
@@ -95,13 +95,13 @@ class StepWindow:
 @pytest.fixture
 def compute_metrics_calls(monkeypatch):
     calls: list[str] = []
-    original = MetricsReport.compute
+    original = MetricLog.compute
 
     def counted(self, split="train"):
         calls.append(split)
         return original(self, split)
 
-    monkeypatch.setattr(MetricsReport, "compute", counted)
+    monkeypatch.setattr(MetricLog, "compute", counted)
     return calls
 
 

@@ -15,7 +15,7 @@ from nnx_spmd_trainer.callbacks import (
     Profiler,
     ProgressBar,
 )
-from nnx_spmd_trainer.report import is_step_report
+from nnx_spmd_trainer.metric_log import is_perf_key
 
 
 def _fit(trainer, steps=6, eval_every=3):
@@ -79,7 +79,7 @@ def test_csv_rows_match_history_and_new_columns_widen_the_header(tmp_path):
         reader = csv.DictReader(f)
         header, rows = reader.fieldnames, list(reader)
     # eval/* first appear at step 3, after a train row was written: the header was widened.
-    metrics = [key for key in header if not is_step_report(key)]
+    metrics = [key for key in header if not is_perf_key(key)]
     assert metrics == ["step", "train/loss", "train/accuracy", "eval/loss", "eval/accuracy"]
     assert {"train/grad_norm", "epoch"} <= set(header)  # the step report has columns too
     assert [(int(r["step"]), bool(r["train/loss"]), bool(r["eval/loss"])) for r in rows] == [

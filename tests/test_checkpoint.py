@@ -260,7 +260,7 @@ def test_a_damaged_latest_step_is_named_set_aside_and_the_previous_one_used(
     damage(tmp_path / "4")
 
     reports: list[str] = []
-    checkpoint = OrbaxCheckpoint(tmp_path, report=reports.append)
+    checkpoint = OrbaxCheckpoint(tmp_path, print_fn=reports.append)
     again = trainer_for(callbacks=[checkpoint], model=Net)
     with pytest.warns(RuntimeWarning, match=f"checkpoint step 4 at {tmp_path / '4'}"):
         again.fit(batches[2:], max_steps=2)  # restores, then has nothing left to train

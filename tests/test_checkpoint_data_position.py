@@ -99,7 +99,7 @@ def deleted(step_dir: Path) -> None:
 
 def resume_falls_back_to_3(checkpoints: Path, uninterrupted) -> None:
     reports: list[str] = []
-    checkpoint = OrbaxCheckpoint(checkpoints, report=reports.append)
+    checkpoint = OrbaxCheckpoint(checkpoints, print_fn=reports.append)
     resumed = trainer_for(checkpoint)
     damaged = re.escape(f"checkpoint step 6 at {checkpoints / '6'}")
     with pytest.warns(RuntimeWarning, match=f"{damaged}.*{re.escape(str(POSITION))}"):

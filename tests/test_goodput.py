@@ -8,7 +8,7 @@ from toy_models import Net, classification_loss, make_batches
 
 from nnx_spmd_trainer import Callback, Trainer
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
-from nnx_spmd_trainer.report import GOODPUT
+from nnx_spmd_trainer.metric_log import GOODPUT
 
 
 def trainer_for(**kwargs) -> Trainer:
@@ -16,7 +16,7 @@ def trainer_for(**kwargs) -> Trainer:
 
 
 def parts(trainer: Trainer) -> dict[str, float]:
-    goodput = trainer.report.perf.goodput()
+    goodput = trainer.metric_log.perf.goodput()
     return {part: goodput[f"goodput/{part}_s"] for part in GOODPUT} | {
         "wall": goodput["goodput/wall_s"]
     }

@@ -22,7 +22,7 @@ def state_argument_bytes(trainer, batch):
     analysis = trainer.plan.lower(batch, train_step=trainer.train_step).compile().memory_analysis()
     placed = trainer.placement.place(batch)
     batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
-    metric_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.report.train))
+    metric_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.metric_log.train))
     return analysis.argument_size_in_bytes - batch_bytes - metric_bytes
 
 

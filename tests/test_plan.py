@@ -81,7 +81,7 @@ def test_a_plan_lowers_from_shapes_with_no_state_array_and_its_trainer_runs_that
     trainer.fit([batch], max_steps=1)
     ran = trainer._loop._train_steps[False]  # the jitted step the trainer just ran
     placed = trainer.placement.place(batch)
-    running = ran.lower(trainer.run.objects().arrays(), trainer.report.train, placed).compile()
+    running = ran.lower(trainer.run.objects().arrays(), trainer.metric_log.train, placed).compile()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
     for field in fields:
         assert getattr(planned_memory, field) == getattr(running.memory_analysis(), field)

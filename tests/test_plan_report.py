@@ -89,7 +89,7 @@ def test_the_plan_equals_the_arrays_and_the_step_of_the_run(model, layout):
     # memory: that of the step the trainer runs, lowered on its live arrays
     ran = trainer._loop._train_steps[False]
     placed = trainer.placement.place(batch)
-    compiled = ran.lower(trainer.run.objects().arrays(), trainer.report.train, placed).compile()
+    compiled = ran.lower(trainer.run.objects().arrays(), trainer.metric_log.train, placed).compile()
     analysis = compiled.memory_analysis()
     assert report.memory["arguments"] == analysis.argument_size_in_bytes
     assert report.memory["outputs"] == analysis.output_size_in_bytes

@@ -112,7 +112,7 @@ def run(
         spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
         strategy: Strategy | Auto
         if spec == "auto":  # chosen below, holding each process to DataParallel's rows
-            strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, report=say)
+            strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
             shard = DataParallel().data_shard(DataParallel().make_mesh())
         else:
             strategy = tasks.parse_strategy(spec)
@@ -241,7 +241,7 @@ def _train(
     )
     if waits := history.history.get("perf/data_wait_fraction"):
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
-    say(goodput_line(trainer.report.perf.goodput()))
+    say(goodput_line(trainer.metric_log.perf.goodput()))
     return result
 
 

@@ -38,7 +38,7 @@ def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Cal
             workdir / "checkpoints",
             save_every_n_steps=config.checkpoint_every_n_steps or None,
             restore="latest" if config.resume else None,
-            report=say,
+            print_fn=say,
         ),
         callbacks.TensorBoard(workdir / "tb"),
         callbacks.ProgressBar(plain=True),  # a line per log point in CI logs too

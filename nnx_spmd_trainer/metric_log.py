@@ -1,7 +1,9 @@
-"""What a log point reports: metric values on the host, step norms, compile time, device memory.
+"""MetricLog: the run's metrics on the devices, and what a log point writes into ``logs``.
 
-Everything here reads arrays the step left on the devices only when a log
-point asks, so a run pays one small device-to-host read per log point.
+Metric values on the host, step norms, compile time, device memory. Everything
+here reads arrays the step left on the devices only when a log point asks, so a
+run pays one small device-to-host read per log point. (``report`` is a
+``PlanReport`` elsewhere: what a step costs, before it runs.)
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from nnx_spmd_trainer.callback import Logs
 MAX_INDEXED = 64
 
 
-def is_step_report(key: str) -> bool:
-    """Whether a logs key is one ``StepReport`` adds (norms, perf, epoch), not a metric."""
+def is_perf_key(key: str) -> bool:
+    """Whether a logs key is one ``StepPerf`` adds (norms, perf, epoch), not a metric."""
     return key == "epoch" or key.startswith(("perf/", "goodput/")) or key.endswith("_norm")
 
 
@@ -47,7 +49,7 @@ def metric_logs(collection: clu_metrics.Collection, split: str, warned: set[str]
             warnings.warn(
                 f"Metric {key} has shape {value.shape}: logs hold scalars and vectors of up "
                 f"to {MAX_INDEXED} values (one scalar per index), so it is not logged. "
-                "Reduce it in the metric, or read trainer.report.train.compute() yourself.",
+                "Reduce it in the metric, or read trainer.metric_log.train.compute() yourself.",
                 stacklevel=3,
             )
     return logs
@@ -67,7 +69,7 @@ def device_memory_gb(devices: Sequence[jax.Device]) -> float | None:
 GOODPUT = ("compile", "data_wait", "step", "eval", "checkpoint", "callbacks", "other")
 
 
-class StepReport:
+class StepPerf:
     """The last step's norms (left on the devices), and where the host's time went.
 
     Time is split without overlap (``timing`` blocks nest; an inner block's time is
@@ -103,7 +105,7 @@ class StepReport:
         return now
 
     def timing(self, what: str) -> _Timer:
-        """``with report.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
+        """``with perf.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
         return _Timer(self, what)
 
     def goodput(self) -> Logs:
@@ -134,20 +136,21 @@ class StepReport:
 
 
 class _Timer:
-    def __init__(self, report: StepReport, what: str) -> None:
-        self.report, self.what = report, what
+    def __init__(self, perf: StepPerf, what: str) -> None:
+        self.perf, self.what = perf, what
 
     def __enter__(self) -> None:
-        self.report._charge()
-        self.report._stack.append(self.what)
+        self.perf._charge()
+        self.perf._stack.append(self.what)
 
     def __exit__(self, *exc: Any) -> None:
-        self.report._charge()
-        self.report._stack.pop()
+        self.perf._charge()
+        self.perf._stack.pop()
 
 
-class MetricsReport:
-    """The training and evaluation metrics on the devices, and when they are read.
+class MetricLog:
+    """The training and evaluation metrics on the devices, and when they are logged
+    (``trainer.metric_log``).
 
     The accumulators stay on the devices between log points; ``flush`` is the
     single device-to-host read of a log point, with what ``perf`` (the step
@@ -158,7 +161,7 @@ class MetricsReport:
       train_steps: steps accumulated in ``train`` since the last flush.
       last_loss, last_batch: the last step's loss and global batch, still on
         device (read them only when needed).
-      perf: norms and timings (``StepReport``).
+      perf: norms and timings (``StepPerf``).
       track_norms: whether log points carry the global norms.
     """
 
@@ -170,7 +173,7 @@ class MetricsReport:
         track_norms: bool = True,
     ) -> None:
         self.empty = empty
-        self.perf = StepReport(devices)
+        self.perf = StepPerf(devices)
         self.track_norms = track_norms
         self.train, self.eval = empty(), empty()
         self.train_steps = 0
