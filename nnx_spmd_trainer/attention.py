@@ -19,6 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax.core import spmd as flax_spmd
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["attention_implementation", "causal_attention", "length_axes"]
@@ -52,6 +53,20 @@ def length_axes() -> tuple[str, ...]:
     return tuple(n for n in names if sizes.get(n, 1) > 1)
 
 
+def _pinned(x: jax.Array, spec: P) -> jax.Array:
+    """``x`` laid out as ``spec``, its ``UNCONSTRAINED`` dimensions as they are.
+
+    A sharding constraint on an Auto mesh; on an Explicit one, where a constraint
+    only asserts the type, a ``reshard`` (the free dimensions read from the type).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.axis_names or AxisType.Explicit not in mesh.axis_types:
+        return jax.lax.with_sharding_constraint(x, spec)
+    current = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    entries = [current[i] if s is P.UNCONSTRAINED else s for i, s in enumerate(spec)]
+    return jax.sharding.reshard(x, P(*entries))
+
+
 def causal_attention(
     query: jax.Array,
     key: jax.Array,
@@ -81,9 +96,7 @@ def causal_attention(
     split = P(free, axes, free, free)
     if axes:
         whole = P(free, None, free, free)
-        query = jax.lax.with_sharding_constraint(query, split)
-        key = jax.lax.with_sharding_constraint(key, whole)
-        value = jax.lax.with_sharding_constraint(value, whole)
+        query, key, value = _pinned(query, split), _pinned(key, whole), _pinned(value, whole)
         implementation = "xla"  # cuDNN's kernel knows no global positions of a query chunk
     out = jax.nn.dot_product_attention(
         query,
@@ -95,5 +108,5 @@ def causal_attention(
         implementation=implementation,
     )
     if axes:
-        out = jax.lax.with_sharding_constraint(out, split)
+        out = _pinned(out, split)
     return out

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.strategies.axis_types import building_under
 from nnx_spmd_trainer.strategies.base import is_variable
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -47,7 +48,7 @@ class ShardedInit:
             with nnx.use_eager_sharding(False):  # layout comes from out_shardings below
                 return nnx.state(build(*a))
 
-        with nnx.use_eager_sharding(False):
+        with building_under(mesh), nnx.use_eager_sharding(False):  # explicit: its mesh set
             self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(build, *args))
         self.shardings = state_shardings(self.abstract_state)
         # A pre-built module's placed arrays are donated: its state is never held twice.

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.strategies import axis_types as modes
 from nnx_spmd_trainer.strategies.base import Axes, Strategy
 
 
@@ -37,6 +38,9 @@ class AxisStrategy(Strategy):
       size: devices along this strategy's mesh axis; -1 means "all left".
       axis: the mesh axis name.
       rules: extra logical-axis rules, merged over the strategy's defaults.
+      axis_types: ``"auto"`` (default) or ``"explicit"``: the mesh's axis types
+        (``strategies.axis_types``); ``"explicit"`` for models written for JAX's
+        explicit sharding mode.
     """
 
     #: The axis's name unless ``axis=`` renames it; annotations naming it still apply.
@@ -49,8 +53,10 @@ class AxisStrategy(Strategy):
     size: int = -1
     axis: str = ""
     rules: sh.Rules = dataclasses.field(default=(), kw_only=True)
+    axis_types: modes.AxisTypes = dataclasses.field(default="auto", kw_only=True)
 
     def __post_init__(self) -> None:
+        modes.checked(self.axis_types, type(self).__name__)
         if not self.usual_axis or not self.axis:
             raise TypeError(
                 f"{type(self).__name__} names no mesh axis. AxisStrategy is a base: use "

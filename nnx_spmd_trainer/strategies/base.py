@@ -41,10 +41,11 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.strategies import axis_types as modes
 
 Axes = tuple[tuple[str, int], ...]
 #: What compiles a step: ``jax.jit``, or the rest of a Hybrid's chain ending in it.
@@ -85,6 +86,11 @@ class Strategy(abc.ABC):
     compiling abs
     """
 
+    #: The type of every mesh axis: ``"auto"`` (the compiler propagates shardings) or
+    #: ``"explicit"`` (shardings are part of the types: models written with
+    #: ``jax.sharding.reshard`` / ``out_sharding=``); see ``strategies.axis_types``.
+    axis_types: modes.AxisTypes = "auto"
+
     # -- composition: what a Hybrid joins ----------------------------------
     @abc.abstractmethod
     def mesh_axes(self) -> Axes:
@@ -106,7 +112,7 @@ class Strategy(abc.ABC):
     # -- the mesh ------------------------------------------------------------
     @final
     def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """Builds the mesh (Auto axis types: the compiler propagates shardings)."""
+        """Builds the mesh, every axis of the type ``axis_types`` says."""
         devices = list(jax.devices() if devices is None else devices)
         names = [name for name, _ in self.mesh_axes()]
         sizes = [size for _, size in self.mesh_axes()]
@@ -130,7 +136,10 @@ class Strategy(abc.ABC):
                 "size=-1 for one axis."
             )
         return jax.make_mesh(
-            tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names), devices=devices
+            tuple(sizes),
+            tuple(names),
+            axis_types=modes.mesh_axis_types(self.axis_types, len(names)),
+            devices=devices,
         )
 
     # -- question 1: init ----------------------------------------------------
@@ -156,7 +165,9 @@ class Strategy(abc.ABC):
             context_rules=context_rules(),
             path=path,
         )
-        annotation = metadata.get("out_sharding")
+        # Explicit mode declares a layout in the value's type (an initializer's
+        # out_sharding=) instead of the metadata: read as an annotation.
+        annotation = metadata.get("out_sharding") or sh.declared_spec(value)
         try:
             spec = resolve(annotation)
         except sh.ShardingError:
@@ -299,16 +310,18 @@ class Strategy(abc.ABC):
 
     # -- question 5: what is in force while a step is traced --------------------------
     def trace_context(self, mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-        """A context the trainer enters while it traces a step; default: nothing.
+        """A context the trainer enters while it traces a step; default: one that
+        names ``axis_types="explicit"`` when the model makes an explicit-sharding call
+        on this strategy's ``Auto`` mesh (``axis_types.explicit_calls_named``).
 
         A strategy that constrains activations by logical name (``length``,
         ``embed``) returns ``nnx.logical_axis_rules(...)`` here, so
         ``flax.linen.with_logical_constraint`` inside the model (which reads
-        the same rules; outside any, it does nothing) resolves them. In a
-        Hybrid the members' contexts nest, the first member's outermost.
+        the same rules; outside any, it does nothing) resolves them; enter
+        ``super()``'s answer too. In a Hybrid the members' contexts nest, the
+        first member's outermost.
         """
-        del mesh
-        return contextlib.nullcontext()
+        return modes.explicit_calls_named(mesh, repr(self))
 
     # -- question 6: the step itself ---------------------------------------------
     def transform_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.strategies import axis_types as modes
 from nnx_spmd_trainer.strategies.base import Axes, Jit, Strategy
 
 
@@ -51,6 +52,38 @@ QUESTIONS: dict[str, _Call] = {
     "trace_context": _Call(("mesh",), (), "trace_context(self, mesh)"),
     "transform_step": _Call(("step_fn",), (), "transform_step(self, step_fn)"),
 }
+
+
+def _joint_axis_types(members: tuple[Strategy, ...], given: object) -> modes.AxisTypes:
+    """The Hybrid's mesh axis types: ``given``, else the one its members agree on."""
+    if given is not None:
+        return modes.checked(given, "Hybrid")
+    chosen = {member.axis_types for member in members}
+    if len(chosen) > 1:
+        each = ", ".join(f"{m!r}: {m.axis_types!r}" for m in members)
+        raise ValueError(
+            f"Hybrid members disagree on the mesh's axis types ({each}); one mesh has one "
+            'mode. Give it once, on the Hybrid: Hybrid(..., axis_types="explicit"), which '
+            "its members then follow."
+        )
+    return chosen.pop()
+
+
+def _following(member: Strategy, axis_types: modes.AxisTypes) -> Strategy:
+    """``member`` with the Hybrid's axis types, so its answers (FSDP's refinement) agree
+    with the mesh; a member that cannot be rebuilt with them is refused."""
+    if member.axis_types == axis_types:
+        return member
+    if isinstance(member, Hybrid):
+        return Hybrid(*member.members, rules=member.rules, axis_types=axis_types)
+    names = {f.name for f in dataclasses.fields(member)} if dataclasses.is_dataclass(member) else ()
+    if "axis_types" not in names:
+        raise TypeError(
+            f"Hybrid(axis_types={axis_types!r}) cannot give its mode to member {member!r}, "
+            f"whose axis_types is {member.axis_types!r} and not a dataclass field. Give the "
+            "member the same axis_types."
+        )
+    return dataclasses.replace(member, axis_types=axis_types)  # type: ignore[type-var]
 
 
 def _check_overrides(member: Strategy) -> None:
@@ -90,15 +123,28 @@ class Hybrid(Strategy):
     refused here, at construction. To change one answer, subclass a member,
     not Hybrid (it is final).
 
+    ``axis_types`` (``"auto"`` or ``"explicit"``, see ``strategies.axis_types``)
+    is the mesh's mode: by default the one every member has (members that
+    disagree are refused); given here, the Hybrid decides and its members are
+    rebuilt with it.
+
     >>> from nnx_spmd_trainer import FSDP, TensorParallel
     >>> Hybrid(FSDP(4), TensorParallel(2)).mesh_axes()
     (('fsdp', 4), ('model', 2))
+    >>> Hybrid(FSDP(4), TensorParallel(2), axis_types="explicit").members[0]
+    FSDP(4, axis_types='explicit')
     """
 
     members: tuple[Strategy, ...]
     rules: sh.Rules
+    axis_types: modes.AxisTypes
 
-    def __init__(self, *members: Strategy, rules: sh.Rules = ()) -> None:
+    def __init__(
+        self,
+        *members: Strategy,
+        rules: sh.Rules = (),
+        axis_types: modes.AxisTypes | None = None,
+    ) -> None:
         if not members:
             raise ValueError(
                 "Hybrid needs at least one strategy, e.g. Hybrid(FSDP(4), TensorParallel(2))."
@@ -111,9 +157,11 @@ class Hybrid(Strategy):
             )
         for member in members:
             _check_overrides(member)
+        mode = _joint_axis_types(members, axis_types)
         # Frozen: the dataclass way to set fields in a hand-written __init__.
-        object.__setattr__(self, "members", members)
+        object.__setattr__(self, "members", tuple(_following(m, mode) for m in members))
         object.__setattr__(self, "rules", tuple(rules))
+        object.__setattr__(self, "axis_types", mode)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         raise TypeError(
@@ -202,6 +250,7 @@ class Hybrid(Strategy):
     @contextlib.contextmanager
     def trace_context(self, mesh: Mesh) -> Iterator[None]:
         with contextlib.ExitStack() as stack:  # the first member's context outermost
+            stack.enter_context(super().trace_context(mesh))  # names the mode's switch
             for member in self.members:
                 stack.enter_context(member.trace_context(mesh))
             yield
@@ -213,4 +262,5 @@ class Hybrid(Strategy):
 
     def __repr__(self) -> str:
         rules = [f"rules={self.rules!r}"] if self.rules else []
+        # The members show the mode: each follows the Hybrid's.
         return f"Hybrid({', '.join([*map(repr, self.members), *rules])})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import jax
@@ -103,10 +104,12 @@ class SequenceParallel(AxisStrategy):
 
         return jax.tree_util.tree_map_with_path(one, batch, shardings)
 
-    def trace_context(self, mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-        """The enclosing logical rules, with ``length`` and ``seq`` mapped to this axis."""
-        del mesh
+    @contextlib.contextmanager
+    def trace_context(self, mesh: Mesh) -> Iterator[None]:
+        """The enclosing logical rules, with ``length`` and ``seq`` mapped to this axis,
+        inside ``Strategy.trace_context``'s."""
         enclosing = context_rules()
         given = {name for name, _ in enclosing}
         own = [(name, self.axis) for name in LENGTH_NAMES if name not in given]
-        return nnx.logical_axis_rules([*enclosing, *own])
+        with super().trace_context(mesh), nnx.logical_axis_rules([*enclosing, *own]):
+            yield
