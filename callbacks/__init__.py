@@ -1,7 +1,12 @@
 """Concrete callbacks for ``nnx_spmd_trainer.Trainer``: the plug-in layer.
 
-Everything here uses the core's public API only; a user-written callback can
-do anything these do.
+From the core these import only public names, those of ``nnx_spmd_trainer.__all__``
+and ``nnx_spmd_trainer.data.__all__``, so a user-written callback can do anything
+these do. Among them, for checkpoints: ``path_str`` (a state leaf's name),
+``as_position`` (a data position for Grain's checkpoint handler),
+``RunState.array_stand_ins`` (the arrays in a saved callback state) and
+``data.BATCHES_TAKEN``. One exception is left: ``ProgressBar`` asks the metrics
+module which logs keys are not metrics.
 """
 
 from nnx_spmd_trainer import Callback, History

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from nnx_spmd_trainer.sharding import path_str
+from nnx_spmd_trainer import path_str
 
 
 class DamagedCheckpoint(Exception):

@@ -13,9 +13,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from nnx_spmd_trainer import RunState, as_position
 from nnx_spmd_trainer.data import BATCHES_TAKEN
-from nnx_spmd_trainer.prefetch import as_position
-from nnx_spmd_trainer.run_state import ARRAY_MARK, array_marks
 
 from .checkpoint_checks import (
     DamagedCheckpoint,
@@ -132,10 +131,9 @@ def callback_targets(
     """
     live = live_states.get(key)
     targets = {}
-    for path, mark in array_marks(meta["callbacks"][key]):
-        index = mark[ARRAY_MARK]
+    for path, index, kind in RunState.array_stand_ins(meta["callbacks"][key]):
         shape, dtype = stored[index]
-        if mark.get("kind") != "jax":
+        if kind != "jax":
             targets[index] = jax.ShapeDtypeStruct(shape, dtype)  # restored as NumPy
             continue
         here = lookup(live, path)
@@ -182,7 +180,7 @@ def set_aside(
     *,
     label: str = "damaged",
     warn: bool = True,
-    print_fn: Callable[[str], None] | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> None:
     path = Path(manager.directory) / str(step)
     aside = path.with_name(f"{step}.{label}")
@@ -197,5 +195,5 @@ def set_aside(
     message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
     if warn:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-    if print_fn is not None:
-        print_fn(message)
+    if report is not None:
+        report(message)

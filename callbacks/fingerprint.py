@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -21,12 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_spmd_trainer.sharding import legacy_path_str, path_str
+from nnx_spmd_trainer import path_str
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 #: How a record names its leaves: 2 is ``path_str``; a record without the key (written
-#: before 0.1.0) used ``legacy_path_str``, and is still checked under those names.
+#: before 0.1.0) used ``_legacy_path_str``, and is still checked under those names.
 PATHS_VERSION = 2
+
+
+def _legacy_path_str(path: Sequence[Any]) -> str:
+    """``path_str`` as it was before 0.1.0: every ``value`` key left out (``mha/value/kernel``
+    read ``mha/kernel``). Records written then name their leaves this way."""
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(name) for name in names if name != "value")
 
 
 def _leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -82,7 +90,7 @@ def summarize(
     ``finite``: the part of ``tree`` checked for finiteness (default: all of it)."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
     values = _fingerprints(list(leaves))
-    name = path_str if paths_version == PATHS_VERSION else legacy_path_str
+    name = path_str if paths_version == PATHS_VERSION else _legacy_path_str
     return {
         "leaves": {name(p): v for p, v in zip(paths, values, strict=True)},
         "finite": _all_finite(jax.tree.leaves(tree if finite is None else finite)),

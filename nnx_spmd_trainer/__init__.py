@@ -10,9 +10,10 @@ from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.pipeline import grain_pipeline
 from nnx_spmd_trainer.plan import Plan
+from nnx_spmd_trainer.prefetch import as_position
 from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.run_state import Progress, RunState
-from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.sharding import DataShard, ShardingError, path_str
 from nnx_spmd_trainer.state import sharding_table
 from nnx_spmd_trainer.step import masked_mean
 from nnx_spmd_trainer.strategies import (
@@ -57,12 +58,14 @@ __all__ = [
     "AxisStrategy",
     "DataShard",
     "HOOKS",
+    "as_position",
     "auto",
     "chunked_cross_entropy",
     "distributed",
     "export_params",
     "grain_pipeline",
     "masked_mean",
+    "path_str",
     "remat",
     "sharding_table",
 ]

@@ -66,8 +66,17 @@ class _BytesPosition:
 
 
 def as_position(state: Any) -> Any:
-    """A ``get_state()`` value as an object ``grain.checkpoint.CheckpointSave`` can save,
-    and ``grain.checkpoint.CheckpointRestore`` read into (``as_position(b"")`` for bytes)."""
+    """A data position value (an iterator's ``get_state()``, ``RunState.data``) as an
+    object Grain's checkpoint handler takes, like ``Progress.position()``.
+
+    ``grain.checkpoint.CheckpointSave(as_position(run.data))`` saves a run's position;
+    ``grain.checkpoint.CheckpointRestore(into)`` with ``into = as_position({})`` (a
+    ``DatasetIterator``'s dict; ``as_position(b"")`` for a ``DataLoader``'s bytes) reads
+    one back, and ``into.get_state()`` is the value for ``RunState.data``.
+
+    >>> as_position({"next_index": 3}).get_state()
+    {'next_index': 3}
+    """
     return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
 
 

@@ -109,7 +109,7 @@ class RunState:
       train_metric_steps: the steps ``train_metrics`` hold.
       callbacks: every stateful callback's ``state_dict()`` by its ``state_key``: plain
         values and arrays (``Callback.state_dict``). ``host()`` holds their plain part,
-        with a stand-in ``{ARRAY_MARK: "<i>", "kind": ...}`` for each array, and
+        with a stand-in for each array (``array_stand_ins`` lists them), and
         ``callback_arrays()`` the arrays.
       data: where the next batch starts: the epoch iterator's ``get_state()``
         value (a Grain iterator's dict, a ``DataLoader``'s bytes), ``data.BATCHES_TAKEN``
@@ -173,6 +173,20 @@ class RunState:
         """The arrays of the callback states: ``{state_key: {"0": array, ...}}``, only for
         callbacks that hold arrays (the numbering is that of ``host()``'s stand-ins)."""
         return self._callbacks_split[1]
+
+    @staticmethod
+    def array_stand_ins(saved: Any) -> Iterator[tuple[tuple[Any, ...], str, str | None]]:
+        """``(key path, index, kind)`` for each array stand-in in one callback's state as
+        ``host()["callbacks"]`` holds it, so a restore can build a target for each array
+        before reading it: the array is that callback's ``callback_arrays()[index]``;
+        ``kind`` is ``"jax"`` for a ``jax.Array``, ``"numpy"`` or ``"scalar"`` for NumPy.
+
+        >>> run = RunState(None, None, 0, 0, 0, 0, {"ema": {"w": np.zeros(2)}})
+        >>> list(RunState.array_stand_ins(run.host()["callbacks"]["ema"]))
+        [(('w',), '0', 'numpy')]
+        """
+        for path, mark in array_marks(saved):
+            yield path, mark[ARRAY_MARK], mark.get("kind")
 
     @classmethod
     def from_saved(
