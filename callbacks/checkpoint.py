@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback, Logs, RunState, as_position
+from nnx_spmd_trainer import Callback, Logs, RunState, as_position, deprecation
 from nnx_spmd_trainer.run_lock import RunLock
 
 from .checkpoint_checks import DamagedCheckpoint, agree_on_damage, check_same_model
@@ -110,8 +110,9 @@ class OrbaxCheckpoint(Callback):
       keep_best: also keep this many best steps by ``monitor``.
       async_save: write in the background (default) or block until written.
       restore: what to restore when ``fit`` starts (see above).
-      report: called with one line when a run is resumed or a step is skipped
-        as damaged (damage is also a warning); e.g. ``print``.
+      print_fn: called with one line when a run is resumed or a step is skipped
+        as damaged (damage is also a warning); e.g. ``print``. ``report=`` is its
+        deprecated name.
 
     Example::
 
@@ -122,6 +123,11 @@ class OrbaxCheckpoint(Callback):
 
     goodput = "checkpoint"  # its hooks block training while arrays leave the devices
 
+    report = deprecation.renamed_property(
+        "OrbaxCheckpoint.report", "OrbaxCheckpoint.print_fn", lambda c: c.print_fn
+    )
+
+    @deprecation.renamed_keywords(report="print_fn")
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -133,7 +139,7 @@ class OrbaxCheckpoint(Callback):
         keep_best: int | None = None,
         async_save: bool = True,
         restore: Restore = "latest",
-        report: Callable[[str], None] | None = None,
+        print_fn: Callable[[str], None] | None = None,
     ) -> None:
         if save_every_n_steps is not None and save_every_n_steps < 1:
             raise ValueError(f"save_every_n_steps must be >= 1, got {save_every_n_steps}.")
@@ -153,7 +159,7 @@ class OrbaxCheckpoint(Callback):
         self.keep_best = keep_best
         self.async_save = async_save
         self.restore = restore
-        self.report = report
+        self.print_fn = print_fn
         self.state_key = f"OrbaxCheckpoint[{self.directory}]"
         #: The step restored by the first ``fit``, or ``None``.
         self.restored_step: int | None = None
@@ -209,7 +215,7 @@ class OrbaxCheckpoint(Callback):
         trainer = self.trainer
         if trainer.progress.nonfinite_step is not None or step in self.manager.all_steps():
             return False
-        loss = trainer.report.last_loss
+        loss = trainer.metric_log.last_loss
         return loss is None or math.isfinite(float(np.asarray(jax.device_get(loss))))
 
     def save(self, step: int, *, force: bool = False) -> bool:
@@ -291,7 +297,7 @@ class OrbaxCheckpoint(Callback):
             self._finish_writing()
             set_aside(
                 self.manager, step, f"checkpoint step {step} holds non-finite values",
-                label="nonfinite", report=self.report,
+                label="nonfinite", print_fn=self.print_fn,
             )  # fmt: skip
 
     def _meta(self, step: int, run: RunState) -> dict[str, Any]:
@@ -358,8 +364,8 @@ class OrbaxCheckpoint(Callback):
                 manager.close()
         self.restored_step = step
         self._restored_into = trainer if step is not None else None
-        if step is not None and self.report is not None:
-            self.report(f"restored checkpoint step {step} from {self.directory}")
+        if step is not None and self.print_fn is not None:
+            self.print_fn(f"restored checkpoint step {step} from {self.directory}")
         return step
 
     @override
@@ -463,12 +469,12 @@ class OrbaxCheckpoint(Callback):
             if not fall_back:
                 raise damaged
             if move_damaged:
-                set_aside(manager, step, damaged, report=self.report)
+                set_aside(manager, step, damaged, print_fn=self.print_fn)
             else:
                 message = f"{damaged}; restoring an earlier step (left where it is)."
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
-                if self.report is not None:
-                    self.report(message)
+                if self.print_fn is not None:
+                    self.print_fn(message)
         return None
 
     def _apply(self, trainer: Trainer, saved: dict[str, Any]) -> None:
@@ -490,7 +496,7 @@ class OrbaxCheckpoint(Callback):
         for later in [s for s in self.steps() if s > step]:
             set_aside(
                 self.manager, later, f"step {later} is later than restored step {step}",
-                label=f"after-{step}", warn=False, report=self.report,
+                label=f"after-{step}", warn=False, print_fn=self.print_fn,
             )  # fmt: skip
 
     def _note(self, logs: Logs) -> None:
@@ -514,8 +520,8 @@ class OrbaxCheckpoint(Callback):
             # Only the first fit resumes: a later fit of this trainer goes on from where
             # the previous one left its state, as it would without checkpoints.
             self.restored_step = self.restore_into_trainer()
-            if self.restored_step is not None and self.report is not None:
-                self.report(
+            if self.restored_step is not None and self.print_fn is not None:
+                self.print_fn(
                     f"resuming from checkpoint step {self.restored_step} in {self.directory}"
                 )
             if self.restored_step is not None:
@@ -551,16 +557,16 @@ class OrbaxCheckpoint(Callback):
         self.save(step, force=True)
         self._finish_writing()
         self.trainer.request_stop(preempted=True)
-        if self.report is not None:
-            self.report(f"preempted: saved step {step} in {self.directory}; run again to resume")
+        if self.print_fn is not None:
+            self.print_fn(f"preempted: saved step {step} in {self.directory}; run again to resume")
 
     def _stop_before_a_step(self) -> None:
         self.stopped_before_a_step = True
         self.trainer.request_stop(preempted=True)
-        if self.report is not None:
+        if self.print_fn is not None:
             latest = self.manager.latest_step()
             kept = f"step {latest} is the latest" if latest is not None else "none saved yet"
-            self.report(
+            self.print_fn(
                 f"preempted before any step: the checkpoints in {self.directory} are as they "
                 f"were ({kept}); run again to resume"
             )

@@ -180,7 +180,7 @@ def set_aside(
     *,
     label: str = "damaged",
     warn: bool = True,
-    report: Callable[[str], None] | None = None,
+    print_fn: Callable[[str], None] | None = None,
 ) -> None:
     path = Path(manager.directory) / str(step)
     aside = path.with_name(f"{step}.{label}")
@@ -195,5 +195,5 @@ def set_aside(
     message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
     if warn:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-    if report is not None:
-        report(message)
+    if print_fn is not None:
+        print_fn(message)

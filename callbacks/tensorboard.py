@@ -83,7 +83,7 @@ class TensorBoard(Callback):
       metrics: host wall time between log points, evaluation and compile time
       excluded, never a per-step sync.
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
-      or ``trainer.report.last_batch`` (shapes only);
+      or ``trainer.metric_log.last_batch`` (shapes only);
       without either, only the step rates are written;
     * at the start: the run config (``trainer.config``) and the sharding
       table of the whole state, parameters and optimizer state (path, shape,
@@ -159,7 +159,7 @@ class TensorBoard(Callback):
     def _write_throughput(self, logs: Logs, step: int) -> None:
         if not any(key.startswith("train/") for key in logs):
             return
-        compiled = self.trainer.report.perf.compile_seconds
+        compiled = self.trainer.metric_log.perf.compile_seconds
         self._timer.exclude(compiled - self._compile_seconds)  # a compile is not a step
         self._compile_seconds = compiled
         seconds = self._timer.seconds_per_step(step)
@@ -168,7 +168,7 @@ class TensorBoard(Callback):
         writer.add_scalar("perf/step_time_s", seconds, step)
         writer.add_scalar("perf/steps_per_s", 1.0 / seconds, step)
         examples, tokens = self.examples_per_step, self.tokens_per_step
-        batch = self.trainer.report.last_batch
+        batch = self.trainer.metric_log.last_batch
         if examples is None and batch is not None:
             examples, tokens = batch_size_and_tokens(batch)
         if examples is not None:
@@ -200,7 +200,7 @@ class TensorBoard(Callback):
 
     def _write_plan_report(self, step: int) -> None:
         self._plan_due = False
-        batch = self.trainer.report.last_batch
+        batch = self.trainer.metric_log.last_batch
         if batch is None or (writer := self.writer) is None:
             return
         try:  # a cache hit of the step just compiled; a text must never stop the run
@@ -238,7 +238,7 @@ class TensorBoard(Callback):
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
-        self._compile_seconds = self.trainer.report.perf.compile_seconds
+        self._compile_seconds = self.trainer.metric_log.perf.compile_seconds
         self._purge_step = self.trainer.step + 1 if self.trainer.step else None
         if (writer := self.writer) is None:
             return

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AxisTarget = str | tuple[str, ...] | None
@@ -317,6 +317,27 @@ def _trim(entries: list[AxisTarget]) -> P:
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)
+
+
+def declared_spec(value: Any) -> P | None:
+    """The layout an explicit-mode value declares in its type, else ``None``.
+
+    Under an ``Explicit`` mesh a model may state a parameter's sharding where it
+    creates it (``init(key, shape, out_sharding=P(None, "model"))``, the Flax
+    guide's explicit style) rather than in its metadata; ``jax.eval_shape``
+    then gives a ``ShapeDtypeStruct`` whose sharding carries that spec.
+    Only specs on an ``Explicit`` mesh that name an axis count: a value placed
+    some other way says nothing about the model's intent.
+
+    >>> declared_spec(np.zeros(4)) is None  # no sharding in its type
+    True
+    """
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not spec_axes(sharding.spec):
+        return None
+    types = sharding.mesh.axis_types
+    explicit = bool(types) and all(t == AxisType.Explicit for t in types)
+    return sharding.spec if explicit else None
 
 
 def spec_axes(spec: P) -> set[str]:

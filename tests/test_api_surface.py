@@ -9,6 +9,7 @@ release with a ``DeprecationWarning`` (``nnx_spmd_trainer.deprecation``).
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import re
 import sys
@@ -44,9 +45,25 @@ def _documented_attributes(cls: type) -> list[str]:
     return re.findall(r"^  (\w+)(?:, (\w+))*:", section.group(1), re.MULTILINE) if section else []
 
 
+def _members(cls: type) -> dict[str, object]:
+    """The class's own members and those of its private mixins (a base of this package that
+    is not public itself: ``Trainer``'s ``RunAccess``), which are the class's surface."""
+    public = {
+        id(getattr(importlib.import_module(m), n))
+        for m in MODULES
+        for n in importlib.import_module(m).__all__
+    }
+    members: dict[str, object] = {}
+    for base in reversed(cls.__mro__):
+        private = base.__module__.startswith("nnx_spmd_trainer") and id(base) not in public
+        if base is cls or private:
+            members.update(vars(base))
+    return members
+
+
 def _class_lines(name: str, cls: type) -> list[str]:
     lines = [f"{name}{_parameters(cls)}"]
-    for member, value in sorted(vars(cls).items()):
+    for member, value in sorted(_members(cls).items()):
         if member.startswith("_"):
             continue
         if isinstance(value, property):
@@ -62,8 +79,6 @@ def _class_lines(name: str, cls: type) -> list[str]:
 
 
 def surface() -> list[str]:
-    import importlib
-
     lines = []
     for module_name in MODULES:
         module = importlib.import_module(module_name)
