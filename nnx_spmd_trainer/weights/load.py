@@ -3,9 +3,10 @@
 ``load_weights`` checks the map, the model and the source first and raises one
 ``WeightsMismatch`` listing every problem; then it builds one array at a time
 with ``jax.make_array_from_callback``, whose callback reads just the block one
-device holds (through the memory-mapped file and the map's transforms). No
-device ever holds a whole array it does not own a block of, and the host holds
-at most one block (one whole tensor where a transform must reshape it).
+device holds (through the memory-mapped file and the map's transforms). Each
+device receives only its own blocks, never a whole array it shards; the host
+holds the blocks of one array for its transfer (at most that array, the
+process's devices' part of it), read from the file's mapped pages.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def load_weights(
     by_path = {path_str(p): leaf for p, leaf in leaves}
     problems = check(weight_map, by_path, source)
     if problems:
-        raise WeightsMismatch(problems, where=repr(source.__class__.__name__))
+        raise WeightsMismatch(problems, where=repr(source))
     resolved = weight_map.resolve(source.tensors())
     tensors = _Renamed(source, resolved)
     arrays = [_build(weight_map.targets[path], leaf, tensors) for path, leaf in by_path.items()]

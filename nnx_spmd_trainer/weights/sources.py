@@ -108,6 +108,7 @@ class SafetensorsSource:
         self._entries: dict[str, _Entry] = {}
         self._problems: list[str] = []
         self._maps: dict[Path, mmap.mmap] = {}
+        self._files = files
         if not files:
             self._problems.append(f"{path}: no .safetensors file there")
         for file in files:
@@ -149,6 +150,9 @@ class SafetensorsSource:
             return f"also in {self._entries[name].file}"
         self._entries[name] = _Entry(file, TensorInfo(shape, dtype), data_start + begin)
         return None
+
+    def __repr__(self) -> str:
+        return f"SafetensorsSource({', '.join(str(f) for f in self._files)})"
 
     def tensors(self) -> dict[str, TensorInfo]:
         return {name: entry.info for name, entry in self._entries.items()}
@@ -218,6 +222,9 @@ class OrbaxSource:
             self._keys[name] = tuple(getattr(k, "key", k) for k in p)
             self._infos[name] = TensorInfo(tuple(m.shape), np.dtype(m.dtype))
         self._last: tuple[str, np.ndarray] | None = None
+
+    def __repr__(self) -> str:
+        return f"OrbaxSource({self._path})"
 
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._infos)

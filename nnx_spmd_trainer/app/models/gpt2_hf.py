@@ -146,9 +146,10 @@ class GPT2(nnx.Module):
 
     >>> config = GPT2Config(vocab_size=10, n_positions=8, n_embd=16, n_layer=2, n_head=2,
     ...                     pad_vocab_to=4)
-    >>> with nnx.use_eager_sharding(False):  # outside a mesh; the Trainer builds it inside one
-    ...     model = GPT2(config, rngs=nnx.Rngs(0), scan_layers=True)
-    >>> model(jnp.zeros((1, 8), jnp.int32)).shape
+    >>> with nnx.use_eager_sharding(False):  # shapes only; the Trainer builds it in a mesh
+    ...     model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0), scan_layers=True))
+    ...     logits = nnx.eval_shape(lambda m: m(jnp.zeros((1, 8), jnp.int32)), model)
+    >>> logits.shape
     (1, 8, 12)
     >>> model.h.mlp.c_fc.kernel.shape
     (2, 16, 64)
