@@ -83,7 +83,7 @@ def renamed_keywords(**renames: str) -> Callable[[_F], _F]:
 
     def decorate(target: _F) -> _F:
         function = target.__init__ if isinstance(target, type) else target  # type: ignore[misc]
-        name = target.__qualname__
+        name = target.__qualname__.removesuffix(".__init__")  # the class, as a caller writes it
 
         @functools.wraps(function)
         def accepting_old_names(*args: Any, **kwargs: Any) -> Any:

@@ -151,14 +151,13 @@ class Layout:
 
 class LayoutAccess:
     """The layout, through the trainer (a mixin of ``Trainer``): the plan, the placement,
-    the mesh and strategy, and with ``strategy="auto"`` the choice. Each raises
-    ``LayoutNotChosen`` while the choice is still to make."""
+    the mesh and strategy, which raise ``LayoutNotChosen`` while ``strategy="auto"`` has
+    not chosen, and the choice (``choose_layout``, ``layout_choice``)."""
 
-    run: Run
-    _layout: Layout
-    callbacks: CallbackList
-
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # the Trainer's; not annotations of the documented class
+        run: Run
+        _layout: Layout
+        callbacks: CallbackList
 
         def train_step(
             self, model: nnx.Module, optimizer: nnx.Optimizer[nnx.Module], batch: Any

@@ -8,19 +8,24 @@ callbacks and users know.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.run import Run
 from nnx_spmd_trainer.run_state import Progress, RunState
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.run import Run
 
 
 class RunAccess:
     """The run's state, through the trainer (a mixin of ``Trainer``; everything here is
     ``self.run``'s)."""
 
-    run: Run
+    if TYPE_CHECKING:  # the Trainer's; not an annotation of the documented class
+        run: Run
 
     @property
     def metric_log(self) -> MetricLog:
