@@ -92,7 +92,8 @@ class Tensor(Expr):
     dtype: np.dtype = field(default=np.dtype(np.float32))
 
     def read(self, index: Index, tensors: Tensors) -> np.ndarray:
-        return np.asarray(tensors[self.name][index])
+        # A copy: a block of a memory map handed to a device must not alias the file's pages.
+        return np.array(tensors[self.name][index])
 
     def leaves(self) -> Iterator[Tensor]:
         yield self
