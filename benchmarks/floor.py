@@ -46,7 +46,7 @@ def hand_written_loops(
     graphdef, live = nnx.split({"model": trainer.model, "optimizer": trainer.optimizer})
     initial = jax.tree.map(lambda x: x.copy(), live)  # the trainer's next step donates `live`
     shardings = trainer.plan.shardings
-    batch_sharding = trainer.strategy.batch_sharding(batches[0], trainer.mesh)
+    batch_sharding = trainer.plan.batch_shardings(batches[0])
 
     def step(state: Any, metrics: Any, batch: dict) -> Any:
         objects = nnx.merge(graphdef, state)
