@@ -404,3 +404,26 @@ def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
         assert rows[layout].status == "cannot split"
         assert f"annotated for the {axis} axis" in rows[layout].reason
         assert rows[layout].step_time_s is None
+
+
+def test_a_candidate_is_traced_with_its_own_plan_and_the_trainers_run_is_untouched():
+    from nnx_spmd_trainer.plan import tracing_plan
+
+    seen = []
+
+    class Recording(Trainer):
+        def train_step(self, model, optimizer, batch):
+            seen.append((self.run.plan, tracing_plan()))
+            return super().train_step(model, optimizer, batch)
+
+    strategies = [DataParallel(), FSDP(min_size=64)]
+    trainer = Recording(
+        Net,
+        optax.sgd(0.1),
+        loss_fn=classification_loss,
+        strategy=Auto(candidates=strategies, steps=1, rounds=1, print_fn=None),
+    )
+    trainer.choose_layout(make_batches(1))
+    assert [plan.strategy for _, plan in seen] == strategies  # each traced once, as itself
+    assert all(run_plan is None for run_plan, _ in seen)  # the trainer's run: never swapped
+    assert trainer.run.plan is not None and tracing_plan() is None
