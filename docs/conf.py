@@ -77,6 +77,8 @@ ALIASES = {
     "auto.Auto": "nnx_spmd_trainer.Auto",
     "Candidate": "nnx_spmd_trainer.auto.Candidate",
     "Lower": "nnx_spmd_trainer.auto.Lower",
+    "modes.AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
+    "AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
 }
 
 

@@ -20,13 +20,16 @@ from collections.abc import Iterator
 from typing import Literal, get_args
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from nnx_spmd_trainer import sharding as sh
 
 #: What ``axis_types=`` takes: the type of every axis of the strategy's mesh.
 AxisTypes = Literal["auto", "explicit"]
-_MESH_TYPES: dict[str, AxisType] = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+_MESH_TYPES: dict[str, jax.sharding.AxisType] = {
+    "auto": jax.sharding.AxisType.Auto,
+    "explicit": jax.sharding.AxisType.Explicit,
+}
 
 #: The words of JAX's errors for an explicit-mode call (``reshard``, ``out_sharding=``)
 #: whichever call raised it: on an Auto mesh, and where no mesh is set (a model built
@@ -57,7 +60,7 @@ def checked(axis_types: object, owner: str) -> AxisTypes:
     return axis_types  # type: ignore[return-value]  # checked just above
 
 
-def mesh_axis_types(axis_types: AxisTypes, count: int) -> tuple[AxisType, ...]:
+def mesh_axis_types(axis_types: AxisTypes, count: int) -> tuple[jax.sharding.AxisType, ...]:
     """The ``axis_types=`` of ``jax.make_mesh`` for ``count`` axes of one mode.
 
     >>> mesh_axis_types("explicit", 2)
@@ -68,7 +71,9 @@ def mesh_axis_types(axis_types: AxisTypes, count: int) -> tuple[AxisType, ...]:
 
 def is_explicit(mesh: Mesh) -> bool:
     """Whether every axis of ``mesh`` is ``Explicit`` (shardings are part of the types)."""
-    return bool(mesh.axis_types) and all(t == AxisType.Explicit for t in mesh.axis_types)
+    return bool(mesh.axis_types) and all(
+        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
+    )
 
 
 @contextlib.contextmanager
