@@ -9,7 +9,10 @@ default backend, with one device where the tests expect eight. The GPU tests
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -23,3 +26,21 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+@pytest.fixture(scope="session")
+def two_process_job(tmp_path_factory):
+    """test_checkpoint_cli's small job for 12 steps as 2 processes (4 devices each), run to
+    the end once: the uninterrupted run that test_cluster's SLURM tasks and
+    test_multiprocess's launched processes, stopped and resumed, must end bitwise as.
+    The workdir (its metrics.csv and ``<workdir>-export``) is only read."""
+    from test_checkpoint_cli import command, environment
+
+    workdir = tmp_path_factory.mktemp("two-process-job") / "run"
+    proc = subprocess.run(
+        command(workdir, "--num_processes=2", "--config.max_steps=12"),
+        env=environment(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "[0] final after 12 steps" in proc.stdout, proc.stdout[-3000:]
+    return workdir

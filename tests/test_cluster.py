@@ -9,6 +9,7 @@ while the processes reach it by this machine's host name, as a cluster's would.
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,23 +103,15 @@ def committed(workdir: Path) -> dict[int, set[str]]:
     }
 
 
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The job uninterrupted, as two SLURM tasks."""
-    workdir = tmp_path_factory.mktemp("whole") / "run"
-    tasks = Tasks(workdir, workdir.parent / "log")
-    assert tasks.wait() == [0, 0], tasks.output()[-4000:]
-    return workdir
-
-
 def test_slurm_tasks_stop_at_one_step_on_sigterm_even_as_they_resume_then_resume_bitwise(
-    tmp_path, whole
+    tmp_path, two_process_job
 ):
     """``scancel -s TERM`` (or ``--signal=TERM@N``) reaches every task: both save the same
     step and exit 0. The resubmitted job, signalled as it starts (during the restore and
     the compilation, where JAX's sync point used to be unreachable), exits 0 within
     seconds, having saved at most the step it trained. The next one ends bitwise as an
-    uninterrupted job."""
+    uninterrupted job of 2 processes (conftest's ``two_process_job``: the same job, its
+    processes started by ``--num_processes=2`` rather than as SLURM tasks)."""
     workdir = tmp_path / "run"
     tasks = Tasks(workdir, tmp_path / "first")
     marker = workdir / "checkpoints" / "4" / "commit_success.txt"
@@ -152,7 +145,7 @@ def test_slurm_tasks_stop_at_one_step_on_sigterm_even_as_they_resume_then_resume
     last = Tasks(workdir, tmp_path / "third")
     assert last.wait() == [0, 0], last.output()[-4000:]
     assert "final after 12 steps" in last.output()
-    assert_same_run(workdir, whole)
+    assert_same_run(workdir, two_process_job)
 
 
 def test_a_killed_process_is_named_within_30_s_on_a_host_name_coordinator(tmp_path):
@@ -194,20 +187,19 @@ def test_a_killed_process_is_named_within_30_s_on_a_host_name_coordinator(tmp_pa
     procs[1].wait()
 
 
-def test_one_process_stopped_during_its_restore_exits_0_leaving_the_checkpoints(tmp_path):
+def test_one_process_stopped_during_its_restore_exits_0_leaving_the_checkpoints(
+    tmp_path, two_process_job
+):
     """A SIGTERM during the restore (the run's first line is out; no step yet): exit 0,
-    no step trained, nothing written to the checkpoints."""
+    no step trained, nothing written to the checkpoints. The checkpoints are a copy of
+    conftest's finished ``two_process_job`` (12 steps; one process resumes them)."""
     workdir = tmp_path / "run"
-    first = subprocess.run(
-        command(workdir, "--config.max_steps=4", export=False),
-        env=environment(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    shutil.copytree(two_process_job, workdir)
     files = _checkpoint_files(workdir)
     log = tmp_path / "log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            command(workdir, "--config.max_steps=8", export=False),
+            command(workdir, "--config.max_steps=16", export=False),
             env={**environment(), "PYTHONUNBUFFERED": "1"},
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -218,7 +210,7 @@ def test_one_process_stopped_during_its_restore_exits_0_leaving_the_checkpoints(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     output = log.read_text()
-    assert "stopped by SIGTERM before any step (at step 4)" in output, output[-3000:]
+    assert "stopped by SIGTERM before any step (at step 12)" in output, output[-3000:]
     assert _checkpoint_files(workdir) == files
 
 

@@ -265,14 +265,12 @@ def _start_and_signal_process_1(workdir: Path, sig: int, after_step: int):
     return launcher.returncode, output, time.monotonic() - start, children
 
 
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_bitwise(tmp_path):
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_bitwise(
+    tmp_path, two_process_job
+):
+    """Ends bitwise as conftest's ``two_process_job``: the same command (SHORT), run to
+    the end once for this test and test_cluster's."""
     from test_checkpoint_cli import assert_same_run, command, environment
-
-    whole = tmp_path / "whole"
-    proc = subprocess.run(
-        command(whole, *SHORT), env=environment(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:]
 
     workdir = tmp_path / "run"
     status, output, _, _ = _start_and_signal_process_1(workdir, signal.SIGTERM, after_step=4)
@@ -285,7 +283,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_bitw
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-4000:]
     assert f"resuming from checkpoint step {step}" in again.stdout
-    assert_same_run(workdir, whole)
+    assert_same_run(workdir, two_process_job)
 
 
 def test_sigkill_to_one_of_two_processes_ends_the_launch_naming_it(tmp_path):
