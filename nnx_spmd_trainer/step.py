@@ -380,8 +380,9 @@ def over_flat_state(
 def traced_within(
     step_fn: Callable[..., Any], context: Callable[[], contextlib.AbstractContextManager[Any]]
 ) -> Callable[..., Any]:
-    """``step_fn`` that runs inside ``context()``: entered while jax traces it (the
-    strategy's ``trace_context``: logical rules for activation constraints)."""
+    """``step_fn`` that runs inside ``context()``: entered while jax traces it
+    (``Plan.trace_context``: the strategy's logical rules for activation constraints,
+    and the plan as ``tracing_plan()``)."""
 
     @functools.wraps(step_fn)
     def within(*args: Any) -> Any:
