@@ -14,7 +14,13 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The test programs are tiny: LLVM's optimizations of XLA's CPU code cost more compile time
+# than they save in run time (a test file's time falls by a third to a half at level 0).
+# Numerics stay IEEE float32; every comparison in the tests is between computations
+# compiled alike or within a tolerance. Benchmarks started by tests inherit it: their
+# tables are checked, never their speed.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 # One persistent compilation cache for the session and every process it starts (CLI
@@ -26,6 +32,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def environment_for_own_devices() -> dict[str, str]:
+    """``os.environ`` for a process that simulates its own devices (the CLI sets a count
+    from its config; without one, a plain process has one CPU device): ``XLA_FLAGS``
+    keeps the tests' compile flags, not their device count."""
+    return {**os.environ, "XLA_FLAGS": FAST_COMPILE}
 
 
 @pytest.fixture(scope="session")

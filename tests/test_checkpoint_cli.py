@@ -1,7 +1,6 @@
 """The default job's command, killed and run again: it resumes bitwise (slow, subprocesses)."""
 
 import csv
-import os
 import shutil
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import environment_for_own_devices
 
 SMALL = [
     "--config.max_steps=24",
@@ -39,7 +39,7 @@ def command(workdir: Path, *extra: str, export: bool = True) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    return environment_for_own_devices()  # the CLI sets it
 
 
 def run_to_the_end(workdir: Path) -> subprocess.CompletedProcess[str]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import environment_for_own_devices
 
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
@@ -75,7 +76,7 @@ cli.main(["nnx-spmd-train", *sys.argv[4:]])
 
 
 def environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    return environment_for_own_devices()  # the CLI sets it
 
 
 def run_with_fault(tmp_path: Path, workdir: Path, fault: str) -> tuple[int, str]:

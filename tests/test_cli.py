@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import environment_for_own_devices
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.app import host_devices, job, tasks
@@ -146,7 +147,7 @@ def test_configs_share_one_base():
 
 # -- the command line itself ----------------------------------------------------------
 def _cli(*args, cwd, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    env = environment_for_own_devices()  # the CLI sets it
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "nnx_spmd_trainer", *args],

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import environment_for_own_devices
 from test_cli import _cli, load
 
 from nnx_spmd_trainer import Trainer
@@ -74,7 +75,7 @@ def test_ctrl_c_inside_a_save_exits_130_at_once_with_nothing_after_the_exit_line
     run hung) or collect those coroutines ("Event loop is closed" tracebacks after the
     exit line). The steps committed before stay, and resume."""
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    env = environment_for_own_devices()  # the CLI sets it
     command = [sys.executable, "-c", INTERRUPT, "3", str(delay), f"--workdir={workdir}", *SAVING]
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

@@ -1,7 +1,6 @@
 """export_params: trained, sharded parameters that plain Orbax loads with no code of ours."""
 
 import inspect
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import environment_for_own_devices
 from flax import nnx
 from toy_models import Net, classification_loss, flat_params, make_batches, train_reference
 
@@ -56,7 +56,7 @@ np.savez(sys.argv[2], **flat)
 
 def load_in_plain_orbax(path, tmp_path) -> dict[str, np.ndarray]:
     """Restores ``path`` in a fresh interpreter that imports only orbax.checkpoint and numpy."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one plain CPU device
+    env = environment_for_own_devices()  # one plain CPU device
     out = tmp_path / "restored.npz"
     proc = subprocess.run(
         [sys.executable, "-c", PLAIN_ORBAX, str(path), str(out)],
@@ -137,7 +137,7 @@ def test_refuses_to_overwrite_without_overwrite(tmp_path):
 
 
 def _cli(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it
+    env = environment_for_own_devices()  # the CLI sets it
     return subprocess.run(
         [sys.executable, "-m", "nnx_spmd_trainer", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600,

@@ -2,7 +2,6 @@
 error names both forms and the setting that resumes it, and the step stays where it is.
 Converting a run state between the forms (``gpt.stack_blocks``) trains on as before."""
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import environment_for_own_devices
 from flax import nnx
 
 from nnx_spmd_trainer import FSDP, Hybrid, TensorParallel, Trainer
@@ -74,7 +74,7 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     traceback, and the step stays."""
     tiny = ["--config.gpt.embed_dim=32", "--config.gpt.ff_dim=64", "--config.gpt.num_layers=2",
             "--config.batch_size=16", "--config.max_eval_batches=1", "--workdir=out"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets 8 devices
+    env = environment_for_own_devices()  # the CLI sets 8 devices
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "nnx_spmd_trainer", *tiny, *args]

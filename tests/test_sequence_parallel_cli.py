@@ -1,11 +1,11 @@
 """``nnx-spmd-train --config.strategy=...`` with the sequence split: the default job, and
 a sequence length the ``seq`` axis does not divide."""
 
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import environment_for_own_devices
 
 TINY_GPT = (
     "--config.max_steps=2",
@@ -19,7 +19,7 @@ TINY_GPT = (
 
 
 def cli(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets 8 devices
+    env = environment_for_own_devices()  # the CLI sets 8 devices
     return subprocess.run(
         [sys.executable, "-m", "nnx_spmd_trainer", *args],
         cwd=cwd,
