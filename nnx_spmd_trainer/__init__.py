@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from nnx_spmd_trainer import auto, distributed, remat
+from nnx_spmd_trainer import auto, distributed, remat, weights
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.batch_errors import BatchMismatch
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
@@ -68,4 +68,5 @@ __all__ = [
     "path_str",
     "remat",
     "sharding_table",
+    "weights",
 ]

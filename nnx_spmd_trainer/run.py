@@ -9,6 +9,7 @@ compiled steps and the last host batch, which no resumed run needs).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -49,6 +50,8 @@ class Run:
       progress: the epoch, the batches taken of it, the epoch's iterator and the
         position of its next batch, preemption, the first non-finite step (``Progress``).
       live: the live model and optimizer (``LiveState``), once built (``objects()``).
+      initial_state: what builds the first state from the plan instead of its random
+        initialiser (``Trainer(init_from=...)``); never called when a state is loaded first.
       host_step: a host copy of the optimizer's count; ``None``: ``step`` reads it
         from the devices (after the state was assigned, or an override's first step).
       stop_requested: ``fit`` ends after the current step.
@@ -62,6 +65,7 @@ class Run:
         self.metric_log = metric_log
         self.progress = Progress()
         self.live: LiveState | None = None  # built when first needed
+        self.initial_state: Callable[[Plan], nnx.State] | None = None
         self.host_step: int | None = 0
         self.stop_requested = False
         self.start: DataPosition | None = None
@@ -83,10 +87,12 @@ class Run:
 
     # -- the state: one authority, the live objects ----------------------------------
     def objects(self) -> LiveState:
-        """The live objects, built from the plan's initialiser the first time."""
+        """The live objects, built the first time from ``initial_state`` (pretrained
+        weights), else from the plan's initialiser."""
         if self.live is None:
             plan = self.layout()
-            self.live = LiveState(nnx.merge(plan.graphdef, plan.materialize()))
+            state = plan.materialize() if self.initial_state is None else self.initial_state(plan)
+            self.live = LiveState(nnx.merge(plan.graphdef, state))
         return self.live
 
     def set_state(self, state: nnx.State) -> None:

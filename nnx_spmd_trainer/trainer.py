@@ -26,6 +26,7 @@ from nnx_spmd_trainer.run_access import RunAccess
 from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
+from nnx_spmd_trainer.weights import Pretrained, WeightMap, save_safetensors
 
 
 class Trainer(LayoutAccess, RunAccess):
@@ -80,6 +81,10 @@ class Trainer(LayoutAccess, RunAccess):
         ``TerminateOnNaN`` stop leaves the last finite weights in memory. Default ``False``.
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
+      init_from: pretrained weights the first state is built from
+        (``weights.Pretrained(path, weight_map)``: safetensors, NumPy or Orbax, read
+        straight into the layout) instead of the random initialiser; a run that
+        ``fit`` resumes from its own checkpoints restores those instead.
       config: the run's configuration, for callbacks that record it.
 
     The state is built when first needed (``model``, ``optimizer``, ``state``,
@@ -138,6 +143,7 @@ class Trainer(LayoutAccess, RunAccess):
         remat: str = "none",
         skip_nonfinite_updates: bool = False,
         memory_budget_bytes: int | None = None,
+        init_from: Pretrained | None = None,
         config: Any = None,
     ) -> None:
         settings: dict[str, Any] = {
@@ -164,6 +170,7 @@ class Trainer(LayoutAccess, RunAccess):
         # strategy="auto": until the choice, a metric log that keeps the log schedule asked.
         metrics_class = metrics if metrics is not None else DefaultMetrics
         self.run = Run(MetricLog(metrics_class.empty, jax.local_devices()))
+        self.run.initial_state = init_from.state if init_from is not None else None
         self._layout = layout.Layout(
             self.run,
             pending,
@@ -291,10 +298,21 @@ class Trainer(LayoutAccess, RunAccess):
         """
         return self._loop.predict(data, to_numpy=to_numpy)
 
-    def export(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-        """Writes the model's parameters where plain Orbax loads them (``export_params``).
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        weight_map: WeightMap | None = None,
+    ) -> Path:
+        """Writes the model's parameters where plain Orbax loads them (``export_params``),
+        or, given a ``weight_map``, as the safetensors file it describes (the map
+        ``init_from`` reads, run backwards: ``weights.save_safetensors``).
 
         ``orbax.checkpoint.PyTreeCheckpointer().restore(path)`` gives the
-        model's tree of unsharded NumPy arrays, with no code of this library.
+        model's tree of unsharded NumPy arrays, with no code of this library;
+        ``safetensors.numpy.load_file(path)`` the file's tensors.
         """
+        if weight_map is not None:
+            return save_safetensors(self.model, path, weight_map, overwrite=overwrite)
         return export_params(self.model, path, overwrite=overwrite)

@@ -17,7 +17,12 @@ import warnings
 from pathlib import Path
 
 SNAPSHOT = Path(__file__).with_name("api_surface.txt")
-MODULES = ("nnx_spmd_trainer", "nnx_spmd_trainer.callbacks", "nnx_spmd_trainer.data")
+MODULES = (
+    "nnx_spmd_trainer",
+    "nnx_spmd_trainer.callbacks",
+    "nnx_spmd_trainer.data",
+    "nnx_spmd_trainer.weights",
+)
 
 
 def _parameters(obj: object) -> str:

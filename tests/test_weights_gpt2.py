@@ -20,11 +20,11 @@ from nnx_spmd_trainer import FSDP, Hybrid, Plan, TensorParallel, Trainer
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config, gpt2_weight_map, loss_fn
 from nnx_spmd_trainer.sharding import path_str
 from nnx_spmd_trainer.weights import (
+    Pretrained,
     SafetensorsSource,
     load_weights,
     pretrained_state,
     save_safetensors,
-    start_from,
 )
 
 CONFIG = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4, dropout=0.0,
@@ -252,13 +252,42 @@ def test_export_is_hfs_file_and_reimports_bitwise(tmp_path, hf_file, scan):
         assert np.asarray(again[name]).tobytes() == np.asarray(array).tobytes(), name
 
 
-def test_a_trainer_starts_from_the_file_with_a_fresh_optimizer(hf_file):
+def test_a_trainer_starts_from_the_file_and_a_resume_from_its_checkpoints_wins(
+    hf_file, tmp_path
+):
+    from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
     path, w = hf_file
-    trainer = Trainer(plan_for(Hybrid(FSDP(4, min_size=1), TensorParallel(2))))
-    start_from(trainer, path, gpt2_weight_map(CONFIG))
+    weight_map = gpt2_weight_map(CONFIG)
+
+    def trainer(**kwargs) -> Trainer:
+        plan = plan_for(Hybrid(FSDP(4, min_size=1), TensorParallel(2)))
+        return Trainer(plan, init_from=Pretrained(path, weight_map), **kwargs)
+
+    first = trainer()
     np.testing.assert_array_equal(
-        np.asarray(trainer.model.h[1].mlp.c_fc.kernel[...]), w["h.1.mlp.c_fc.weight"]
+        np.asarray(first.model.h[1].mlp.c_fc.kernel[...]), w["h.1.mlp.c_fc.weight"]
     )
-    assert trainer.step == 0  # the optimizer starts fresh from the loaded parameters
-    for moment in jax.tree.leaves(trainer.optimizer.opt_state):
+    assert first.step == 0  # the optimizer starts fresh from the loaded parameters
+    for moment in jax.tree.leaves(first.optimizer.opt_state):
         assert not np.asarray(moment).any()
+
+    rows = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (8, CONFIG.n_positions + 1))
+    batches = [{"inputs": rows[:, :-1], "targets": rows[:, 1:]}] * 2
+    checkpoints = tmp_path / "checkpoints"
+    trained = trainer(callbacks=[OrbaxCheckpoint(checkpoints, save_every_n_steps=2)])
+    trained.fit(batches, max_steps=2)
+    kernel = np.asarray(trained.model.h[1].mlp.c_fc.kernel[...])
+    assert not np.array_equal(kernel, w["h.1.mlp.c_fc.weight"])  # it trained
+
+    path.unlink()  # a resumed run never reads the pretrained file
+    resumed = trainer(callbacks=[OrbaxCheckpoint(checkpoints, save_every_n_steps=2)])
+    with pytest.warns(UserWarning, match="trains no step"):  # step 2 restored at the start
+        resumed.fit(batches, max_steps=2)
+    assert resumed.step == 2
+    np.testing.assert_array_equal(np.asarray(resumed.model.h[1].mlp.c_fc.kernel[...]), kernel)
+
+    out = resumed.export(tmp_path / "out.safetensors", weight_map=weight_map)
+    written = safetensors.numpy.load_file(str(out))
+    assert written.keys() == w.keys()
+    np.testing.assert_array_equal(written["h.1.mlp.c_fc.weight"], kernel)

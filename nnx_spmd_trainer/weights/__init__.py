@@ -13,7 +13,12 @@ blocks; ``save_safetensors`` reads the map backwards and writes the file again.
 """
 
 from nnx_spmd_trainer.weights.expr import Expr, Tensor, tensor
-from nnx_spmd_trainer.weights.load import load_weights, param_targets, pretrained_state, start_from
+from nnx_spmd_trainer.weights.load import (
+    Pretrained,
+    load_weights,
+    param_targets,
+    pretrained_state,
+)
 from nnx_spmd_trainer.weights.mapping import WeightMap, WeightsMismatch, check
 from nnx_spmd_trainer.weights.save import save_safetensors
 from nnx_spmd_trainer.weights.sources import (
@@ -37,6 +42,7 @@ from nnx_spmd_trainer.weights.transforms import (
 __all__ = [
     "Expr",
     "OrbaxSource",
+    "Pretrained",
     "SafetensorsSource",
     "Tensor",
     "TensorInfo",
@@ -55,7 +61,6 @@ __all__ = [
     "save_safetensors",
     "split",
     "stack",
-    "start_from",
     "take",
     "tensor",
     "transpose",

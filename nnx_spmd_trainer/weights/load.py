@@ -11,6 +11,7 @@ process's devices' part of it), read from the file's mapped pages.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,8 @@ from nnx_spmd_trainer.weights.sources import SafetensorsSource, WeightSource
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.plan import Plan
-    from nnx_spmd_trainer.trainer import Trainer
 
-__all__ = ["load_weights", "param_targets", "pretrained_state", "start_from"]
+__all__ = ["Pretrained", "load_weights", "param_targets", "pretrained_state"]
 
 
 def param_targets(plan: Plan) -> nnx.State:
@@ -135,16 +135,19 @@ def pretrained_state(plan: Plan, params: nnx.State) -> nnx.State:
         return jitted(*args)
 
 
-def start_from(
-    trainer: Trainer,
-    source: WeightSource | str | os.PathLike[str],
-    weight_map: WeightMap,
-) -> None:
-    """Makes ``trainer`` start from pretrained weights: loaded into its plan's layout and
-    assigned as its state before the initial state is built (so it never is).
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """Where a trainer's first state comes from: ``source`` read through ``weight_map``
+    (``Trainer(init_from=Pretrained(path, weight_map))``).
 
-    Call it before ``fit`` (a trainer with ``strategy="auto"`` after ``choose_layout``);
-    the optimizer starts fresh from the loaded parameters.
+    The state is built from it when first needed, instead of the plan's random
+    initialiser: a run resumed from its own checkpoints at the start of ``fit``
+    restores those and never reads it.
     """
-    plan = trainer.plan
-    trainer.state = pretrained_state(plan, load_weights(plan, source, weight_map))
+
+    source: WeightSource | str | os.PathLike[str]
+    weight_map: WeightMap
+
+    def state(self, plan: Plan) -> nnx.State:
+        """The plan's whole initial state, with the parameters from the source."""
+        return pretrained_state(plan, load_weights(plan, self.source, self.weight_map))
