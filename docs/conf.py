@@ -50,7 +50,7 @@ myst_heading_anchors = 3
 
 # Public names are documented where users import them from (``nnx_spmd_trainer.Trainer``,
 # ``nnx_spmd_trainer.callbacks.OrbaxCheckpoint``), so signatures link to those pages.
-for _package in ("nnx_spmd_trainer", "nnx_spmd_trainer.callbacks"):
+for _package in ("nnx_spmd_trainer", "nnx_spmd_trainer.callbacks", "nnx_spmd_trainer.weights"):
     _module = importlib.import_module(_package)
     for _name in _module.__all__:
         _obj = getattr(_module, _name)

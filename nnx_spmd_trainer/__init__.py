@@ -6,6 +6,7 @@ from nnx_spmd_trainer import auto, distributed, remat, weights
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.batch_errors import BatchMismatch
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.losses import chunked_cross_entropy
 from nnx_spmd_trainer.pipeline import grain_pipeline
@@ -13,7 +14,7 @@ from nnx_spmd_trainer.plan import Plan
 from nnx_spmd_trainer.prefetch import as_position
 from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.run_state import Progress, RunState
-from nnx_spmd_trainer.sharding import DataShard, ShardingError, path_str
+from nnx_spmd_trainer.sharding import ShardingError, path_str
 from nnx_spmd_trainer.state import sharding_table
 from nnx_spmd_trainer.step import masked_mean
 from nnx_spmd_trainer.strategies import (

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation, plan_report
+from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.loop import train_one
 from nnx_spmd_trainer.metric_log import MetricLog
 from nnx_spmd_trainer.placement import InFlight, Placement
@@ -39,7 +40,7 @@ from nnx_spmd_trainer.prefetch import has_position
 from nnx_spmd_trainer.run import LayoutNotChosen as LayoutNotChosen  # its public home was here
 from nnx_spmd_trainer.run import Run
 from nnx_spmd_trainer.run import not_chosen as not_chosen
-from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
 

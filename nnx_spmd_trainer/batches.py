@@ -15,12 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from nnx_spmd_trainer.sharding import (
-    ShardingError,
-    dimension_axes,
-    fed_dimension,
-    global_batch_shape,
-)
+from nnx_spmd_trainer.data_shard import fed_dimension, global_batch_shape
+from nnx_spmd_trainer.sharding import ShardingError, dimension_axes
 
 
 def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> Any:
@@ -49,7 +45,7 @@ def check_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: in
 
     Every dimension is checked against its own mesh axes: the global size
     divides the product of their sizes. The rows (dimension 0) also divide
-    into ``divisor`` microbatches; the fed dimension (``sharding.fed_dimension``:
+    into ``divisor`` microbatches; the fed dimension (``data_shard.fed_dimension``:
     the first one the spec splits) is ``data_shards`` times this process's.
     """
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import grain
 
-from nnx_spmd_trainer.sharding import DataShard
+from nnx_spmd_trainer.data_shard import DataShard
 
 
 def grain_pipeline(

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from nnx_spmd_trainer import batches, same_rows
-from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.data_shard import DataShard
+from nnx_spmd_trainer.sharding import ShardingError
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.plan import Plan

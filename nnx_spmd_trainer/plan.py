@@ -31,6 +31,7 @@ from nnx_spmd_trainer import plan_report, step
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.backend_defaults import backend_default
 from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
+from nnx_spmd_trainer.step_compiler import StepCompiler
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
@@ -140,7 +141,7 @@ class Plan:
         if donate is None:
             donate = backend_default("donate", self.mesh)
         self.skip_nonfinite_updates = skip_nonfinite_updates
-        self.steps = step.StepCompiler(self, donate=donate, skip_nonfinite=skip_nonfinite_updates)
+        self.steps = StepCompiler(self, donate=donate, skip_nonfinite=skip_nonfinite_updates)
 
     # -- the strategy's answers, on this plan's mesh ------------------------------------
     def state_shardings(self, abstract_state: nnx.State) -> Any:
@@ -203,12 +204,15 @@ class Plan:
         ]
         return jax.tree.unflatten(self.treedef, targets)
 
-    def materialize(self) -> nnx.State:
+    def materialize(self, params: nnx.State | None = None) -> nnx.State:
         """Builds the initial state under jit, every leaf born with its sharding.
 
-        Once: a pre-built module's arrays are donated to it.
+        With ``params`` (the model's ``nnx.Param`` arrays, laid out as this plan lays
+        them out: ``weights.load_weights``), the model holds those, donated, and the
+        optimizer's state is made from them; the random parameters they replace are
+        never built. Once: a pre-built module's arrays are donated to it.
         """
-        return self._init()
+        return self._init(params)
 
     @property
     def replicated(self) -> NamedSharding:

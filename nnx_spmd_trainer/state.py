@@ -44,20 +44,29 @@ class ShardedInit:
         mesh: Mesh,
         *args: Any,
     ) -> None:
-        def build_state(*a: Any) -> nnx.State:
+        def build_state(*a: Any, params: nnx.State | None = None) -> nnx.State:
             with nnx.use_eager_sharding(False):  # layout comes from out_shardings below
-                return nnx.state(build(*a))
+                return nnx.state(build(*a, params=params))
 
         with building_under(mesh), nnx.use_eager_sharding(False):  # explicit: its mesh set
-            self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(build, *args))
+            abstract = nnx.eval_shape(lambda *a: build(*a, params=None), *args)
+            self.graphdef, self.abstract_state = nnx.split(abstract)
         self.shardings = state_shardings(self.abstract_state)
         # A pre-built module's placed arrays are donated: its state is never held twice.
         donate = tuple(range(len(args)))
-        self.init_fn = jax.jit(build_state, out_shardings=self.shardings, donate_argnums=donate)
+        self.init_fn = jax.jit(
+            build_state,
+            out_shardings=self.shardings,
+            donate_argnums=donate,
+            donate_argnames="params",
+        )
         self.mesh = mesh
         self.args: tuple[Any, ...] | None = args
 
-    def __call__(self) -> nnx.State:
+    def __call__(self, params: nnx.State | None = None) -> nnx.State:
+        """The initial state; with ``params`` (donated), the model's parameters are those
+        and the optimizer's state is made from them. Traced in the same jit, the random
+        parameters they replace are dead code: they are never built."""
         if self.args is None:
             raise RuntimeError(
                 "This plan's state was built from a built module, whose arrays it took: it "
@@ -67,7 +76,7 @@ class ShardedInit:
         args = self.args
         self.args = None if args else ()  # donated below: drop our reference
         with jax.set_mesh(self.mesh):
-            return self.init_fn(*args)
+            return self.init_fn(*args) if params is None else self.init_fn(*args, params=params)
 
 
 def model_builder(
@@ -86,12 +95,14 @@ def model_builder(
         hint = " (call it: optax.adam(1e-3))" if callable(tx) else ""
         raise TypeError(f"optimizer must be an optax GradientTransformation, got {tx!r}{hint}.")
 
-    def with_optimizer(module: nnx.Module) -> dict[str, Any]:
+    def with_optimizer(module: nnx.Module, params: nnx.State | None) -> dict[str, Any]:
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"The model factory returned {type(module).__name__}, not an nnx.Module. "
                 "Pass model=lambda rngs: MyModel(..., rngs=rngs)."
             )
+        if params is not None:  # pretrained parameters, before the optimizer reads them
+            nnx.update(module, params)
         # Extra-args support: the step passes value=loss, which plateau schedules and line
         # searches read and every other transformation ignores.
         optimizer = nnx.Optimizer(module, optax.with_extra_args_support(tx), wrt=wrt)
@@ -101,11 +112,16 @@ def model_builder(
         graphdef, model_state = nnx.split(model)
         model_state = jax.device_put(model_state, state_shardings(model_state))
         return ShardedInit(
-            lambda s: with_optimizer(nnx.merge(graphdef, s)), state_shardings, mesh, model_state
+            lambda s, params: with_optimizer(nnx.merge(graphdef, s), params),
+            state_shardings,
+            mesh,
+            model_state,
         )
     if not callable(model):
         raise TypeError(f"model must be an nnx.Module or a factory rngs -> Module, got {model!r}.")
-    return ShardedInit(lambda: with_optimizer(model(nnx.Rngs(seed))), state_shardings, mesh)
+    return ShardedInit(
+        lambda params: with_optimizer(model(nnx.Rngs(seed)), params), state_shardings, mesh
+    )
 
 
 class LiveState:

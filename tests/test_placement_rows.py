@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from nnx_spmd_trainer import placement
+from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.same_rows import batch_fingerprint, leaf_fingerprint, same_rows_error
-from nnx_spmd_trainer.sharding import DataShard, ShardingError
+from nnx_spmd_trainer.sharding import ShardingError
 
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:

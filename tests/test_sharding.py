@@ -4,14 +4,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer.sharding import (
+from nnx_spmd_trainer.data_shard import (
     DataShard,
     FedDimension,
-    ShardingError,
     data_shard_of,
-    dimension_axes,
     fed_dimension,
     global_batch_shape,
+)
+from nnx_spmd_trainer.sharding import (
+    ShardingError,
+    dimension_axes,
     merge_rules,
     resolve_spec,
     shard_largest_dim,

@@ -44,6 +44,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_spmd_trainer import data_shard as ds
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies import axis_types as modes
 
@@ -266,12 +267,12 @@ class Strategy(abc.ABC):
         process_index: int | None = None,
         *,
         process_ids: np.ndarray | None = None,
-        proposed: sh.DataShard | None = None,
-    ) -> sh.DataShard:
+        proposed: ds.DataShard | None = None,
+    ) -> ds.DataShard:
         """Which slice of the global data ``process_index`` feeds, from ``batch_sharding``.
 
         The slice is along each batch leaf's fed dimension
-        (``sharding.fed_dimension``: the first dimension its spec splits, the
+        (``data_shard.fed_dimension``: the first dimension its spec splits, the
         rows unless the strategy splits another), read from the answer to
         question 2 for one (rows, features) leaf. A later dimension is fed
         split only over the strategy's ``batch_axes``: an axis that splits it
@@ -299,9 +300,9 @@ class Strategy(abc.ABC):
             )
         if process_ids is None:
             process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
-        fed = sh.fed_dimension(sharding.spec)
+        fed = ds.fed_dimension(sharding.spec)
         axes = fed.axes if fed.dim == 0 else tuple(a for a in fed.axes if a in self.batch_axes())
-        return sh.data_shard_of(
+        return ds.data_shard_of(
             process_ids,
             mesh.axis_names,
             axes,

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnx_spmd_trainer import data_shard as ds
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies import axis_types as modes
 from nnx_spmd_trainer.strategies.base import Axes, Jit, Strategy
@@ -239,8 +240,8 @@ class Hybrid(Strategy):
         process_index: int | None = None,
         *,
         process_ids: np.ndarray | None = None,
-        proposed: sh.DataShard | None = None,
-    ) -> sh.DataShard:
+        proposed: ds.DataShard | None = None,
+    ) -> ds.DataShard:
         # The joint default reads this Hybrid's batch_sharding: every member already asked.
         shard = super().data_shard(mesh, process_index, process_ids=process_ids, proposed=proposed)
         for member in self.members:

@@ -12,7 +12,7 @@ blocks; ``save_safetensors`` reads the map backwards and writes the file again.
 (8, 2)
 """
 
-from nnx_spmd_trainer.weights.expr import Expr, Tensor, tensor
+from nnx_spmd_trainer.weights.expr import Expr, Piece, Tensor, Tensors, tensor
 from nnx_spmd_trainer.weights.load import (
     Pretrained,
     load_weights,
@@ -42,9 +42,11 @@ from nnx_spmd_trainer.weights.transforms import (
 __all__ = [
     "Expr",
     "OrbaxSource",
+    "Piece",
     "Pretrained",
     "SafetensorsSource",
     "Tensor",
+    "Tensors",
     "TensorInfo",
     "TreeSource",
     "WeightMap",

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-import optax
 from flax import nnx
 
 from nnx_spmd_trainer.sharding import path_str
@@ -106,33 +104,11 @@ def _build(expr: Expr, target: jax.ShapeDtypeStruct, tensors: Any) -> jax.Array:
 
 def pretrained_state(plan: Plan, params: nnx.State) -> nnx.State:
     """The plan's whole initial state (``{"model", "optimizer"}``) with ``params`` as the
-    model's parameters: the optimizer's state made from them (``tx.init``), every
-    other variable (RNG streams, ...) as the plan's initialiser makes it.
-
-    One ``jax.jit`` with the plan's output shardings, ``params`` donated: the random
-    parameters the initialiser would make are dead code XLA removes, so they are
-    never built, and the devices hold the parameters once. ``params`` must not be
-    used afterwards.
+    model's parameters (``Plan.materialize(params)``): the optimizer's state made from
+    them, every other variable (RNG streams, ...) as the plan's initialiser makes it;
+    the random parameters are never built. ``params`` is donated: do not use it after.
     """
-    tx = optax.with_extra_args_support(plan.optimizer)
-
-    def with_params(state: nnx.State, loaded: nnx.State) -> nnx.State:
-        objects = nnx.merge(plan.graphdef, state)
-        nnx.update(objects["model"], loaded)
-        optimizer = nnx.Optimizer(objects["model"], tx, wrt=plan.wrt)
-        return nnx.state({"model": objects["model"], "optimizer": optimizer})
-
-    build: Callable[..., nnx.State]
-    args: tuple[nnx.State, ...]
-    init = getattr(getattr(plan, "_init", None), "init_fn", None)
-    if init is not None and getattr(plan._init, "args", None) == ():  # a model factory
-        # Traced inside this jit, the initialiser's random parameters are never used.
-        build, args = (lambda loaded: with_params(init(), loaded)), (params,)
-    else:  # a plan of a built module: its arrays exist already, and are donated here
-        build, args = with_params, (plan.materialize(), params)
-    jitted = jax.jit(build, out_shardings=plan.shardings, donate_argnums=tuple(range(len(args))))
-    with jax.set_mesh(plan.mesh):
-        return jitted(*args)
+    return plan.materialize(params)
 
 
 @dataclasses.dataclass(frozen=True)
