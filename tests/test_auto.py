@@ -305,6 +305,12 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
 
     from nnx_spmd_trainer.app import job, tasks
 
+    @dataclasses.dataclass(frozen=True)
+    class Quick(Auto):  # every default candidate, each timed on one step in one round
+        steps: int = 1
+        rounds: int = 1
+
+    monkeypatch.setattr(job, "Auto", Quick)
     config = shrink(load("mlp"))
     config.strategy = "auto"
     result = job.run(config, tmp_path / "run")  # its MetricsLogger asks the log schedule early
