@@ -18,6 +18,7 @@ from nnx_spmd_trainer import FSDP, Plan, export_params
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, gpt2_weight_map
 from nnx_spmd_trainer.weights import (
     OrbaxSource,
+    SafetensorsSource,
     TreeSource,
     WeightMap,
     WeightsMismatch,
@@ -199,6 +200,16 @@ def test_a_second_source_file_with_a_name_already_seen_is_damage(tmp_path: Path)
         state = nnx.State({"x": jax.ShapeDtypeStruct((2,), np.float32, sharding=_one_device())})
         load_weights(state, tmp_path, WeightMap({"x": tensor("x", (2,))}))
 
+
+
+def test_a_path_with_no_file_is_named_at_once_not_as_every_tensor_missing(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"no weights file at .*nope.safetensors"):
+        SafetensorsSource(tmp_path / "nope.safetensors")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    state = nnx.State({"x": jax.ShapeDtypeStruct((2,), np.float32, sharding=_one_device())})
+    with pytest.raises(WeightsMismatch, match=r"empty: no .safetensors file there"):
+        load_weights(state, empty, WeightMap({"x": tensor("x", (2,))}))
 
 def _one_device() -> jax.sharding.NamedSharding:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))

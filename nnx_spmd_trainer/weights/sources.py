@@ -109,6 +109,12 @@ class SafetensorsSource:
         self._problems: list[str] = []
         self._maps: dict[Path, mmap.mmap] = {}
         self._files = files
+        absent = [str(file) for file in files if not file.exists()]
+        if absent:  # a wrong path, not a damaged file: no list of every tensor it lacks
+            raise FileNotFoundError(
+                f"no weights file at {', '.join(absent)}: give the path of a .safetensors "
+                "file, a list of them, or a directory holding them."
+            )
         if not files:
             self._problems.append(f"{path}: no .safetensors file there")
         for file in files:
