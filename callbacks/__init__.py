@@ -11,7 +11,8 @@ module which logs keys are not metrics.
 
 from nnx_spmd_trainer import Callback, History
 
-from .checkpoint import DamagedCheckpoint, OrbaxCheckpoint
+from .checkpoint import OrbaxCheckpoint
+from .checkpoint_checks import DamagedCheckpoint
 from .checkpoint_save import CheckpointWriteError
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping

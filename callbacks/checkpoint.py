@@ -1,14 +1,15 @@
-"""OrbaxCheckpoint: sharded async checkpoints that resume exactly, on any layout."""
+"""OrbaxCheckpoint: sharded async checkpoints that resume exactly, on any layout.
+
+This module holds its settings, its manager, saving and the hooks; the restore side is
+its base class, ``checkpoint_resume.CheckpointResume``.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import os
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,12 +20,12 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback, Logs, RunState, as_position, deprecation
+from nnx_spmd_trainer import Logs, RunState, as_position, deprecation
 from nnx_spmd_trainer.run_lock import RunLock
 
-from .checkpoint_checks import DamagedCheckpoint, agree_on_damage, check_same_model
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
-from .checkpoint_restore import read_meta, read_step, set_aside
+from .checkpoint_restore import set_aside
+from .checkpoint_resume import CheckpointResume, Restore
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice, QuietManager
@@ -32,23 +33,8 @@ from .preemption import PreemptionNotice, QuietManager
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
-Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
 
-
-class _ReadOnlyNotes(logging.Filter):
-    """Orbax warns whenever a read-only manager opens, as restores and layout reads here
-    do on purpose: those two lines tell the user nothing."""
-
-    NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.NOTES)
-
-
-logging.getLogger("absl").addFilter(_ReadOnlyNotes())
-
-
-class OrbaxCheckpoint(Callback):
+class OrbaxCheckpoint(CheckpointResume):
     """Saves the whole training run with Orbax, asynchronously, and resumes it exactly.
 
     One checkpoint is one Orbax step (``<directory>/<step>/``) holding:
@@ -317,187 +303,6 @@ class OrbaxCheckpoint(Callback):
             "config": jsonable(trainer.config),
             "time": time.time(),
         }
-
-    # -- restoring -------------------------------------------------------------------------
-    def restore_into(self, trainer: Trainer) -> int | None:
-        """Restores a checkpoint into ``trainer`` without training: to ``evaluate``,
-        generate or export from it, before (or instead of) any ``fit``.
-
-        Restores the ``restore`` choice (``"latest"`` by default, ``"best"``, a step
-        number or a step directory) straight into ``trainer.run_state(abstract=True)``:
-        each array is read into the trainer's own layout (any strategy, any device
-        count) and no initial state is ever built. ``trainer.step``, the train metrics,
-        the callback states of the trainer's callbacks and the data position are
-        restored, and ``restored_step`` is set. The trainer need not hold this callback;
-        if it does, its next ``fit`` goes on from the restored step without restoring
-        again. The directory is only read: a damaged step is skipped with a warning
-        (not moved aside) and the step before it restored; a step asked for by number
-        that is damaged raises ``DamagedCheckpoint``.
-
-        Returns the step restored, or ``None`` when the directory holds no step.
-
-        Example::
-
-            trainer = Trainer(make_model, optax.adamw(1e-3), strategy=FSDP(), loss_fn=loss)
-            step = OrbaxCheckpoint("runs/a/ckpt").restore_into(trainer)  # or restore=2000
-            print(step, trainer.evaluate(eval_data))
-        """
-        bound = getattr(self, "trainer", None)
-        if bound is not None and bound is not trainer:
-            raise ValueError(
-                "this OrbaxCheckpoint is a callback of another trainer; restore into "
-                "that one, or make a new OrbaxCheckpoint(directory) for this trainer."
-            )
-        if self.restore is None:
-            raise ValueError("restore_into needs a step to restore; this has restore=None.")
-        by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
-        manager = None  # a step directory is read through a manager of its own
-        if not by_path:
-            if not self.directory.is_dir():
-                self.restored_step = None
-                return None
-            manager = self._make_manager(self.directory, read_only=True)
-        try:
-            step = self._restore(trainer, manager, move_damaged=False)
-        finally:
-            if manager is not None:  # everything is read, the data position too
-                manager.close()
-        self.restored_step = step
-        self._restored_into = trainer if step is not None else None
-        if step is not None and self.print_fn is not None:
-            self.print_fn(f"restored checkpoint step {step} from {self.directory}")
-        return step
-
-    @override
-    def layout_to_resume(self) -> str | None:
-        """The strategy the step the next ``fit`` restores was saved under, read from its
-        metadata alone (nothing written); ``None`` when no step would be restored or its
-        metadata cannot be read (the restore then deals with it)."""
-        with self._step_to_resume() as (manager, step):
-            if manager is None or step is None:
-                return None
-            try:
-                return str(read_meta(manager, step)["strategy"])
-            except Exception:  # Orbax raises many kinds; a damaged step is the restore's
-                return None
-
-    def check_model(self) -> None:
-        """Raises ``CheckpointOfAnotherModel`` (naming the leaves and the fix) if the step
-        the next ``fit`` would restore was written for another model or optimizer than
-        this callback's trainer holds. Reads that step's metadata alone and writes
-        nothing, so a run can be refused before it writes anything (the CLI does); the
-        restore in ``fit`` checks again. A step that cannot be read is the restore's to
-        report: it passes here."""
-        with self._step_to_resume() as (manager, step):
-            if manager is not None and step is not None:
-                state = self.trainer.run_state(abstract=True).state
-                check_same_model(Path(manager.directory) / str(step), step, state)
-
-    @contextlib.contextmanager
-    def _step_to_resume(self) -> Iterator[tuple[ocp.CheckpointManager | None, int | None]]:
-        """(a read-only manager, the step the next ``fit`` would restore first), closed
-        after; ``(None, None)`` when no step would be restored or none can be listed."""
-        by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
-        if self.restore is None or self._fitted or (not by_path and not self.directory.is_dir()):
-            yield None, None
-            return
-        opened: list[ocp.CheckpointManager] = []
-        try:
-            try:
-                if not by_path:
-                    opened.append(self._make_manager(self.directory, read_only=True))
-                manager, steps, _ = self._candidates(opened[0] if opened else None)
-                opened.append(manager)  # a step directory's own manager, closed too
-            except Exception:  # Orbax raises many kinds; the restore names what is wrong
-                manager, steps = None, []
-            yield manager, (steps[0] if steps else None)
-        finally:
-            for manager in dict.fromkeys(opened):  # each once
-                manager.close()
-
-    def restore_into_trainer(self) -> int | None:
-        """What ``fit`` restores at its start: the ``restore`` choice into this callback's
-        trainer, moving damaged steps aside. Prefer ``restore_into(trainer)``."""
-        return self._restore(self.trainer, self.manager, move_damaged=True)
-
-    def _candidates(
-        self, manager: ocp.CheckpointManager | None
-    ) -> tuple[ocp.CheckpointManager, list[int], bool]:
-        """(manager, steps to try newest first, whether falling back is allowed); the
-        ``manager`` of ``directory`` is needed unless ``restore`` is a step directory."""
-        restore = self.restore
-        assert restore is not None  # nothing is restored then
-        if restore in ("latest", "best") or isinstance(restore, int):
-            assert manager is not None
-            if restore == "latest":
-                return manager, sorted(manager.all_steps(), reverse=True), True
-            if restore == "best":
-                return manager, self._by_monitor(manager), True
-            return manager, [int(restore)], False
-        path = Path(os.fspath(restore)).absolute()  # a step directory, of any run
-        if not path.name.isdigit():
-            raise ValueError(f"restore={str(restore)!r} is not a step directory (…/<step>).")
-        other = ocp.CheckpointManager(
-            path.parent, options=ocp.CheckpointManagerOptions(read_only=True, create=False)
-        )
-        return other, [int(path.name)], False
-
-    def _by_monitor(self, manager: ocp.CheckpointManager) -> list[int]:
-        scored = []
-        for step in sorted(manager.all_steps()):
-            value = (manager.metrics(step) or {}).get(self.monitor)
-            if value is not None:
-                scored.append((value if self.mode == "min" else -value, step))
-        return [step for _, step in sorted(scored)]
-
-    def _restore(
-        self, trainer: Trainer, manager: ocp.CheckpointManager | None, *, move_damaged: bool
-    ) -> int | None:
-        """Restores the ``restore`` choice into ``trainer``; the step restored, or None."""
-        manager, candidates, fall_back = self._candidates(manager)
-        for step in candidates:
-            damaged: DamagedCheckpoint | None = None
-            try:
-                saved = read_step(trainer, manager, step)
-            except DamagedCheckpoint as error:
-                damaged = error
-            # Every process must take the same branch: one that read damage makes all skip.
-            damaged = agree_on_damage(damaged, step, manager.directory)
-            if damaged is None:
-                self._apply(trainer, saved)
-                return step
-            if not fall_back:
-                raise damaged
-            if move_damaged:
-                set_aside(manager, step, damaged, print_fn=self.print_fn)
-            else:
-                message = f"{damaged}; restoring an earlier step (left where it is)."
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-                if self.print_fn is not None:
-                    self.print_fn(message)
-        return None
-
-    def _apply(self, trainer: Trainer, saved: dict[str, Any]) -> None:
-        meta = saved["meta"]
-        self.restored_layouts = [leaf.sharding for leaf in jax.tree.leaves(saved["state"])]
-        arrays = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
-        callback_arrays = {
-            key: saved[name]
-            for key, name in meta.get("callback_arrays", {}).items()
-            if name in saved
-        }
-        trainer.load_run_state(
-            RunState.from_saved(arrays, meta, callback_arrays=callback_arrays, data=saved["data"])
-        )
-
-    def _set_aside_later_than(self, step: int) -> None:
-        """After restoring an older step (best, or by number), the later steps are moved
-        aside so new saves from here are not refused; nothing is deleted."""
-        for later in [s for s in self.steps() if s > step]:
-            set_aside(
-                self.manager, later, f"step {later} is later than restored step {step}",
-                label=f"after-{step}", warn=False, print_fn=self.print_fn,
-            )  # fmt: skip
 
     def _note(self, logs: Logs) -> None:
         for key, value in logs.items():

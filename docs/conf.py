@@ -50,10 +50,12 @@ myst_heading_anchors = 3
 
 # Public names are documented where users import them from (``nnx_spmd_trainer.Trainer``,
 # ``nnx_spmd_trainer.callbacks.OrbaxCheckpoint``), so signatures link to those pages.
+_PUBLIC: set[int] = set()
 for _package in ("nnx_spmd_trainer", "nnx_spmd_trainer.callbacks", "nnx_spmd_trainer.weights"):
     _module = importlib.import_module(_package)
     for _name in _module.__all__:
         _obj = getattr(_module, _name)
+        _PUBLIC.add(id(_obj))
         if isinstance(_obj, type) and _obj.__module__.startswith(_package + "."):
             _obj.__module__ = _package
 
@@ -153,7 +155,19 @@ def _dataclass_factories(app, what, name, obj, options, signature, return_annota
     return None
 
 
+def _shown_bases(base: type) -> list[type]:
+    private = base.__module__.startswith("nnx_spmd_trainer") and id(base) not in _PUBLIC
+    return [b for parent in base.__bases__ for b in _shown_bases(parent)] if private else [base]
+
+
+def _public_bases(app, name, obj, options, bases):
+    """A private base of a public class (``OrbaxCheckpoint``'s ``CheckpointResume``, its
+    restore side) shows as its own bases: "Bases:" names public classes only."""
+    bases[:] = list(dict.fromkeys(b for base in bases for b in _shown_bases(base)))
+
+
 def setup(app):
+    app.connect("autodoc-process-bases", _public_bases)
     app.connect("missing-reference", _resolve_alias)
     app.connect("autodoc-process-docstring", _require_docstring, priority=400)
     app.connect("autodoc-process-signature", _dataclass_factories)
