@@ -9,5 +9,7 @@ FSDP x tensor parallel on 8 devices. ``dp``, ``fsdp``, ``tp`` and ``hybrid``
 are the same job under other strategies; ``mlp`` and ``cnn`` train classifiers
 on synthetic data. ``gpt2_small``, ``gpt2_medium`` and ``gpt2_large`` have
 GPT-2's shapes in bf16, for GPUs (medium and large with scanned layers, per-block
-remat and the chunked loss). ``_base`` holds the training settings they share.
+remat and the chunked loss). ``gpt2_hf`` is Hugging Face's GPT-2 on the pydoc text
+as GPT-2's byte tokens, to fine-tune from HF's file (``--config.init_from=FILE``).
+``_base`` holds the training settings they share.
 """

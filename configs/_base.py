@@ -48,4 +48,8 @@ def training_config() -> ml_collections.ConfigDict:
     config.checkpoint_every_n_steps = 50
     # Continue from the latest checkpoint in the workdir, if any; False moves them aside
     config.resume = True
+    # The first state from a weights file (safetensors, or a directory of them) through the
+    # task's weight map (the gpt2_hf task reads HF's GPT-2 files); "": random. A resume from
+    # the run's own checkpoints wins and never reads it.
+    config.init_from = ""
     return config

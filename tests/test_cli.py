@@ -40,6 +40,10 @@ def shrink(config):
         config.mlp.update(hidden_dim=32)
     if "cnn" in config:
         config.cnn.update(image_size=8, channels=8)
+    if "gpt2_hf" in config:  # the 256 byte tokens, padded to 256
+        config.gpt2_hf.update(
+            seq_len=16, n_positions=16, n_embd=32, n_head=4, n_layer=1, vocab_size=256
+        )
     return config
 
 

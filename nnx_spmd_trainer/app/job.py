@@ -18,7 +18,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import History, Trainer, callbacks, data  # type: ignore[attr-defined]
+from nnx_spmd_trainer import (  # type: ignore[attr-defined]
+    History,
+    Trainer,
+    callbacks,
+    data,
+    weights,
+)
 from nnx_spmd_trainer.app import datasets, tasks
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks
@@ -126,6 +132,7 @@ def run(
     with blamed_on(f"config.{config.model}"):
         task = tasks.build_task(config, shard=shard)
     splits = task.splits
+    init_from = pretrained(config, task)
     with blamed_on("--workdir", OSError):
         run_callbacks = make_callbacks(config, workdir)
     try:  # the state is built lazily: this traces the model, allocates nothing
@@ -140,6 +147,7 @@ def run(
             grad_accum_steps=config.grad_accum_steps,
             max_steps_in_flight=config.max_steps_in_flight,
             config=config,
+            init_from=init_from,
         )
     except ShardingError as error:  # a parameter the layout cannot split
         raise tasks.ConfigError(
@@ -202,6 +210,25 @@ def run(
     # Checked: from here on the run writes, and no other run may write here too.
     with workdir_lock(workdir):
         return _train(config, workdir, trainer, splits, started)
+
+
+def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:
+    """Where the first state comes from: ``config.init_from`` read through the task's weight
+    map, or ``None`` (random) where the key is ``""`` or absent. A task without a map, or
+    a path with nothing there, is a ``ConfigError`` naming the key."""
+    path = config.get("init_from", "") or ""
+    if not path:
+        return None
+    key = f"config.init_from={path!r}"
+    if task.weight_map is None:
+        raise tasks.ConfigError(
+            f"{key}: config.model={config.model!r} has no weight map to read a weights file "
+            "through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); pass "
+            "--config.init_from='' to start from random weights."
+        )
+    if not Path(path).exists():
+        raise tasks.ConfigError(f"{key}: there is no file or directory there.")
+    return weights.Pretrained(path, task.weight_map)
 
 
 def _train(

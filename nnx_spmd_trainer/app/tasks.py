@@ -15,6 +15,7 @@ from clu import metrics as clu_metrics
 
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
+from nnx_spmd_trainer.app.models import gpt2_hf
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.strategies import (
     FSDP,
@@ -25,6 +26,7 @@ from nnx_spmd_trainer.strategies import (
     Strategy,
     TensorParallel,
 )
+from nnx_spmd_trainer.weights import WeightMap
 
 #: Metrics computed inside the compiled step; every example loss returns ``accuracy`` in aux.
 Metrics = clu_metrics.Collection.create(
@@ -227,11 +229,14 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A model factory, its loss, and the data it learns."""
+    """A model factory, its loss, and the data it learns; and, for a model whose
+    pretrained weights exist as files, how the model is made from one
+    (``weight_map``, for ``config.init_from``; ``None``: the task has none)."""
 
     model: Callable[[Any], Any]
     loss_fn: Callable[..., Any]
     splits: datasets.Splits
+    weight_map: WeightMap | None = None
 
 
 #: Builds a task from the config and this process's ``(index, count)`` shard of the data.
@@ -354,6 +359,63 @@ def gpt_layers(config: ml_collections.ConfigDict) -> tuple[bool, str]:
     except ValueError as error:
         raise ConfigError(f"config.gpt.remat={policy!r}: {error}") from None
     return scan_layers, policy
+
+
+@register("gpt2_hf")
+def gpt2_hf_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
+    """Hugging Face's GPT-2 (``models.gpt2_hf.GPT2``) on the pydoc text as GPT-2's
+    single-byte tokens (``config.gpt2_hf``); its ``weight_map`` reads HF's GPT-2 files,
+    so ``config.init_from`` fine-tunes a published checkpoint."""
+    sizes = config.gpt2_hf
+    if compute_dtype(config) != jnp.float32:
+        raise ConfigError(
+            f"config.compute_dtype={config.compute_dtype!r}: the gpt2_hf model computes in "
+            "float32 only; pass --config.compute_dtype=float32."
+        )
+    gpt2_config = gpt2_hf.GPT2Config(
+        vocab_size=sizes.vocab_size,
+        n_positions=sizes.n_positions,
+        n_embd=sizes.n_embd,
+        n_layer=sizes.n_layer,
+        n_head=sizes.n_head,
+        dropout=sizes.dropout,
+        pad_vocab_to=sizes.pad_vocab_to,
+    )
+    if sizes.vocab_size < 256:
+        raise ConfigError(
+            f"config.gpt2_hf.vocab_size={sizes.vocab_size} is smaller than the 256 byte "
+            "tokens the text is spelled in; use 256 or more (GPT-2's is 50257)."
+        )
+    if sizes.seq_len > sizes.n_positions:
+        raise ConfigError(
+            f"config.gpt2_hf.seq_len={sizes.seq_len} is longer than the model's "
+            f"config.gpt2_hf.n_positions={sizes.n_positions}; use at most that."
+        )
+    if sizes.n_embd % sizes.n_head:
+        raise ConfigError(
+            f"config.gpt2_hf.n_embd={sizes.n_embd} is not a multiple of "
+            f"config.gpt2_hf.n_head={sizes.n_head}."
+        )
+    scan_layers = sizes.get("scan_layers", False)
+    if not isinstance(scan_layers, bool):
+        raise ConfigError(
+            f"config.gpt2_hf.scan_layers={scan_layers!r}: pass True (stacked blocks run by "
+            "nnx.scan) or False (one block after another)."
+        )
+    _, splits = datasets.byte_lm_splits(
+        seq_len=sizes.seq_len,
+        batch_size=_rows(config, shard),
+        seed=config.seed,
+        eval_fraction=config.eval_fraction,
+        max_eval_batches=config.max_eval_batches or None,
+        shard=shard,
+    )
+    return Task(
+        lambda rngs: gpt2_hf.GPT2(gpt2_config, rngs, scan_layers=scan_layers),
+        gpt2_hf.loss_fn,
+        splits,
+        weight_map=gpt2_hf.gpt2_weight_map(gpt2_config, scan_layers=scan_layers),
+    )
 
 
 @register("mlp")

@@ -4,6 +4,8 @@ from nnx_spmd_trainer.app.datasets.base import Splits, index_batches
 from nnx_spmd_trainer.app.datasets.synthetic import classification_splits, image_splits
 from nnx_spmd_trainer.app.datasets.text import (
     CharTokenizer,
+    GPT2ByteTokenizer,
+    byte_lm_splits,
     char_lm_splits,
     eval_batches,
     load_text,
@@ -14,7 +16,9 @@ from nnx_spmd_trainer.app.datasets.text import (
 
 __all__ = [
     "CharTokenizer",
+    "GPT2ByteTokenizer",
     "Splits",
+    "byte_lm_splits",
     "char_lm_splits",
     "classification_splits",
     "eval_batches",

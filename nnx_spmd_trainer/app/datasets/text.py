@@ -17,6 +17,8 @@ from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 
 __all__ = [
     "CharTokenizer",
+    "GPT2ByteTokenizer",
+    "byte_lm_splits",
     "char_lm_splits",
     "eval_batches",
     "load_text",
@@ -73,6 +75,59 @@ class CharTokenizer:
         return "".join(
             self.chars[i] for i in np.asarray(ids).ravel().tolist() if i < self.num_chars
         )
+
+
+def gpt2_byte_ranks() -> np.ndarray:
+    """``ranks[b]``: the place of byte ``b`` in GPT-2's byte-to-unicode table
+    (``bytes_to_unicode`` of OpenAI's ``encoder.py`` and HF's ``GPT2Tokenizer``).
+
+    That table lists the printable bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``)
+    first and the other 68 after them, in byte order; GPT-2's vocabulary
+    (``encoder.json``) starts with the 256 single-byte tokens in exactly that
+    order, so the rank is the token id of the byte alone (space -> 220 ``Ġ``,
+    newline -> 198 ``Ċ``, ``!`` -> 0).
+
+    >>> ranks = gpt2_byte_ranks()
+    >>> int(ranks[ord(" ")]), int(ranks[ord("\\n")]), int(ranks[ord("!")]), int(ranks[0])
+    (220, 198, 0, 188)
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    order = printable + [b for b in range(256) if b not in printable]
+    ranks = np.empty(256, dtype=np.int32)
+    ranks[order] = np.arange(256, dtype=np.int32)
+    return ranks
+
+
+class GPT2ByteTokenizer:
+    """GPT-2's byte-level tokens without its merges: each UTF-8 byte of the text is the
+    id of GPT-2's token for that byte alone (``gpt2_byte_ranks``), so a GPT-2 reads it
+    as text it knows, spelled one byte a token (not GPT-2's BPE, whose merges are not
+    shipped here). ``vocab_size`` is GPT-2's 50257; ids 0..255 are the ones used.
+
+    >>> tok = GPT2ByteTokenizer()
+    >>> tok.encode("Hi there").tolist()
+    [39, 72, 220, 83, 71, 68, 81, 68]
+    >>> tok.decode(tok.encode("café\\n"))
+    'café\\n'
+    """
+
+    vocab_size = 50257
+
+    def __init__(self) -> None:
+        self._ranks = gpt2_byte_ranks()
+        self._bytes = np.argsort(self._ranks).astype(np.uint8)  # id -> byte
+
+    def encode(self, text: str) -> np.ndarray:
+        """``str -> int32 ids``, one per UTF-8 byte."""
+        return self._ranks[np.frombuffer(text.encode("utf-8"), dtype=np.uint8)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """``ids -> str``; ids above 255 (multi-byte tokens) are not produced and raise."""
+        ids = np.asarray(ids).ravel()
+        if (ids > 255).any() or (ids < 0).any():
+            raise ValueError("GPT2ByteTokenizer decodes the 256 single-byte ids only.")
+        return self._bytes[ids].tobytes().decode("utf-8", errors="replace")
 
 
 def split_tokens(tokens: np.ndarray, eval_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +238,62 @@ def char_lm_splits(
     """
     text = load_text() if text is None else text
     tokenizer = CharTokenizer(text)
-    train_tokens, eval_tokens = split_tokens(tokenizer.encode(text), eval_fraction)
+    splits = _lm_splits(
+        tokenizer.encode(text),
+        tokenizer.vocab_size,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        eval_fraction=eval_fraction,
+        max_eval_batches=max_eval_batches,
+        shard=shard,
+    )
+    return tokenizer, splits
+
+
+def byte_lm_splits(
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    eval_fraction: float = 0.1,
+    max_eval_batches: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+    text: str | None = None,
+) -> tuple[GPT2ByteTokenizer, Splits]:
+    """``char_lm_splits`` with GPT-2's single-byte token ids (``GPT2ByteTokenizer``).
+
+    The unigram baseline is smoothed over the 256 byte tokens (what the text can hold),
+    not GPT-2's whole vocabulary.
+    """
+    text = load_text() if text is None else text
+    tokenizer = GPT2ByteTokenizer()
+    splits = _lm_splits(
+        tokenizer.encode(text),
+        256,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        eval_fraction=eval_fraction,
+        max_eval_batches=max_eval_batches,
+        shard=shard,
+    )
+    return tokenizer, splits
+
+
+def _lm_splits(
+    tokens: np.ndarray,
+    baseline_vocab: int,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    eval_fraction: float,
+    max_eval_batches: int | None,
+    shard: tuple[int, int],
+) -> Splits:
+    """Train/eval batches of ``tokens`` and the unigram baseline over ``baseline_vocab`` ids."""
+    train_tokens, eval_tokens = split_tokens(tokens, eval_fraction)
     train = train_batches(
         train_tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, shard=shard
     )
@@ -197,5 +307,5 @@ def char_lm_splits(
     # the baseline scores exactly the targets the model is evaluated on
     num_windows = len(held_out) * batch_size * shard[1]
     evaluated = eval_tokens[1 : num_windows * seq_len + 1]
-    baseline = unigram_baseline(train_tokens, evaluated, vocab_size=tokenizer.vocab_size)
-    return tokenizer, Splits(train, held_out, baseline, "unigram baseline")
+    baseline = unigram_baseline(train_tokens, evaluated, vocab_size=baseline_vocab)
+    return Splits(train, held_out, baseline, "unigram baseline")

@@ -1,0 +1,46 @@
+"""``--config.init_from``: the job's first state read from a Hugging Face GPT-2 file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from test_cli import load, shrink
+from test_weights_gpt2 import hf_weights
+
+from nnx_spmd_trainer.app import job, tasks
+from nnx_spmd_trainer.app.models.gpt2_hf import GPT2Config
+
+
+def test_init_from_starts_the_job_from_the_file_and_a_task_without_a_map_is_refused(tmp_path):
+    config = shrink(load("gpt2_hf"))
+    sizes = config.gpt2_hf
+    gpt2 = GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
+                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
+    w = hf_weights(gpt2, seed=3)
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(w, str(path))
+    # A learning rate of 0: one step leaves the parameters where they started.
+    config.update(init_from=str(path), max_steps=1, learning_rate=0.0, strategy="fsdp=4,model=2")
+    result = job.run(config, tmp_path / "run")
+    model = result.trainer.model
+    d = gpt2.n_embd
+    np.testing.assert_array_equal(np.asarray(model.wte.embedding[...])[:256], w["wte.weight"])
+    np.testing.assert_array_equal(np.asarray(model.wpe.embedding[...]), w["wpe.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(model.h[0].attn.k.kernel[...]), w["h.0.attn.c_attn.weight"][:, d : 2 * d]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.h[0].mlp.c_fc.kernel[...]), w["h.0.mlp.c_fc.weight"]
+    )
+    assert result.history.steps["train/loss"][-1] == 1
+
+    missing = shrink(load("gpt2_hf"))
+    missing.init_from = str(tmp_path / "no-such.safetensors")
+    with pytest.raises(tasks.ConfigError, match=r"config\.init_from=.*no file or directory"):
+        job.run(missing, tmp_path / "missing")
+    no_map = shrink(load("mlp"))
+    no_map.init_from = str(path)
+    with pytest.raises(tasks.ConfigError, match=r"config\.init_from=.*'mlp' has no weight map"):
+        job.run(no_map, tmp_path / "no_map")
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "no_map").exists()
