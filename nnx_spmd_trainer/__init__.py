@@ -26,6 +26,7 @@ from nnx_spmd_trainer.strategies import (
     Strategy,
     TensorParallel,
 )
+from nnx_spmd_trainer.strategies.axis_types import ExplicitModeError
 from nnx_spmd_trainer.trainer import Trainer
 
 try:
@@ -44,6 +45,7 @@ __all__ = [
     "CallbackList",
     "DataParallel",
     "DirectoryInUse",
+    "ExplicitModeError",
     "History",
     "Logs",
     "Plan",

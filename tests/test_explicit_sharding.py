@@ -27,6 +27,7 @@ from toy_models import RecordLosses, flat_params
 from nnx_spmd_trainer import (
     FSDP,
     DataParallel,
+    ExplicitModeError,
     Hybrid,
     Plan,
     SequenceParallel,
@@ -34,7 +35,7 @@ from nnx_spmd_trainer import (
     Trainer,
 )
 from nnx_spmd_trainer.attention import causal_attention
-from nnx_spmd_trainer.strategies.axis_types import ExplicitModeError
+from nnx_spmd_trainer.strategies import axis_types
 
 STEPS = 3
 
@@ -181,6 +182,7 @@ def test_the_reproduction_trains_with_an_explicit_mesh():
 
 
 def test_on_an_auto_mesh_the_error_names_the_switch():
+    assert ExplicitModeError is axis_types.ExplicitModeError  # exported at the top level
     trainer = Trainer(
         lambda r: Reproduction(r), optax.adam(1e-3), strategy=FSDP(8), loss_fn=reproduction_loss
     )

@@ -18,6 +18,7 @@ from nnx_spmd_trainer import FSDP, Plan, export_params
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, gpt2_weight_map
 from nnx_spmd_trainer.weights import (
     OrbaxSource,
+    Pretrained,
     SafetensorsSource,
     TreeSource,
     WeightMap,
@@ -164,7 +165,8 @@ def test_a_map_that_does_not_fit_the_model_is_named_too(tmp_path):
     with pytest.raises(WeightsMismatch) as raised:
         load_weights(plan, tmp_path / "w.safetensors", WeightMap(targets))
     assert raised.value.problems["map"] == [
-        "model array ln_f/bias (32,) has no entry in the map",
+        "model array ln_f/bias (32,) has no entry in the map (one the source lacks by "
+        "design, a LoRA adapter: Pretrained(..., fresh=nnx.LoRAParam))",
         "wpe/embedding: the model has (16, 32) float32, the map makes (8, 32) float32",
         "ln_f/gain: in the map, not an array of the model",
     ]
@@ -191,6 +193,40 @@ def test_export_params_checkpoint_and_a_numpy_tree_load_by_their_names(tmp_path)
             assert got.get_value().sharding == targets[path].get_value().sharding
 
 
+class Adapted(nnx.Module):
+    """A pretrained layer wrapped in a LoRA adapter the file does not have."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        base = nnx.Linear(16, 8, rngs=rngs)
+        self.fc = nnx.LoRA(16, 2, 8, base_module=base, rngs=rngs)
+
+
+def test_fresh_parameters_come_from_the_initializer_and_the_rest_from_the_file(tmp_path):
+    file = {"fc.weight": RNG.normal(size=(16, 8)).astype(np.float32),
+            "fc.bias": RNG.normal(size=(8,)).astype(np.float32)}  # fmt: skip
+    safetensors.numpy.save_file(file, str(tmp_path / "w.safetensors"))
+    weight_map = WeightMap(
+        {
+            "fc/base_module/kernel": tensor("fc.weight", (16, 8)),
+            "fc/base_module/bias": tensor("fc.bias", (8,)),
+        }  # fmt: skip
+    )
+
+    def plan() -> Plan:
+        return Plan(Adapted, optax.sgd(0.1), strategy=FSDP(8, min_size=1), wrt=nnx.LoRAParam)
+
+    state = Pretrained(tmp_path / "w.safetensors", weight_map, fresh=nnx.LoRAParam).state(plan())
+    fc = state["model"]["fc"]
+    np.testing.assert_array_equal(np.asarray(fc["base_module"]["kernel"][...]), file["fc.weight"])
+    np.testing.assert_array_equal(np.asarray(fc["base_module"]["bias"][...]), file["fc.bias"])
+    random = plan().materialize()["model"]["fc"]  # what the initializer makes, same seed
+    for name in ("lora_a", "lora_b"):
+        np.testing.assert_array_equal(np.asarray(fc[name][...]), np.asarray(random[name][...]))
+    # Without fresh=, the adapters are model arrays the map lacks: named, with the fix.
+    with pytest.raises(WeightsMismatch, match=r"fc/lora_a .* fresh=nnx\.LoRAParam"):
+        Pretrained(tmp_path / "w.safetensors", weight_map).state(plan())
+
+
 def test_a_second_source_file_with_a_name_already_seen_is_damage(tmp_path: Path):
     for name in ("a", "b"):
         safetensors.numpy.save_file(
@@ -201,7 +237,6 @@ def test_a_second_source_file_with_a_name_already_seen_is_damage(tmp_path: Path)
         load_weights(state, tmp_path, WeightMap({"x": tensor("x", (2,))}))
 
 
-
 def test_a_path_with_no_file_is_named_at_once_not_as_every_tensor_missing(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"no weights file at .*nope.safetensors"):
         SafetensorsSource(tmp_path / "nope.safetensors")
@@ -210,6 +245,7 @@ def test_a_path_with_no_file_is_named_at_once_not_as_every_tensor_missing(tmp_pa
     state = nnx.State({"x": jax.ShapeDtypeStruct((2,), np.float32, sharding=_one_device())})
     with pytest.raises(WeightsMismatch, match=r"empty: no .safetensors file there"):
         load_weights(state, empty, WeightMap({"x": tensor("x", (2,))}))
+
 
 def _one_device() -> jax.sharding.NamedSharding:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))

@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 __all__ = ["Pretrained", "load_weights", "param_targets", "pretrained_state"]
 
 
-def param_targets(plan: Plan) -> nnx.State:
+def param_targets(plan: Plan, fresh: nnx.filterlib.Filter = nnx.Nothing) -> nnx.State:
     """The model's ``nnx.Param`` leaves as ``jax.ShapeDtypeStruct`` s with the plan's
-    shardings: what ``load_weights`` fills."""
-    return nnx.filter_state(plan.state_targets()["model"], nnx.Param)
+    shardings: what ``load_weights`` fills. Those ``fresh`` names (an ``nnx`` filter:
+    ``nnx.LoRAParam``) are left out: the model's initializer makes them."""
+    wanted = nnx.All(nnx.Param, nnx.Not(fresh))
+    return nnx.filter_state(plan.state_targets()["model"], wanted)
 
 
 def _as_source(source: WeightSource | str | os.PathLike[str]) -> WeightSource:
@@ -119,11 +121,18 @@ class Pretrained:
     The state is built from it when first needed, instead of the plan's random
     initialiser: a run resumed from its own checkpoints at the start of ``fit``
     restores those and never reads it.
+
+    ``fresh`` (an ``nnx`` filter, default none) names the parameters the source does
+    not have by design, which the model's initializer makes as it would without a
+    source: LoRA adapters (``fresh=nnx.LoRAParam``), a new head. The map leaves them
+    out; every other parameter must still come from the source.
     """
 
     source: WeightSource | str | os.PathLike[str]
     weight_map: WeightMap
+    fresh: nnx.filterlib.Filter = nnx.Nothing
 
     def state(self, plan: Plan) -> nnx.State:
         """The plan's whole initial state, with the parameters from the source."""
-        return pretrained_state(plan, load_weights(plan, self.source, self.weight_map))
+        params = load_weights(param_targets(plan, self.fresh), self.source, self.weight_map)
+        return pretrained_state(plan, params)

@@ -121,7 +121,11 @@ def check(
     for path, target in targets.items():
         expr = weight_map.targets.get(path)
         if expr is None:
-            add("map", f"model array {path} {tuple(target.shape)} has no entry in the map")
+            add(
+                "map",
+                f"model array {path} {tuple(target.shape)} has no entry in the map (one the "
+                "source lacks by design, a LoRA adapter: Pretrained(..., fresh=nnx.LoRAParam))",
+            )
         elif (expr.shape, expr.dtype) != (tuple(target.shape), np.dtype(target.dtype)):
             add(
                 "map",
