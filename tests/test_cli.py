@@ -225,6 +225,7 @@ def test_help_lists_the_flags_the_shipped_configs_and_the_keys_and_exits_0(tmp_p
         "--config=NAME|FILE",
         "--workdir=DIR",
         "--export=DIR",
+        "--export_format=safetensors",
         "--num_processes=N",
         "--config.max_steps=300",
         "--config.gpt.embed_dim=",

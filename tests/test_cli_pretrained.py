@@ -1,11 +1,13 @@
-"""``--config.init_from``: the job's first state read from a Hugging Face GPT-2 file."""
+"""``--config.init_from``: the job's first state read from a Hugging Face GPT-2 file; and
+``--export_format=safetensors``: the trained one written back as one."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import safetensors.numpy
-from test_cli import load, shrink
+from test_cli import _cli, load, shrink
+from test_cli_config_errors import TINY, assert_refused
 from test_weights_gpt2 import hf_weights
 
 from nnx_spmd_trainer.app import job, tasks
@@ -34,6 +36,13 @@ def test_init_from_starts_the_job_from_the_file_and_a_task_without_a_map_is_refu
         np.asarray(model.h[0].mlp.c_fc.kernel[...]), w["h.0.mlp.c_fc.weight"]
     )
     assert result.history.steps["train/loss"][-1] == 1
+    # --export_format=safetensors: HF's file again, its names and shapes, bit for bit (lr 0).
+    exported = job.export(result, tmp_path / "export", "safetensors")
+    assert exported == tmp_path / "export" / "model.safetensors"
+    back = safetensors.numpy.load_file(str(exported))
+    assert back.keys() == w.keys()
+    for name, want in w.items():
+        np.testing.assert_array_equal(back[name], want, err_msg=name)
 
     missing = shrink(load("gpt2_hf"))
     missing.init_from = str(tmp_path / "no-such.safetensors")
@@ -43,4 +52,16 @@ def test_init_from_starts_the_job_from_the_file_and_a_task_without_a_map_is_refu
     no_map.init_from = str(path)
     with pytest.raises(tasks.ConfigError, match=r"config\.init_from=.*'mlp' has no weight map"):
         job.run(no_map, tmp_path / "no_map")
-    assert not (tmp_path / "missing").exists() and not (tmp_path / "no_map").exists()
+    no_map_export = shrink(load("mlp"))
+    with pytest.raises(
+        tasks.ConfigError, match=r"--export_format=safetensors: config\.model='mlp' has no weight"
+    ):
+        job.run(no_map_export, tmp_path / "no_map_export", export_format="safetensors")
+    for refused in ("missing", "no_map", "no_map_export"):
+        assert not (tmp_path / refused).exists(), refused
+
+
+def test_export_format_without_export_is_refused_in_one_line(tmp_path):
+    proc = _cli(*TINY, "--export_format=safetensors", f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_refused(proc, "--export_format=safetensors without --export=DIR")
+    assert not (tmp_path / "run").exists()

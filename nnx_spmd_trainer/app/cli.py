@@ -11,7 +11,8 @@ under ``--workdir`` (default ``runs/<config name>``).
 
 A configuration error (an unknown key, a value of the wrong type or out of
 range, a layout that does not fit the devices or the model, a batch the mesh
-cannot split, an unwritable ``--workdir``, an occupied ``--export``) is found
+cannot split, an unwritable ``--workdir``, an occupied ``--export``, an
+``--export_format=safetensors`` for a task without a weight map) is found
 before anything is written: one line on stderr naming the key and the fix,
 ``nnx-spmd-train: error: config.max_steps=-1: must be ...``, and exit status 2.
 
@@ -50,9 +51,9 @@ from nnx_spmd_trainer.app.command_line import fail, normalize_argv, parse_flags,
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.interrupts import ORBAX_LOG, exit_at_once, interrupt
-from nnx_spmd_trainer.app.job import run
+from nnx_spmd_trainer.app.job import EXPORT_FORMATS, export, run
 from nnx_spmd_trainer.app.workdir import check_writable
-from nnx_spmd_trainer.export import check_export_path, export_params
+from nnx_spmd_trainer.export import check_export_path
 from nnx_spmd_trainer.sharding import ShardingError
 
 
@@ -77,6 +78,11 @@ def _main(argv: Sequence[str]) -> int:
                     "--export."
                 ) from None
             check_writable(flags.FLAGS.export, "--export")
+        elif flags.FLAGS["export_format"].present:
+            raise tasks.ConfigError(
+                f"--export_format={flags.FLAGS.export_format} without --export=DIR: "
+                "say where to write the parameters."
+            )
     except tasks.ConfigError as error:
         fail(str(error))
     # This process's share of the devices: a SLURM task learns the count from SLURM.
@@ -91,7 +97,12 @@ def _main(argv: Sequence[str]) -> int:
     )
     try:
         with distributed.lost_peers_named():  # a collective failed: was a process lost?
-            result = run(config, workdir, dry_run=flags.FLAGS.dry_run)
+            result = run(
+                config,
+                workdir,
+                dry_run=flags.FLAGS.dry_run,
+                export_format=flags.FLAGS.export_format,
+            )
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         fail(str(error))
     except callbacks.checkpoint_checks.CheckpointOfAnotherModel as error:  # workdir vs config
@@ -106,8 +117,13 @@ def _main(argv: Sequence[str]) -> int:
         return 0
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
         assert result.trainer is not None
-        path = export_params(result.trainer.model, flags.FLAGS.export)
-        if jax.process_index() == 0:
+        path = export(result, flags.FLAGS.export, flags.FLAGS.export_format)
+        if jax.process_index() == 0 and flags.FLAGS.export_format == "safetensors":
+            say(
+                f"parameters exported to {path} under the task's weight map's names; "
+                f"load them with safetensors.numpy.load_file({str(path)!r})"
+            )
+        elif jax.process_index() == 0:
             say(
                 f"parameters exported to {path}; load them with plain Orbax: "
                 f"orbax.checkpoint.PyTreeCheckpointer().restore({str(path)!r})"
@@ -152,7 +168,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
     flags.DEFINE_string(
-        "export", None, "Write the trained parameters here as a plain Orbax checkpoint."
+        "export",
+        None,
+        "Write the trained parameters here (a plain Orbax checkpoint; see --export_format).",
+    )
+    flags.DEFINE_enum(
+        "export_format",
+        "orbax",
+        list(EXPORT_FORMATS),
+        "With --export: a plain Orbax checkpoint (orbax), or DIR/model.safetensors under "
+        "the task's weight map's names (safetensors; gpt2_hf: Hugging Face's GPT-2).",
     )
     flags.DEFINE_integer("num_processes", 1, "Processes of the job (alone: launched here).")
     flags.DEFINE_bool(
@@ -169,7 +194,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             "run the same command to resume\n"
         )
         exit_at_once(130)  # 128 + SIGINT, as a shell reports it
-
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def fail(message: str, status: int = 2) -> NoReturn:
     sys.stderr.write(f"nnx-spmd-train: error: {line}\n")
     sys.exit(status)
 
+
 def _config_keys(config_file: str) -> list[str]:
     """``key = default`` for every key of the config in ``config_file``."""
     spec = importlib.util.spec_from_file_location("_config_for_help", config_file)
@@ -108,6 +109,8 @@ def usage(argv: Sequence[str]) -> str:
             "  --workdir=DIR       logs, TensorBoard events and checkpoints "
             "(default: runs/<config name>)",
             "  --export=DIR        write the trained parameters as a plain Orbax checkpoint",
+            "  --export_format=safetensors  ... or as DIR/model.safetensors under the task's",
+            "                      weight map's names (gpt2_hf: Hugging Face's GPT-2)",
             "  --num_processes=N   run as N processes of one JAX job on this machine",
             "                      (on a cluster: one per host, with --coordinator_address",
             "                      and --process_id, or JAX's cluster detection)",

@@ -34,6 +34,7 @@ from nnx_spmd_trainer.app.workdir import (
     workdir_lock,
 )
 from nnx_spmd_trainer.auto import Auto
+from nnx_spmd_trainer.export import export_params
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -47,6 +48,11 @@ class RunResult:
     baseline: float
     baseline_name: str
     trainer: Trainer | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: The task's map of a pretrained file's names (``None``: it has none); what
+    #: ``export(..., "safetensors")`` writes the parameters back through.
+    weight_map: weights.WeightMap | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def beats_baseline(self) -> bool:
@@ -91,7 +97,11 @@ def _first_batch(data: Any) -> Any:
 
 
 def run(
-    config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], *, dry_run: bool = False
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike[str],
+    *,
+    dry_run: bool = False,
+    export_format: str = "orbax",
 ) -> RunResult:
     """Trains the model ``config`` describes and evaluates it: ``main`` without the flags.
 
@@ -106,7 +116,9 @@ def run(
     With ``dry_run`` it prints the plan of the train step (``Plan.report``) and
     returns there: nothing trained, nothing written; what would refuse the run in
     ``workdir`` (it writes nothing, so it works in a read-only one) follows the plan
-    as a note.
+    as a note. ``export_format`` is the ``--export_format`` the parameters will be
+    exported in (``export``): ``"safetensors"`` for a task without a weight map is
+    refused here, before training.
     """
     tasks.check_config(config)
     workdir = Path(workdir)
@@ -133,6 +145,7 @@ def run(
         task = tasks.build_task(config, shard=shard)
     splits = task.splits
     init_from = pretrained(config, task)
+    check_export_format(config, task, export_format)
     with blamed_on("--workdir", OSError):
         run_callbacks = make_callbacks(config, workdir)
     try:  # the state is built lazily: this traces the model, allocates nothing
@@ -209,7 +222,8 @@ def run(
     )
     # Checked: from here on the run writes, and no other run may write here too.
     with workdir_lock(workdir):
-        return _train(config, workdir, trainer, splits, started)
+        result = _train(config, workdir, trainer, splits, started)
+    return dataclasses.replace(result, weight_map=task.weight_map)
 
 
 def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:
@@ -229,6 +243,45 @@ def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.P
     if not Path(path).exists():
         raise tasks.ConfigError(f"{key}: there is no file or directory there.")
     return weights.Pretrained(path, task.weight_map)
+
+
+#: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, or the
+#: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf).
+EXPORT_FORMATS = ("orbax", "safetensors")
+#: The file ``export(..., "safetensors")`` writes in the ``--export`` directory (HF's name).
+SAFETENSORS_FILE = "model.safetensors"
+
+
+def check_export_format(
+    config: ml_collections.ConfigDict, task: tasks.Task, export_format: str
+) -> None:
+    """A ``ConfigError`` naming ``--export_format`` where it is unknown, or where it is
+    ``"safetensors"`` and the task has no weight map to write the names through."""
+    key = f"--export_format={export_format}"
+    if export_format not in EXPORT_FORMATS:
+        raise tasks.ConfigError(f"{key}: must be one of {', '.join(EXPORT_FORMATS)}.")
+    if export_format == "safetensors" and task.weight_map is None:
+        raise tasks.ConfigError(
+            f"{key}: config.model={config.model!r} has no weight map to write a safetensors "
+            "file's names through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); "
+            "use --export_format=orbax."
+        )
+
+
+def export(result: RunResult, directory: str | os.PathLike[str], export_format: str) -> Path:
+    """The trained parameters written under ``directory`` (``--export``): a plain Orbax
+    checkpoint there (``export_params``), or, with ``"safetensors"``, the file
+    ``directory/model.safetensors`` through the task's weight map (Hugging Face's names
+    and shapes for gpt2_hf: ``transformers`` loads the directory). Every process calls it.
+    """
+    if result.trainer is None:
+        raise ValueError("this run trained nothing (a dry run): there is nothing to export")
+    if export_format != "safetensors":
+        return export_params(result.trainer.model, directory)
+    if result.weight_map is None:
+        raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return result.trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=result.weight_map)
 
 
 def _train(
@@ -305,4 +358,3 @@ def goodput_line(goodput: dict[str, float]) -> str:
     ]
     shares = ", ".join(f"{name} {100 * value / wall:.1f}%" for name, value in parts if wall > 0)
     return f"time: {wall:.1f} s of fit = {shares}"
-
