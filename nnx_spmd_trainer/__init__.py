@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from nnx_spmd_trainer import auto, distributed, remat, weights
+from nnx_spmd_trainer import auto, distributed, remat, stack, weights
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.batch_errors import BatchMismatch
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
@@ -22,6 +22,7 @@ from nnx_spmd_trainer.strategies import (
     AxisStrategy,
     DataParallel,
     Hybrid,
+    PipelineParallel,
     SequenceParallel,
     Strategy,
     TensorParallel,
@@ -53,6 +54,7 @@ __all__ = [
     "RunLock",
     "RunState",
     "Hybrid",
+    "PipelineParallel",
     "SequenceParallel",
     "ShardingError",
     "Strategy",
@@ -71,5 +73,6 @@ __all__ = [
     "path_str",
     "remat",
     "sharding_table",
+    "stack",
     "weights",
 ]

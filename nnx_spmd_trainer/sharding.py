@@ -281,13 +281,15 @@ def refine_per_layer(
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     named = annotation_entries(annotation, shape=shape, mesh={}) or ()
-    stacked = {d for d, name in enumerate(named) if name == LAYERS and entries[d] is None}
+    # Split or not (PipelineParallel splits it over its stages), the layer dimension
+    # is put back as it was.
+    stacked = {d for d, name in enumerate(named) if name == LAYERS}
     if not stacked:
         return refine(spec, tuple(shape))
     kept = [d for d in range(len(shape)) if d not in stacked]
     refined = refine(_trim([entries[d] for d in kept]), tuple(shape[d] for d in kept))
     inner = iter(list(refined) + [None] * (len(kept) - len(refined)))
-    return _trim([None if d in stacked else next(inner) for d in range(len(shape))])
+    return _trim([entries[d] if d in stacked else next(inner) for d in range(len(shape))])
 
 
 def _key_name(key: Any) -> Any:

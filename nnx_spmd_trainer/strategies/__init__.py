@@ -5,6 +5,7 @@ from nnx_spmd_trainer.strategies.base import Strategy
 from nnx_spmd_trainer.strategies.data_parallel import DataParallel
 from nnx_spmd_trainer.strategies.fsdp import FSDP
 from nnx_spmd_trainer.strategies.hybrid import Hybrid
+from nnx_spmd_trainer.strategies.pipeline import PipelineParallel
 from nnx_spmd_trainer.strategies.sequence import SequenceParallel
 from nnx_spmd_trainer.strategies.tensor_parallel import TensorParallel
 
@@ -13,6 +14,7 @@ __all__ = [
     "DataParallel",
     "FSDP",
     "Hybrid",
+    "PipelineParallel",
     "SequenceParallel",
     "Strategy",
     "TensorParallel",

@@ -23,8 +23,8 @@ with the position embedding read at global positions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer import remat as remat_lib
+from nnx_spmd_trainer import stack as stack_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.attention import attention_implementation, causal_attention
 from nnx_spmd_trainer.losses import chunked_cross_entropy
@@ -50,9 +51,6 @@ __all__ = [
     "stacked_blocks",
     "unstack_blocks",
 ]
-
-
-M = TypeVar("M", bound=nnx.Module)
 
 
 def _layer_norm(num_features: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> nnx.LayerNorm:
@@ -139,28 +137,10 @@ class TransformerBlock(nnx.Module):
         return x + mlp_output
 
 
-def stacked_blocks(make_block: Callable[[nnx.Rngs], M], num_layers: int, rngs: nnx.Rngs) -> M:
-    """``num_layers`` blocks as one block whose arrays have a leading layer dimension.
-
-    ``nnx.vmap`` over ``num_layers`` split keys (each layer its own parameters and
-    dropout stream); every annotation gains a leading ``LAYERS`` entry, so the
-    strategies keep the layer dimension whole and lay out the rest as in one block.
-    """
-
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def build(layer_rngs: nnx.Rngs) -> M:
-        return make_block(layer_rngs)
-
-    return build(rngs)
-
-
-@nnx.scan(
-    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS}
-)
-def _scan_blocks(x: jax.Array, block: nnx.Module) -> jax.Array:
-    """Runs a stacked block (``stacked_blocks``) one layer after another: traced once."""
-    return block(x)
+#: ``stack.stacked``: the blocks as one stack (kept under this name for existing code).
+stacked_blocks = stack_lib.stacked
+#: ``stack.scan``: a stack run one layer after another (``stack.run`` outside a pipeline).
+_scan_blocks = stack_lib.scan
 
 
 class GPT(nnx.Module):
@@ -257,7 +237,7 @@ class GPT(nnx.Module):
         x = self.token_embed(tokens) + self.pos_embed(jnp.arange(seq_len))
         x = self.dropout(x)
         if isinstance(self.blocks, TransformerBlock):  # scan_layers: one stacked block
-            x = _scan_blocks(x, self.blocks)
+            x = stack_lib.run(self.blocks, x)  # a scan; a pipeline under PipelineParallel
         else:
             for block in self.blocks:
                 x = block(x)

@@ -1,0 +1,239 @@
+"""Stacked blocks: ``num_layers`` blocks held as one, run by a scan or as a pipeline.
+
+A *stack* is one block whose every array has a leading layer dimension named
+``LAYERS`` (``sharding.LAYERS``). ``stacked`` builds it; ``run`` runs it on a
+batch. That is all a model does to take part in ``PipelineParallel``:
+
+>>> class Block(nnx.Module):
+...     def __init__(self, rngs):
+...         self.linear = nnx.Linear(4, 4, rngs=rngs)
+...     def __call__(self, x):
+...         return x + jax.nn.gelu(self.linear(x))
+>>> class Deep(nnx.Module):
+...     def __init__(self, rngs, num_layers=4):
+...         self.blocks = stacked(Block, num_layers, rngs)  # arrays (4, ...)
+...     def __call__(self, x):
+...         return run(self.blocks, x)  # a scan; a pipeline under PipelineParallel
+>>> with nnx.use_eager_sharding(False):
+...     model = Deep(nnx.Rngs(0))
+>>> model.blocks.linear.kernel.shape, model(jnp.ones((8, 4))).shape
+((4, 4, 4), (8, 4))
+
+Outside ``PipelineParallel`` (and in every other strategy) ``run`` is
+``nnx.scan`` over the layers: traced once, the same maths as a loop. Inside a
+step traced under ``PipelineParallel`` (its ``trace_context`` installs a
+``Pipeline`` here), ``run`` runs the GPipe schedule (``gpipe``).
+
+Blocks whose call writes state (dropout's RNG streams counting up, batch
+statistics) cannot be pipelined exactly: each layer runs once per microbatch,
+and the bubble's iterations run on filler. ``gpipe`` raises a ``ValueError``
+naming the state and the fix (``dropout_rate=0``, ``model.eval()``, another
+strategy) rather than drop those writes; blocks in eval mode run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer.sharding import LAYERS, path_str
+
+__all__ = [
+    "LAYERS",
+    "Pipeline",
+    "active_pipeline",
+    "check_rows",
+    "check_stages",
+    "gpipe",
+    "pipelined",
+    "run",
+    "scan",
+    "stacked",
+]
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def stacked(make_block: Callable[[nnx.Rngs], M], num_layers: int, rngs: nnx.Rngs) -> M:
+    """``num_layers`` blocks as one block whose arrays have a leading layer dimension.
+
+    ``nnx.vmap`` over ``num_layers`` split keys (each layer its own parameters and
+    dropout stream); every annotation gains a leading ``LAYERS`` entry, so the
+    strategies keep the layer dimension whole (``PipelineParallel`` splits it over
+    its stages) and lay out the rest as in one block.
+    """
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(layer_rngs: nnx.Rngs) -> M:
+        return make_block(layer_rngs)
+
+    return build(rngs)
+
+
+@nnx.scan(
+    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS}
+)
+def scan(x: jax.Array, block: nnx.Module) -> jax.Array:
+    """Runs a stack one layer after another (``nnx.scan``): traced once."""
+    return block(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """What ``run`` needs to pipeline a stack: the stages, microbatches and their axis.
+
+    Attributes:
+      stages: devices along ``axis``; each holds ``layers / stages`` consecutive layers.
+      microbatches: pieces the batch is cut into and streamed through the stages.
+      axis: the mesh axis the layer dimension is split over.
+      mesh: the mesh the step is traced for.
+    """
+
+    stages: int
+    microbatches: int
+    axis: str
+    mesh: Mesh
+
+
+@dataclasses.dataclass
+class _Active:
+    pipeline: Pipeline
+    ran: bool = False  # whether a stack ran pipelined while it was in force
+
+
+_active: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("pipeline", default=None)
+
+
+def active_pipeline() -> Pipeline | None:
+    """The pipeline in force (inside ``pipelined``), else ``None``."""
+    active = _active.get()
+    return None if active is None else active.pipeline
+
+
+@contextlib.contextmanager
+def pipelined(pipeline: Pipeline) -> Iterator[Callable[[], bool]]:
+    """``run`` pipelines stacks over ``pipeline`` inside; yields ``ran()``: whether one did."""
+    active = _Active(pipeline)
+    token = _active.set(active)
+    try:
+        yield lambda: active.ran
+    finally:
+        _active.reset(token)
+
+
+def run(block: nnx.Module, x: jax.Array) -> jax.Array:
+    """Runs the stack ``block`` (from ``stacked``) on ``x`` (rows first): ``scan``, or
+    ``gpipe`` while a ``Pipeline`` is in force (a step traced under ``PipelineParallel``)."""
+    active = _active.get()
+    if active is None:
+        return scan(x, block)
+    active.ran = True
+    return gpipe(block, x, active.pipeline)
+
+
+def _constrained(x: jax.Array, pipeline: Pipeline, *leading: Any) -> jax.Array:
+    """``x`` with dimension 0 on the stage axis, then ``leading``; the rest left to the compiler."""
+    rest = [P.UNCONSTRAINED] * (x.ndim - 1 - len(leading))
+    spec = P(pipeline.axis, *leading, *rest)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(pipeline.mesh, spec))
+
+
+def check_stages(layers: int, stages: int) -> None:
+    """Raises a ``ValueError`` naming the fix unless ``stages`` divides ``layers``."""
+    if layers % stages:
+        raise ValueError(
+            f"PipelineParallel: the stack has {layers} layers, which do not split into "
+            f"{stages} stages of equal depth. Use a number of stages dividing {layers} "
+            f"(PipelineParallel(stages=n)) or a multiple of {stages} layers."
+        )
+
+
+def check_rows(rows: int, micro: int) -> None:
+    """Raises a ``ValueError`` naming the fix unless ``micro`` divides ``rows``."""
+    if rows % micro:
+        raise ValueError(
+            f"PipelineParallel: a batch of {rows} rows does not split into {micro} "
+            f"microbatches. Use a batch size divisible by {micro} (per grad_accum_steps "
+            "microbatch), or PipelineParallel(microbatches=n) with n dividing it."
+        )
+
+
+def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
+    """The GPipe schedule: ``x`` cut into microbatches streamed through the stages.
+
+    The layer dimension ``[L, ...]`` (split over the stage axis) is read as
+    ``[S, L/S, ...]``, a local reshape. A buffer ``[S, rows/M, ...]`` on the
+    stage axis holds what each stage works on; each of the ``M + S - 1`` ticks
+    runs every stage on its slot at once (``jax.vmap`` of a scan over its
+    ``L/S`` layers), then shifts the buffer one stage on (``jnp.roll`` over the
+    stage axis, which the compiler lowers to a collective-permute between
+    neighbours), feeding the next microbatch into stage 0 and collecting stage
+    ``S-1``'s output. Microbatch ``i`` is rows ``i, i+M, i+2M, ...``, so each one
+    keeps the rows' split over the data axes. ``jax.grad`` of this gives the
+    backward schedule. A shifted buffer rather than ``ppermute`` in
+    ``shard_map``: the step stays one global program, so the other members'
+    layouts (data, FSDP, tensor axes) compose inside each stage unchanged.
+    """
+    stages, micro = pipeline.stages, pipeline.microbatches
+    graphdef, state = nnx.split(block)
+    layers = jax.tree.leaves(state)[0].shape[0]
+    check_stages(layers, stages)
+    check_rows(x.shape[0], micro)
+
+    def staged(a: jax.Array) -> jax.Array:
+        return _constrained(a.reshape(stages, layers // stages, *a.shape[1:]), pipeline, None)
+
+    stage_state = jax.tree.map(staged, state)
+    rows = x.shape[0] // micro
+    microbatches = jnp.swapaxes(x.reshape(rows, micro, *x.shape[1:]), 0, 1)
+
+    def layer(h: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+        before = jax.tree_util.tree_leaves_with_path(layer_state)  # the arrays, not Variables
+        module = nnx.merge(graphdef, layer_state)
+        out = module(h)
+        _refuse_writes(before, nnx.state(module))
+        return out, None
+
+    def stage(one_stage: nnx.State, h: jax.Array) -> jax.Array:
+        return jax.lax.scan(layer, h, one_stage)[0]
+
+    every_stage = jax.vmap(stage)
+    is_first = (jnp.arange(stages) == 0).reshape(stages, *[1] * x.ndim)
+
+    def tick(buffer: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # The last M... ticks feed the last microbatch again: filler whose outputs are
+        # never collected (real values, so its zero cotangents stay finite).
+        fed = jax.lax.dynamic_index_in_dim(microbatches, jnp.minimum(t, micro - 1), 0, False)
+        inputs = _constrained(jnp.where(is_first, fed[None], jnp.roll(buffer, 1, 0)), pipeline)
+        out = _constrained(every_stage(stage_state, inputs), pipeline)
+        return out, out[stages - 1]
+
+    empty = _constrained(jnp.zeros((stages, rows, *x.shape[1:]), x.dtype), pipeline)
+    _, last = jax.lax.scan(tick, empty, jnp.arange(micro + stages - 1))
+    out = last[stages - 1 :]  # microbatch i leaves the last stage at tick i + S - 1
+    return jnp.swapaxes(out, 0, 1).reshape(x.shape[0], *out.shape[2:])
+
+
+def _refuse_writes(before: list[tuple[Any, jax.Array]], after: nnx.State) -> None:
+    """Raises if running a layer replaced any of its arrays (an RNG count, a statistic)."""
+    new = jax.tree.leaves(after)
+    written = [path_str(p) for (p, a), b in zip(before, new, strict=True) if a is not b]
+    if written:
+        raise ValueError(
+            "PipelineParallel: the stacked blocks write state while they run "
+            f"({', '.join(written)}): dropout's RNG streams or statistics. A pipelined "
+            "stack runs each layer once per microbatch and on filler in the bubble, so "
+            "such writes have no one-device meaning and are not kept. Build the blocks "
+            "with dropout_rate=0 (or call model.eval()), or train this model with another "
+            "strategy (FSDP, TensorParallel)."
+        )
