@@ -49,6 +49,7 @@ from nnx_spmd_trainer.sharding import LAYERS, path_str
 
 __all__ = [
     "LAYERS",
+    "Block",
     "Pipeline",
     "active_pipeline",
     "check_rows",
@@ -60,10 +61,11 @@ __all__ = [
     "stacked",
 ]
 
-M = TypeVar("M", bound=nnx.Module)
+#: The block class a stack is built from; ``stacked`` gives one of it back.
+Block = TypeVar("Block", bound=nnx.Module)
 
 
-def stacked(make_block: Callable[[nnx.Rngs], M], num_layers: int, rngs: nnx.Rngs) -> M:
+def stacked(make_block: Callable[[nnx.Rngs], Block], num_layers: int, rngs: nnx.Rngs) -> Block:
     """``num_layers`` blocks as one block whose arrays have a leading layer dimension.
 
     ``nnx.vmap`` over ``num_layers`` split keys (each layer its own parameters and
@@ -74,7 +76,7 @@ def stacked(make_block: Callable[[nnx.Rngs], M], num_layers: int, rngs: nnx.Rngs
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def build(layer_rngs: nnx.Rngs) -> M:
+    def build(layer_rngs: nnx.Rngs) -> Block:
         return make_block(layer_rngs)
 
     return build(rngs)
@@ -211,7 +213,7 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     is_first = (jnp.arange(stages) == 0).reshape(stages, *[1] * x.ndim)
 
     def tick(buffer: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # The last M... ticks feed the last microbatch again: filler whose outputs are
+        # The last S-1 ticks feed the last microbatch again: filler whose outputs are
         # never collected (real values, so its zero cotangents stay finite).
         fed = jax.lax.dynamic_index_in_dim(microbatches, jnp.minimum(t, micro - 1), 0, False)
         inputs = _constrained(jnp.where(is_first, fed[None], jnp.roll(buffer, 1, 0)), pipeline)
