@@ -50,31 +50,19 @@ ADAPTED = ("q", "k", "v", "c_proj")  # the attention's projections get adapters
 
 
 def write_random_gpt2(config: GPT2Config, path: Path, seed: int = 0) -> Path:
-    """A GPT-2 safetensors file under HF ``GPT2LMHeadModel``'s names and shapes, with
-    GPT-2's initialisation (normal(0.02) weights, LayerNorms at 1 and 0)."""
+    """A GPT-2 safetensors file as HF's ``GPT2LMHeadModel`` saves it (every name under
+    ``transformer.``), with GPT-2's initialisation: normal(0.02) weights, LayerNorms at 1
+    and 0. The names and shapes are those the map reads (``WeightMap.sources``)."""
     rng = np.random.default_rng(seed)
-    d = config.n_embd
-    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
-    for i in range(config.n_layer):
-        for name, shape in {
-            "ln_1.weight": (d,), "ln_1.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
-            "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
-            "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
-            "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,),
-            "mlp.c_proj.weight": (4 * d, d), "mlp.c_proj.bias": (d,),
-        }.items():  # fmt: skip
-            shapes[f"h.{i}.{name}"] = shape
-    shapes |= {"ln_f.weight": (d,), "ln_f.bias": (d,)}
     tensors = {}
-    for name, shape in shapes.items():
+    for name, declared in gpt2_weight_map(config).sources().items():
         if name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, np.float32)
+            value = np.zeros(declared.shape, declared.dtype)
         elif re.search(r"ln_(1|2|f)\.weight$", name):
-            tensors[name] = np.ones(shape, np.float32)
+            value = np.ones(declared.shape, declared.dtype)
         else:
-            tensors[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
-    # HF's GPT2LMHeadModel file: every name under "transformer.", the mask buffers skipped.
-    tensors = {f"transformer.{k}": v for k, v in tensors.items()}
+            value = rng.normal(0.0, 0.02, declared.shape).astype(declared.dtype)
+        tensors[f"transformer.{name}"] = value
     safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
     return path
 

@@ -294,18 +294,25 @@ def _rows(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> int:
     return config.batch_size // shard[1]
 
 
-@register("gpt")
-def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
-    """A character-level GPT learning the pydoc topics text (``config.gpt``)."""
-    sizes = config.gpt
-    tokenizer, splits = datasets.char_lm_splits(
-        seq_len=sizes.seq_len,
+def _text_options(
+    config: ml_collections.ConfigDict, shard: tuple[int, int], seq_len: int
+) -> datasets.SplitOptions:
+    """The job's keys for a text task's batches (``char_lm_splits``, ``byte_lm_splits``)."""
+    return datasets.SplitOptions(
+        seq_len=seq_len,
         batch_size=_rows(config, shard),
         seed=config.seed,
         eval_fraction=config.eval_fraction,
         max_eval_batches=config.max_eval_batches or None,
         shard=shard,
     )
+
+
+@register("gpt")
+def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
+    """A character-level GPT learning the pydoc topics text (``config.gpt``)."""
+    sizes = config.gpt
+    tokenizer, splits = datasets.char_lm_splits(**_text_options(config, shard, sizes.seq_len))
     kwargs = {k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")}
     vocab_size = sizes.get("vocab_size") or tokenizer.vocab_size  # larger: unused rows
     if vocab_size < tokenizer.vocab_size:
@@ -402,14 +409,7 @@ def gpt2_hf_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> T
             f"config.gpt2_hf.scan_layers={scan_layers!r}: pass True (stacked blocks run by "
             "nnx.scan) or False (one block after another)."
         )
-    _, splits = datasets.byte_lm_splits(
-        seq_len=sizes.seq_len,
-        batch_size=_rows(config, shard),
-        seed=config.seed,
-        eval_fraction=config.eval_fraction,
-        max_eval_batches=config.max_eval_batches or None,
-        shard=shard,
-    )
+    _, splits = datasets.byte_lm_splits(**_text_options(config, shard, sizes.seq_len))
     return Task(
         lambda rngs: gpt2_hf.GPT2(gpt2_config, rngs, scan_layers=scan_layers),
         gpt2_hf.loss_fn,

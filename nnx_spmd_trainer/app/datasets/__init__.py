@@ -5,6 +5,7 @@ from nnx_spmd_trainer.app.datasets.synthetic import classification_splits, image
 from nnx_spmd_trainer.app.datasets.text import (
     CharTokenizer,
     GPT2ByteTokenizer,
+    SplitOptions,
     byte_lm_splits,
     char_lm_splits,
     eval_batches,
@@ -17,6 +18,7 @@ from nnx_spmd_trainer.app.datasets.text import (
 __all__ = [
     "CharTokenizer",
     "GPT2ByteTokenizer",
+    "SplitOptions",
     "Splits",
     "byte_lm_splits",
     "char_lm_splits",

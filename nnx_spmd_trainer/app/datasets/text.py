@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NotRequired, TypedDict, Unpack
 
 import grain
 import numpy as np
@@ -18,6 +19,7 @@ from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 __all__ = [
     "CharTokenizer",
     "GPT2ByteTokenizer",
+    "SplitOptions",
     "byte_lm_splits",
     "char_lm_splits",
     "eval_batches",
@@ -215,51 +217,38 @@ def unigram_baseline(
     return float(-log_probs[eval_tokens].mean())
 
 
-def char_lm_splits(
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    eval_fraction: float = 0.1,
-    max_eval_batches: int | None = None,
-    shard: tuple[int, int] = (0, 1),
-    text: str | None = None,
-) -> tuple[CharTokenizer, Splits]:
-    """The tokenizer and train/eval batches of ``text`` (default: ``load_text()``).
+class SplitOptions(TypedDict):
+    """The keywords of ``char_lm_splits`` and ``byte_lm_splits`` beside ``text``.
 
-    Args:
+    Attributes:
       seq_len: tokens per example.
       batch_size: rows per batch for this process.
       seed: the training stream's shuffle seed.
-      eval_fraction: the share of the text, at its end, held out.
+      eval_fraction: the share of the text, at its end, held out (default 0.1).
       max_eval_batches: cap on held-out batches (default: all of the held-out text).
-      shard: ``(process index, process count)``.
-      text: the corpus; default the pydoc topics.
+      shard: ``(process index, process count)`` (default ``(0, 1)``).
     """
+
+    seq_len: int
+    batch_size: int
+    seed: int
+    eval_fraction: NotRequired[float]
+    max_eval_batches: NotRequired[int | None]
+    shard: NotRequired[tuple[int, int]]
+
+
+def char_lm_splits(
+    *, text: str | None = None, **options: Unpack[SplitOptions]
+) -> tuple[CharTokenizer, Splits]:
+    """The tokenizer and train/eval batches of ``text`` (default: ``load_text()``), one
+    token a character of it; ``options``: ``SplitOptions``."""
     text = load_text() if text is None else text
     tokenizer = CharTokenizer(text)
-    splits = _lm_splits(
-        tokenizer.encode(text),
-        tokenizer.vocab_size,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        eval_fraction=eval_fraction,
-        max_eval_batches=max_eval_batches,
-        shard=shard,
-    )
-    return tokenizer, splits
+    return tokenizer, _lm_splits(tokenizer.encode(text), tokenizer.vocab_size, **options)
 
 
 def byte_lm_splits(
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    eval_fraction: float = 0.1,
-    max_eval_batches: int | None = None,
-    shard: tuple[int, int] = (0, 1),
-    text: str | None = None,
+    *, text: str | None = None, **options: Unpack[SplitOptions]
 ) -> tuple[GPT2ByteTokenizer, Splits]:
     """``char_lm_splits`` with GPT-2's single-byte token ids (``GPT2ByteTokenizer``).
 
@@ -268,17 +257,7 @@ def byte_lm_splits(
     """
     text = load_text() if text is None else text
     tokenizer = GPT2ByteTokenizer()
-    splits = _lm_splits(
-        tokenizer.encode(text),
-        256,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        eval_fraction=eval_fraction,
-        max_eval_batches=max_eval_batches,
-        shard=shard,
-    )
-    return tokenizer, splits
+    return tokenizer, _lm_splits(tokenizer.encode(text), 256, **options)
 
 
 def _lm_splits(
@@ -288,9 +267,9 @@ def _lm_splits(
     seq_len: int,
     batch_size: int,
     seed: int,
-    eval_fraction: float,
-    max_eval_batches: int | None,
-    shard: tuple[int, int],
+    eval_fraction: float = 0.1,
+    max_eval_batches: int | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> Splits:
     """Train/eval batches of ``tokens`` and the unigram baseline over ``baseline_vocab`` ids."""
     train_tokens, eval_tokens = split_tokens(tokens, eval_fraction)
