@@ -22,6 +22,7 @@ from nnx_spmd_trainer.strategies import (
     AxisStrategy,
     DataParallel,
     Hybrid,
+    PipelineParallel,
     SequenceParallel,
     Strategy,
     TensorParallel,
@@ -40,12 +41,17 @@ class ConfigError(ValueError):
     its message as one line and exits 2."""
 
 
+#: The CLI's names of a ``PipelineParallel`` member (``pipeline`` is not one).
+STAGE_NAMES = ("stage", "pp")
+
+
 def parse_strategy(spec: str) -> Strategy:
     """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
 
     Members are ``name[=size]`` (``name:size`` also works), in mesh order;
     names ``data``/``dp``, ``fsdp``, ``model``/``tp``, ``seq``/``sp``
-    (``SequenceParallel``: the sequence split); a missing size is -1
+    (``SequenceParallel``: the sequence split), ``stage``/``pp``
+    (``PipelineParallel``: microbatches = stages); a missing size is -1
     ("all devices left"). One member gives that strategy, several a Hybrid.
 
     >>> parse_strategy("data")
@@ -54,8 +60,10 @@ def parse_strategy(spec: str) -> Strategy:
     Hybrid(DataParallel(2), FSDP(2), TensorParallel(2))
     >>> parse_strategy("fsdp=2,seq=4")
     Hybrid(FSDP(2), SequenceParallel(4))
+    >>> parse_strategy("data=2,stage=4")
+    Hybrid(DataParallel(2), PipelineParallel(4))
     """
-    kinds: dict[str, type[AxisStrategy]] = {
+    kinds: dict[str, type[AxisStrategy] | type[PipelineParallel]] = {
         "data": DataParallel,
         "dp": DataParallel,
         "fsdp": FSDP,
@@ -63,6 +71,7 @@ def parse_strategy(spec: str) -> Strategy:
         "tp": TensorParallel,
         "seq": SequenceParallel,
         "sp": SequenceParallel,
+        **dict.fromkeys(STAGE_NAMES, PipelineParallel),
     }
     members = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -71,7 +80,8 @@ def parse_strategy(spec: str) -> Strategy:
         if kind is None:
             raise ConfigError(
                 f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
-                "data (or dp), fsdp, model (or tp), seq (or sp), e.g. 'fsdp=4,model=2'."
+                "data (or dp), fsdp, model (or tp), seq (or sp), stage (or pp), e.g. "
+                "'fsdp=4,model=2'."
             )
         try:
             members.append(kind(int(size) if size.strip() else -1))
@@ -359,6 +369,13 @@ def gpt_layers(config: ml_collections.ConfigDict) -> tuple[bool, str]:
         raise ConfigError(
             f"config.gpt.scan_layers={scan_layers!r}: pass --config.gpt.scan_layers=True "
             "(stacked blocks run by nnx.scan) or False (one block after another)."
+        )
+    spec = str(config.get("strategy", ""))
+    members = (p.replace(":", "=").partition("=")[0].strip().lower() for p in spec.split(","))
+    if not scan_layers and any(m in STAGE_NAMES for m in members):
+        raise ConfigError(
+            f"config.strategy={spec!r} pipelines the GPT's stacked layers; pass "
+            "--config.gpt.scan_layers=True (and config.gpt.num_layers divisible by the stages)."
         )
     policy = sizes.get("remat", "none")
     try:
