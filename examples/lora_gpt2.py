@@ -114,6 +114,7 @@ def main(full: bool = False, weights_path: str | None = None) -> float:
             wrt=nnx.LoRAParam,  # gradients and optimizer state for the adapters alone
             init_from=weights.Pretrained(path, weight_map, fresh=nnx.LoRAParam),
             log_every_n_steps=every,
+            track_norms=False,  # no gradient norms at log points: one compiled step, not two
             callbacks=[MetricsLogger(every)],
         )
         losses = trainer.fit(splits.train, max_steps=steps).history["train/loss"]
