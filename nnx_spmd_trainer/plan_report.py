@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from nnx_spmd_trainer.sharding import path_str, shard_shape
+from nnx_spmd_trainer.strategies import pipeline
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -128,6 +129,8 @@ class PlanReport:
       step_time_bound_s: where the hardware is known, the larger of FLOPs over
         peak FLOP/s and bytes over bandwidth; ``None`` elsewhere (the CPU).
       suggestions: what to try when it does not fit.
+      pipeline: under ``PipelineParallel``, its stages, layers per stage,
+        microbatches, bubble fraction and stacked bytes per device; else ``""``.
     """
 
     strategy: str
@@ -144,6 +147,7 @@ class PlanReport:
     step_time_bound_s: float | None
     suggestions: list[str]
     picture: str
+    pipeline: str = ""
 
     def bytes_per_device(self, kind: str) -> int:
         """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
@@ -190,6 +194,8 @@ class PlanReport:
             f"  per step and device: {self.flops:.3g} FLOPs, {self.bytes_accessed:.3g} bytes{bound}"
         )
         lines.append(f"  layout of the largest leaf: {self.picture}")
+        if self.pipeline:
+            lines.append(f"  {self.pipeline}")
         return "\n".join(lines)
 
 
@@ -286,4 +292,5 @@ def build(
         step_time_bound_s=bound,
         suggestions=suggestions(mesh, plan.grad_accum_steps) if fits is False else [],
         picture=layout_picture(largest, mesh),
+        pipeline=pipeline.report_line(plan.strategy, plan.mesh, plan.state_targets()),
     )

@@ -179,19 +179,28 @@ def test_stack_bytes_per_device_fall_as_one_over_stages():
     assert {path: held[path] for path in per_device} == {p: {n} for p, n in per_device.items()}
 
 
-def test_the_step_permutes_activations_and_gathers_no_stacked_weight():
+def test_the_step_permutes_activations_gathers_no_stacked_weight_and_is_reported():
     plan = Plan(
         pipelined_gpt,
         TX,
         strategy=Hybrid(DataParallel(2), PipelineParallel(4)),
         loss_fn=gpt.loss_fn,
     )
-    text = plan.lower(batches()[0]).compile().as_text()
-    found = plan_report.collectives(text)
+    report = plan.report(batches()[0])
+    found = report.collectives
     assert found["collective-permute"]["count"] > 0
     # No all-gather at all: the stacked weights stay on their stage, and the activations
     # move by collective-permute (the last stage's output reaches the head by all-reduce).
     assert found["all-gather"]["count"] == 0, found
+    stacked = sum(
+        row["bytes_per_device"]
+        for row in report.leaves
+        if "/blocks/" in row["path"] and "rngs" not in row["path"]
+    )
+    assert (
+        "pipeline: 4 stages x 2 of 8 layers, 4 microbatches, bubble (S-1)/(M+S-1) = 42.9%; "
+        f"stacked state {stacked} bytes per device"
+    ) in str(report)
 
 
 # -- errors that name their fix ------------------------------------------------------------

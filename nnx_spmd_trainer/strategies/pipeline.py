@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -92,6 +93,14 @@ class PipelineParallel(Strategy):
             )
         return micro
 
+    def bubble(self, stages: int) -> float:
+        """The share of a step each stage idles: ``(S-1)/(M+S-1)`` (GPipe).
+
+        >>> PipelineParallel(4, microbatches=8).bubble(4)
+        0.2727272727272727
+        """
+        return (stages - 1) / (self.microbatches_for(stages) + stages - 1)
+
     # -- composition ------------------------------------------------------------
     def mesh_axes(self) -> Axes:
         return ((self.axis, self.stages),)
@@ -151,3 +160,39 @@ class PipelineParallel(Strategy):
             elif field.name == "rules" and value:
                 args.append(f"rules={value!r}")
         return f"PipelineParallel({', '.join(args)})"
+
+
+def pipeline_of(strategy: Strategy) -> PipelineParallel | None:
+    """The ``PipelineParallel`` in ``strategy`` (itself or a ``Hybrid``'s member), else None."""
+    if isinstance(strategy, PipelineParallel):
+        return strategy
+    for member in getattr(strategy, "members", ()):
+        found = pipeline_of(member)
+        if found is not None:
+            return found
+    return None
+
+
+def report_line(strategy: Strategy, mesh: Mesh, targets: Any) -> str:
+    """What ``Plan.report`` says of a pipeline: stages, layers per stage, microbatches,
+    the bubble and the stacked state's bytes per device; ``""`` without one.
+
+    ``targets``: the state as ``jax.ShapeDtypeStruct`` s with shardings (``Plan.state_targets``).
+    """
+    member = pipeline_of(strategy)
+    if member is None or member.axis not in mesh.shape:
+        return ""
+    stages = mesh.shape[member.axis]
+    layers, held = 0, 0
+    for leaf in jax.tree.leaves(targets):
+        spec = leaf.sharding.spec
+        if leaf.ndim and member.axis in sh.dimension_axes(spec, leaf.ndim)[0]:
+            layers = leaf.shape[0]
+            local = sh.shard_shape(leaf.shape, spec, dict(mesh.shape))
+            held += math.prod(local) * leaf.dtype.itemsize
+    micro = member.microbatches_for(stages)
+    return (
+        f"pipeline: {stages} stages x {layers // stages} of {layers} layers, {micro} "
+        f"microbatches, bubble (S-1)/(M+S-1) = {member.bubble(stages):.1%}; stacked state "
+        f"{held} bytes per device"
+    )
