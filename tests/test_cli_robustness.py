@@ -26,6 +26,7 @@ MLP = ["--config=mlp", "--config.max_steps=4", "--config.eval_every_n_steps=0"]
 
 
 # -- item 2: a plan with several processes -----------------------------------------------------
+@pytest.mark.serial  # two processes joining under Gloo's start deadline
 def test_a_dry_run_of_two_processes_prints_one_plan_and_exits_0(tmp_path):
     """Process 1 asks only its own devices for their memory limit (it used to ask process
     0's and crash); process 0 prints the plan, the job prints it once."""

@@ -22,7 +22,7 @@ from test_checkpoint_cli import assert_same_run, command, environment
 
 from nnx_spmd_trainer import distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
 STEPS = ("--config.max_steps=12",)  # after test_checkpoint_cli's SMALL: a checkpoint every 4
 
 

@@ -17,7 +17,7 @@ from test_cli import _cli
 
 from nnx_spmd_trainer import distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 

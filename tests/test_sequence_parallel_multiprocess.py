@@ -25,7 +25,7 @@ from toy_models import train_reference
 from nnx_spmd_trainer import distributed
 from nnx_spmd_trainer.app.models import gpt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 
