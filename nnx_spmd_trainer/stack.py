@@ -26,9 +26,12 @@ step traced under ``PipelineParallel`` (its ``trace_context`` installs a
 
 Blocks whose call writes state (dropout's RNG streams counting up, batch
 statistics) cannot be pipelined exactly: each layer runs once per microbatch,
-and the bubble's iterations run on filler. ``gpipe`` raises a ``ValueError``
-naming the state and the fix (``dropout_rate=0``, ``model.eval()``, another
-strategy) rather than drop those writes; blocks in eval mode run.
+and the bubble's iterations run on filler. ``gpipe`` reads the stack's state
+and never writes it back: an active ``nnx.Dropout`` (rate above 0, not
+deterministic) or an ``nnx.BatchNorm`` collecting statistics in the blocks is
+a ``ValueError`` naming it and the fix (``dropout_rate=0``, ``model.eval()``,
+another strategy); blocks in eval mode run. A layer of your own that writes
+other state has those writes dropped under a pipeline.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer.sharding import LAYERS, path_str
+from nnx_spmd_trainer.sharding import LAYERS
 
 __all__ = [
     "LAYERS",
@@ -187,6 +190,7 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     layouts (data, FSDP, tensor axes) compose inside each stage unchanged.
     """
     stages, micro = pipeline.stages, pipeline.microbatches
+    _refuse_writers(block)
     graphdef, state = nnx.split(block)
     layers = jax.tree.leaves(state)[0].shape[0]
     check_stages(layers, stages)
@@ -200,11 +204,7 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     microbatches = jnp.swapaxes(x.reshape(rows, micro, *x.shape[1:]), 0, 1)
 
     def layer(h: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
-        before = jax.tree_util.tree_leaves_with_path(layer_state)  # the arrays, not Variables
-        module = nnx.merge(graphdef, layer_state)
-        out = module(h)
-        _refuse_writes(before, nnx.state(module))
-        return out, None
+        return nnx.merge(graphdef, layer_state)(h), None
 
     def stage(one_stage: nnx.State, h: jax.Array) -> jax.Array:
         return jax.lax.scan(layer, h, one_stage)[0]
@@ -226,16 +226,20 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     return jnp.swapaxes(out, 0, 1).reshape(x.shape[0], *out.shape[2:])
 
 
-def _refuse_writes(before: list[tuple[Any, jax.Array]], after: nnx.State) -> None:
-    """Raises if running a layer replaced any of its arrays (an RNG count, a statistic)."""
-    new = jax.tree.leaves(after)
-    written = [path_str(p) for (p, a), b in zip(before, new, strict=True) if a is not b]
-    if written:
+def _refuse_writers(block: nnx.Module) -> None:
+    """Raises for the layers that write state when called: active dropout (its RNG stream
+    counts up) and batch norm collecting statistics."""
+    writers = [
+        f"{'/'.join(map(str, path))} ({type(module).__name__})"
+        for path, module in nnx.iter_modules(block)
+        if (isinstance(module, nnx.Dropout) and module.rate > 0 and not module.deterministic)
+        or (isinstance(module, nnx.BatchNorm) and not module.use_running_average)
+    ]
+    if writers:
         raise ValueError(
-            "PipelineParallel: the stacked blocks write state while they run "
-            f"({', '.join(written)}): dropout's RNG streams or statistics. A pipelined "
-            "stack runs each layer once per microbatch and on filler in the bubble, so "
-            "such writes have no one-device meaning and are not kept. Build the blocks "
-            "with dropout_rate=0 (or call model.eval()), or train this model with another "
-            "strategy (FSDP, TensorParallel)."
+            f"PipelineParallel: the stacked blocks write state while they run: "
+            f"{', '.join(writers)}. A pipelined stack runs each layer once per microbatch "
+            "and on filler in the bubble, so such writes have no one-device meaning and "
+            "are not kept. Build the blocks with dropout_rate=0 (or call model.eval()), "
+            "or train this model with another strategy (FSDP, TensorParallel)."
         )
