@@ -9,11 +9,17 @@ against every key: ``(seq / n) x seq`` per head, never the whole matrix.
 The program is still written over global arrays (the sharding constraints
 only guide the compiler), so positions, the causal mask and the result are
 those of one device. With no ``length`` rule, or its axis absent from the
-current mesh, it is ordinary causal attention.
+current mesh, it is ordinary causal attention. Inside ``attention_form("ring")``
+(``SequenceParallel(..., attention="ring")`` enters it while tracing) the split
+sequence takes ``ring_attention.ring_attention`` instead: no device ever holds
+the whole sequence's keys and values.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
@@ -22,10 +28,41 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["attention_implementation", "causal_attention", "length_axes"]
+from nnx_spmd_trainer.ring_attention import ring_attention
+
+__all__ = [
+    "FORMS",
+    "attention_form",
+    "attention_implementation",
+    "causal_attention",
+    "length_axes",
+]
 
 #: The logical names of a sequence dimension, looked up in this order.
 LENGTH_NAMES = ("length", "seq")
+#: How ``causal_attention`` attends over a split sequence.
+FORMS = ("all_gather", "ring")
+# A context variable rather than a logical rule: the form is how to attend, not a layout.
+_FORM: contextvars.ContextVar[str] = contextvars.ContextVar("attention_form", default=FORMS[0])
+
+
+@contextlib.contextmanager
+def attention_form(form: str) -> Iterator[None]:
+    """Within it, ``causal_attention`` over a split sequence uses ``form``: ``"all_gather"``
+    (keys and values gathered along the sequence axis, the default) or ``"ring"``
+    (passed round it a block at a time, ``ring_attention``).
+
+    >>> with attention_form("ring"):
+    ...     _FORM.get()
+    'ring'
+    """
+    if form not in FORMS:
+        raise ValueError(f"attention form {form!r}: choose one of {FORMS}")
+    token = _FORM.set(form)
+    try:
+        yield
+    finally:
+        _FORM.reset(token)
 
 
 def attention_implementation(dtype: jnp.dtype) -> Literal["cudnn", "xla"]:
@@ -91,6 +128,13 @@ def causal_attention(
     (1, 4, 2, 8)
     """
     axes = length_axes()
+    if axes and _FORM.get() == "ring":
+        if bias is not None or mask is not None or len(axes) > 1:
+            raise ValueError(
+                "ring attention takes no mask or bias (its causal mask is built over global "
+                f"positions) and one sequence axis (got {axes}); use attention='all_gather'."
+            )
+        return ring_attention(query, key, value, axes[0])
     implementation = attention_implementation(query.dtype)
     free = P.UNCONSTRAINED  # the batch and heads keep whatever layout they have
     split = P(free, axes, free, free)

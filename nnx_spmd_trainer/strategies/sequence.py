@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.attention import LENGTH_NAMES
+from nnx_spmd_trainer.attention import FORMS, LENGTH_NAMES, attention_form
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
 from nnx_spmd_trainer.strategies.base import context_rules
 
@@ -54,14 +54,33 @@ class SequenceParallel(AxisStrategy):
     sharding constraints rather than leaving it to the compiler's propagation:
     prefer it in models of your own.
 
+    ``attention`` picks how ``causal_attention`` attends over the split
+    sequence: ``"all_gather"`` (default: above) or ``"ring"``
+    (``nnx_spmd_trainer.ring_attention``: keys and values passed round the
+    axis a block at a time with ``ppermute``, a balanced causal order, an
+    online softmax; keys and values per device fall as ``1/n``). Both are
+    exact; the all-gather form is cheaper at short sequences. The ring form
+    needs the sequence divisible by ``2n`` and takes effect only in
+    ``causal_attention`` (a model's own attention stays as the compiler lays it out).
+
     >>> SequenceParallel(4).mesh_axes(), SequenceParallel(4).batch_axes()
     ((('seq', 4),), ())
+    >>> SequenceParallel(4, attention="ring")
+    SequenceParallel(4, attention='ring')
     """
 
     usual_axis: ClassVar[str] = "seq"
     shards_batch: ClassVar[bool] = False  # it splits the sequence, not the rows
 
     axis: str = usual_axis
+    attention: str = dataclasses.field(default=FORMS[0], kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention not in FORMS:
+            raise ValueError(
+                f"SequenceParallel(attention={self.attention!r}): choose one of {FORMS}"
+            )
 
     def batch_sharding(self, batch: Any, mesh: Mesh, proposed: Any = None) -> Any:
         """The answer so far, with dimension 1 of every leaf of two dimensions or more
@@ -107,9 +126,13 @@ class SequenceParallel(AxisStrategy):
     @contextlib.contextmanager
     def trace_context(self, mesh: Mesh) -> Iterator[None]:
         """The enclosing logical rules, with ``length`` and ``seq`` mapped to this axis,
-        inside ``Strategy.trace_context``'s."""
+        inside ``Strategy.trace_context``'s; ``attention_form(self.attention)``."""
         enclosing = context_rules()
         given = {name for name, _ in enclosing}
         own = [(name, self.axis) for name in LENGTH_NAMES if name not in given]
-        with super().trace_context(mesh), nnx.logical_axis_rules([*enclosing, *own]):
+        with (
+            super().trace_context(mesh),
+            nnx.logical_axis_rules([*enclosing, *own]),
+            attention_form(self.attention),
+        ):
             yield
