@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from nnx_spmd_trainer import auto, distributed, remat, stack, weights
+from nnx_spmd_trainer import auto, distributed, moe, remat, stack, weights
 from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.batch_errors import BatchMismatch
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
@@ -21,6 +21,7 @@ from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
     DataParallel,
+    ExpertParallel,
     Hybrid,
     PipelineParallel,
     SequenceParallel,
@@ -46,6 +47,7 @@ __all__ = [
     "CallbackList",
     "DataParallel",
     "DirectoryInUse",
+    "ExpertParallel",
     "ExplicitModeError",
     "History",
     "Logs",
@@ -70,6 +72,7 @@ __all__ = [
     "export_params",
     "grain_pipeline",
     "masked_mean",
+    "moe",
     "path_str",
     "remat",
     "sharding_table",

@@ -36,6 +36,7 @@ from nnx_spmd_trainer import stack as stack_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.attention import attention_implementation, causal_attention
 from nnx_spmd_trainer.losses import chunked_cross_entropy
+from nnx_spmd_trainer.moe import MoE, moe_losses
 from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
 from nnx_spmd_trainer.step import masked_mean
 
@@ -86,6 +87,8 @@ class TransformerBlock(nnx.Module):
         *,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
     ) -> None:
         xavier = nnx.initializers.xavier_uniform()
         zeros = nnx.initializers.zeros_init()
@@ -109,6 +112,10 @@ class TransformerBlock(nnx.Module):
         )
         self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
         self.layer_norm2 = _layer_norm(embed_dim, rngs, dtype)
+        if moe_experts:  # a mixture of experts in place of the MLP (moe.MoE)
+            self.moe = MoE(embed_dim, ff_dim, moe_experts, top_k=moe_top_k, rngs=rngs, **precision)
+            self.dropout2 = nnx.Dropout(dropout_rate, rngs=rngs)
+            return
         self.linear1 = nnx.Linear(
             in_features=embed_dim,
             out_features=ff_dim,
@@ -130,9 +137,10 @@ class TransformerBlock(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         attention_output = self.mha(inputs_q=self.layer_norm1(inputs), decode=False)
         x = inputs + self.dropout1(attention_output)
-        mlp_output = self.linear1(self.layer_norm2(x))
-        mlp_output = nnx.gelu(mlp_output)
-        mlp_output = self.linear2(mlp_output)
+        if hasattr(self, "moe"):
+            mlp_output = self.moe(self.layer_norm2(x))
+        else:
+            mlp_output = self.linear2(nnx.gelu(self.linear1(self.layer_norm2(x))))
         mlp_output = self.dropout2(mlp_output)
         return x + mlp_output
 
@@ -187,7 +195,12 @@ class GPT(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         scan_layers: bool = False,
         remat: str = "none",
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_every: int = 1,
     ) -> None:
+        if moe_experts and scan_layers:
+            raise ValueError("GPT: moe_experts with scan_layers=True is not supported yet.")
         embed_init = nnx.initializers.normal(stddev=0.02)
         precision: dict[str, Any] = {"dtype": dtype, "param_dtype": param_dtype}
         self.seq_len = seq_len
@@ -209,13 +222,19 @@ class GPT(nnx.Module):
         # (the usual pattern: the backward pass recomputes one layer at a time).
         block_class = remat_lib.remat(TransformerBlock, remat)
 
-        def make_block(block_rngs: nnx.Rngs) -> TransformerBlock:
-            return block_class(embed_dim, num_heads, ff_dim, dropout_rate, block_rngs, **precision)
+        def make_block(block_rngs: nnx.Rngs, experts: int = 0) -> TransformerBlock:
+            return block_class(
+                embed_dim, num_heads, ff_dim, dropout_rate, block_rngs, **precision,
+                moe_experts=experts, moe_top_k=moe_top_k,
+            )  # fmt: skip
+
+        def experts_of(layer: int) -> int:  # every moe_every-th block is a MoE block
+            return moe_experts if (layer + 1) % moe_every == 0 else 0
 
         self.blocks: TransformerBlock | nnx.List[TransformerBlock] = (
             stacked_blocks(make_block, num_layers, rngs)
             if scan_layers
-            else nnx.List([make_block(rngs) for _ in range(num_layers)])
+            else nnx.List([make_block(rngs, experts_of(i)) for i in range(num_layers)])
         )
         self.layer_norm = _layer_norm(embed_dim, rngs, dtype)
         self.head = nnx.Linear(
@@ -290,12 +309,14 @@ def loss_fn(
     """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``,
     over the real sequences (a padded batch's ``mask``).
 
-    ``aux`` holds each token's correctness, averaged per token by the metrics.
+    ``aux`` holds each token's correctness, averaged per token by the metrics. A model with
+    MoE blocks adds their auxiliary losses and reports their metrics (``moe.moe_losses``).
     """
     logits = model(batch["inputs"]).astype(jnp.float32)
     targets = batch["targets"]
     loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), batch)
-    return loss, {"accuracy": jnp.argmax(logits, axis=-1) == targets}
+    extra, moe_aux = moe_losses(model)
+    return loss + extra, {"accuracy": jnp.argmax(logits, axis=-1) == targets, **moe_aux}
 
 
 def chunked_loss_fn(
@@ -319,4 +340,5 @@ def chunked_loss_fn(
         chunk_size=chunk_size,
         dtype=None if head.dtype is None else jnp.dtype(head.dtype),
     )
-    return masked_mean(losses, batch), {"accuracy": predictions == targets}
+    extra, moe_aux = moe_losses(model)
+    return masked_mean(losses, batch) + extra, {"accuracy": predictions == targets, **moe_aux}

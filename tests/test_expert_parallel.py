@@ -1,0 +1,169 @@
+"""ExpertParallel and the MoE block: a MoE GPT trained under expert layouts computes the
+one-device result (losses, parameters, the load-balance loss and dropped tokens), the
+experts are split 1/E per device, and the step moves tokens with all-to-alls.
+
+The reference is the same model trained with plain optax on one device
+(``toy_models.train_reference``); SGD, as in test_scan_layers: Adam would amplify the
+float noise of the attention key bias's zero gradient (PITFALLS).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from clu import metrics as clu_metrics
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_scan_layers import SEQ, TINY, token_batches
+from toy_models import RecordLosses, assert_params_match, train_reference
+
+from nnx_spmd_trainer import (
+    FSDP,
+    Callback,
+    DataParallel,
+    ExpertParallel,
+    Hybrid,
+    Plan,
+    TensorParallel,
+    Trainer,
+)
+from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
+
+EXPERTS, STEPS = 4, 3
+Metrics = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss"), **moe_metrics(EXPERTS)
+)
+COMPARED = ("moe_load_balance", "moe_dropped_tokens", "moe_dropped_fraction")
+
+
+def moe_gpt(rngs):
+    """Two blocks, the second a MoE block of 4 experts, top-2 (capacity 5 of 8 tokens)."""
+    return GPT(**TINY, num_layers=2, dropout_rate=0.0, rngs=rngs, moe_experts=EXPERTS, moe_every=2)
+
+
+class RecordMoE(Callback):
+    """Every step's MoE metrics (logged every step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        self.steps.append({k: float(logs[f"train/{k}"]) for k in COMPARED})
+
+
+def recording(seen):
+    """``gpt.loss_fn`` that records each call's MoE metrics on the host."""
+
+    def loss_fn(model, batch):
+        loss, aux = gpt.loss_fn(model, batch)
+        jax.debug.callback(lambda **m: seen.append({k: float(v) for k, v in m.items()}),
+                           **{k: aux[k] for k in COMPARED})  # fmt: skip
+        return loss, aux
+
+    return loss_fn
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain optax on one device: losses, final parameters and each step's MoE metrics."""
+    seen: list[dict[str, float]] = []
+    params, losses = train_reference(
+        moe_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=recording(seen)
+    )
+    return params, losses, seen
+
+
+def fit(strategy, devices=None, **kwargs):
+    recorder, moe = RecordLosses(), RecordMoE()
+    trainer = Trainer(
+        moe_gpt,
+        optax.sgd(0.5),
+        strategy=strategy,
+        loss_fn=gpt.loss_fn,
+        metrics=Metrics,
+        callbacks=[recorder, moe],
+        log_every_n_steps=1,
+        track_norms=False,
+        devices=devices,
+        **kwargs,
+    )
+    trainer.fit(token_batches(STEPS), max_steps=STEPS)
+    return trainer, recorder.losses, moe.steps
+
+
+def assert_matches(reference, trainer, losses, moe_steps):
+    ref_params, ref_losses, ref_steps = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert_params_match(trainer, ref_params)
+    assert sum(s["moe_dropped_tokens"] for s in ref_steps) > 0  # capacity did drop tokens
+    for got, want in zip(moe_steps, ref_steps, strict=True):
+        assert got["moe_dropped_tokens"] == want["moe_dropped_tokens"]
+        assert got["moe_dropped_fraction"] == pytest.approx(want["moe_dropped_fraction"])
+        assert got["moe_load_balance"] == pytest.approx(want["moe_load_balance"], rel=1e-5)
+
+
+def experts_weight(trainer):
+    return trainer.model.blocks[1].moe.wi.get_value()
+
+
+# -- the same maths under every expert layout -------------------------------------------------
+def test_expert_parallel_4_equals_one_device_and_splits_the_experts(reference):
+    strategy = ExpertParallel(4)
+    plan = Plan(moe_gpt, optax.sgd(0.5), strategy=strategy, loss_fn=gpt.loss_fn,
+                metrics=Metrics, devices=jax.devices()[:4])  # fmt: skip
+    batch = token_batches(1)[0]
+    report = plan.report(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    trainer, losses, moe_steps = fit(strategy, devices=jax.devices()[:4])
+    assert_matches(reference, trainer, losses, moe_steps)
+
+    # Per-device expert bytes: 1/4 of the experts, planned = held.
+    wi = experts_weight(trainer)
+    assert wi.sharding.spec == P("expert")
+    held = wi.addressable_shards[0].data.nbytes
+    assert held * EXPERTS == wi.nbytes
+    planned = {row["path"]: row["bytes_per_device"] for row in report.leaves}
+    assert planned["model/blocks/1/moe/wi"] == held
+    # The step sends tokens to their experts' devices and back: all-to-alls.
+    assert report.collectives["all-to-all"]["count"] >= 2, report.collectives
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        Hybrid(DataParallel(2), ExpertParallel(4)),
+        Hybrid(ExpertParallel(2), FSDP(2, min_size=16), TensorParallel(2)),
+    ],
+    ids=["dp2-ep4", "ep2-fsdp2-tp2"],
+)
+def test_hybrid_expert_layouts_equal_one_device(strategy, reference):
+    trainer, losses, moe_steps = fit(strategy)
+    assert_matches(reference, trainer, losses, moe_steps)
+    axis_size = dict(trainer.mesh.shape)["expert"]
+    wi = experts_weight(trainer)
+    assert wi.sharding.spec[0] == "expert"
+    assert wi.addressable_shards[0].data.shape[0] == EXPERTS // axis_size
+
+
+# -- the block itself ----------------------------------------------------------------------------
+def test_moe_without_drops_is_the_weighted_sum_of_its_top_k_experts():
+    with nnx.use_eager_sharding(False):
+        block = MoE(8, 16, num_experts=4, top_k=2, capacity_factor=4.0, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, SEQ, 8))
+
+    @nnx.jit  # eager, op by op, is slow on a busy CPU
+    def outputs(block, x):
+        y = block(x)
+        _, metrics = moe_losses(block)
+        probs = jax.nn.softmax(x @ block.router[...], axis=-1)
+        weights, ids = jax.lax.top_k(probs, 2)
+        weights = weights / weights.sum(-1, keepdims=True)
+        hidden = nnx.gelu(jnp.einsum("bsd,edf->bsef", x, block.wi[...]))
+        each = jnp.einsum("bsef,efd->bsed", hidden, block.wo[...])
+        picked = jnp.take_along_axis(each, ids[..., None], 2)
+        return y, metrics["moe_dropped_tokens"], jnp.einsum("bsk,bskd->bsd", weights, picked)
+
+    y, dropped, want = outputs(block, x)
+    assert float(dropped) == 0
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
