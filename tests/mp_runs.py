@@ -25,6 +25,7 @@ from nnx_spmd_trainer import (
     Callback,
     DataParallel,
     Hybrid,
+    PipelineParallel,
     SequenceParallel,
     Strategy,
     TensorParallel,
@@ -201,16 +202,48 @@ def token_batches(n: int) -> list[dict[str, np.ndarray]]:
     return [{"inputs": w[:, :-1], "targets": w[:, 1:]} for w in windows]
 
 
-def train_gpt_sequence(name: str) -> dict[str, np.ndarray]:
-    """The tiny GPT under ``SEQUENCE_STRATEGIES[name]`` through ``Trainer.fit``, each process
-    feeding the rows its ``data_shard`` names (whole sequences): losses and parameters."""
+# Pipelines whose stages span the two processes (the stage axis first: process 0 holds
+# stages 0-1, process 1 stages 2-3), each with a data axis inside the process.
+PIPELINE_STRATEGIES = {
+    "stage4_x_dp2": lambda: Hybrid(PipelineParallel(4), DataParallel(2)),
+    "stage4m8_x_dp2": lambda: Hybrid(PipelineParallel(4, microbatches=8), DataParallel(2)),
+}
+PIPELINE_LAYERS = 4
+
+
+def tiny_gpt_layers(rngs: nnx.Rngs, scan_layers: bool = False) -> nnx.Module:
+    from nnx_spmd_trainer.app.models import GPT
+
+    return GPT(
+        vocab_size=GPT_VOCAB, seq_len=GPT_SEQ, embed_dim=16, num_heads=4, ff_dim=32,
+        num_layers=PIPELINE_LAYERS, dropout_rate=0.0, rngs=rngs, scan_layers=scan_layers,
+    )  # fmt: skip
+
+
+def pipelined_tiny_gpt(rngs: nnx.Rngs) -> nnx.Module:
+    """The scanned GPT holding ``tiny_gpt_layers``' initial state (one-device reference)."""
+    from nnx_spmd_trainer.app.models import gpt
+
+    source = gpt.stack_blocks(nnx.to_pure_dict(nnx.state(tiny_gpt_layers(rngs))))
+    model = tiny_gpt_layers(nnx.Rngs(1), scan_layers=True)
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, source)
+    nnx.update(model, state)
+    return model
+
+
+def train_gpt_sequence(name: str, *, pipeline: bool = False) -> dict[str, np.ndarray]:
+    """The tiny GPT under ``SEQUENCE_STRATEGIES[name]`` (``pipeline``: the scanned one under
+    ``PIPELINE_STRATEGIES[name]``) through ``Trainer.fit``, each process feeding the rows
+    its ``data_shard`` names (whole sequences): losses and parameters."""
     from nnx_spmd_trainer.app.models import gpt
 
     recorder = RecordLosses()
+    strategies = PIPELINE_STRATEGIES if pipeline else SEQUENCE_STRATEGIES
     trainer = Trainer(
-        tiny_gpt,
+        pipelined_tiny_gpt if pipeline else tiny_gpt,
         optax.sgd(0.5),
-        strategy=SEQUENCE_STRATEGIES[name](),
+        strategy=strategies[name](),
         loss_fn=gpt.loss_fn,
         callbacks=[recorder],
     )

@@ -3,6 +3,7 @@
     python tests/mp_worker.py OUT.npz [STRATEGY ...]
     python tests/mp_worker.py OUT.npz --grain CHECKPOINTS MAX_STEPS [--rows-counted] [--auto]
     python tests/mp_worker.py OUT.npz --sequence NAME ...   (tiny GPT, SEQUENCE_STRATEGIES)
+    python tests/mp_worker.py OUT.npz --pipeline NAME ...   (scanned, PIPELINE_STRATEGIES)
     python tests/mp_worker.py REPORT --a-slice-per-process   (fails: REPORT.0, REPORT.1)
 
 Joins the job from the launcher's variables, trains ``Net`` under every
@@ -49,6 +50,9 @@ if __name__ == "__main__":
     elif sys.argv[2:3] == ["--sequence"]:  # OUT.npz --sequence NAME ... (SEQUENCE_STRATEGIES)
         for name in sys.argv[3:]:
             results.update(train_gpt_sequence(name))
+    elif sys.argv[2:3] == ["--pipeline"]:  # OUT.npz --pipeline NAME ... (PIPELINE_STRATEGIES)
+        for name in sys.argv[3:]:
+            results.update(train_gpt_sequence(name, pipeline=True))
     else:
         for name in sys.argv[2:] or STRATEGIES:
             results.update(train(name))
