@@ -12,6 +12,9 @@ left". One member gives that strategy, several give a Hybrid::
                                shrinks to fit (model=1 on one device), and the -1
                                member takes the rest (fsdp=4 on 8 devices)
     "fsdp=2,seq=4"             Hybrid(FSDP(2), SequenceParallel(4)) (``seq`` or ``sp``)
+    "seq=8" with sequence_attention="ring"
+                               SequenceParallel(8, attention="ring"): keys and values
+                               passed round the seq axis, not gathered along it
     "auto"                     every layout the devices allow, planned, those that fit
                                ``memory_budget_bytes`` timed; the fastest trains
 
@@ -27,6 +30,8 @@ def training_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.model = ""  # "gpt", "mlp" or "cnn": selects the model, its data and loss
     config.strategy = "data"
+    # How a seq member attends over the split sequence: "all_gather" or "ring"
+    config.sequence_attention = "all_gather"
     config.memory_budget_bytes = 0  # per device, for strategy "auto"; 0: the device's own
     config.num_devices = 8  # simulated on the CPU when no accelerator is present
     config.seed = 0

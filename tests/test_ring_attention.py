@@ -176,3 +176,13 @@ def test_a_checkpoint_moves_between_ring_and_all_gather(tmp_path, reference):  #
     ref_params, ref_losses = reference
     np.testing.assert_allclose(whole.losses + after.losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert_params_match(moved, ref_params)
+
+
+# -- the command line (the default job's run: tests/test_sequence_parallel_cli.py) ----------
+def test_the_config_key_sets_the_seq_members_form():
+    from nnx_spmd_trainer.app import tasks
+
+    assert tasks.parse_strategy("fsdp=2,seq=4", "ring") == Hybrid(FSDP(2), ring(4))
+    assert tasks.parse_strategy("seq=8") == SequenceParallel(8)  # all-gather by default
+    with pytest.raises(tasks.ConfigError, match=r"config.sequence_attention='rign'; use one of"):
+        tasks.parse_strategy("seq=8", "rign")

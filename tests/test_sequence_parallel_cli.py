@@ -32,14 +32,22 @@ def cli(*args, cwd):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("spec", "mesh"),
-    [("fsdp=2,seq=4", "{'fsdp': 2, 'seq': 4}"), ("seq=8", "{'seq': 8}")],
-    ids=["fsdp2-seq4", "seq8"],
+    ("spec", "attention", "mesh"),
+    [
+        (
+            "fsdp=2,seq=4",
+            "all_gather",
+            "{'fsdp': 2, 'seq': 4} (Hybrid(FSDP(2), SequenceParallel(4))",
+        ),
+        # the ring form (issue 31) in the same two runs: seq=8 takes it
+        ("seq=8", "ring", "{'seq': 8} (SequenceParallel(8, attention='ring')"),
+    ],
+    ids=["fsdp2-seq4", "seq8-ring"],
 )
-def test_the_default_job_runs_with_the_sequence_split(tmp_path, spec, mesh):
+def test_the_default_job_runs_with_the_sequence_split(tmp_path, spec, attention, mesh):
     proc = cli(
-        f"--config.strategy={spec}", "--config.gpt.seq_len=16", *TINY_GPT, "--workdir=out",
-        cwd=tmp_path,
+        f"--config.strategy={spec}", f"--config.sequence_attention={attention}",
+        "--config.gpt.seq_len=16", *TINY_GPT, "--workdir=out", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"mesh {mesh}" in proc.stdout

@@ -133,7 +133,7 @@ def run(
             strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
             shard = DataParallel().data_shard(DataParallel().make_mesh())
         else:
-            strategy = tasks.parse_strategy(spec)
+            strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
             # Which rows this process reads is a question of the layout: the strategy says.
             # The trainer's placement.data_shard would say the same, but the data is needed
             # before there is a trainer: a task builds its model with its data (the GPT's

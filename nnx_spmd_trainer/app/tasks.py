@@ -16,6 +16,7 @@ from clu import metrics as clu_metrics
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
 from nnx_spmd_trainer.app.models import gpt2_hf
+from nnx_spmd_trainer.attention import FORMS
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.strategies import (
     FSDP,
@@ -45,7 +46,7 @@ class ConfigError(ValueError):
 STAGE_NAMES = ("stage", "pp")
 
 
-def parse_strategy(spec: str) -> Strategy:
+def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strategy:
     """``"fsdp=4,model=2"`` -> ``Hybrid(FSDP(4), TensorParallel(2))``.
 
     Members are ``name[=size]`` (``name:size`` also works), in mesh order;
@@ -53,6 +54,8 @@ def parse_strategy(spec: str) -> Strategy:
     (``SequenceParallel``: the sequence split), ``stage``/``pp``
     (``PipelineParallel``: microbatches = stages); a missing size is -1
     ("all devices left"). One member gives that strategy, several a Hybrid.
+    ``sequence_attention`` (``config.sequence_attention``) is the ``seq``
+    member's ``attention``: ``"all_gather"`` or ``"ring"``.
 
     >>> parse_strategy("data")
     DataParallel()
@@ -62,7 +65,14 @@ def parse_strategy(spec: str) -> Strategy:
     Hybrid(FSDP(2), SequenceParallel(4))
     >>> parse_strategy("data=2,stage=4")
     Hybrid(DataParallel(2), PipelineParallel(4))
+    >>> parse_strategy("fsdp=2,seq=4", sequence_attention="ring")
+    Hybrid(FSDP(2), SequenceParallel(4, attention='ring'))
     """
+    if sequence_attention not in FORMS:
+        raise ConfigError(
+            f"config.sequence_attention={sequence_attention!r}; use one of {FORMS} (how a "
+            "seq member attends over the split sequence)."
+        )
     kinds: dict[str, type[AxisStrategy] | type[PipelineParallel]] = {
         "data": DataParallel,
         "dp": DataParallel,
@@ -73,7 +83,7 @@ def parse_strategy(spec: str) -> Strategy:
         "sp": SequenceParallel,
         **dict.fromkeys(STAGE_NAMES, PipelineParallel),
     }
-    members = []
+    members: list[Strategy] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, size = part.replace(":", "=").partition("=")
         kind = kinds.get(name.strip().lower())
@@ -84,7 +94,11 @@ def parse_strategy(spec: str) -> Strategy:
                 "'fsdp=4,model=2'."
             )
         try:
-            members.append(kind(int(size) if size.strip() else -1))
+            member_size = int(size) if size.strip() else -1
+            if kind is SequenceParallel:
+                members.append(SequenceParallel(member_size, attention=sequence_attention))
+            else:
+                members.append(kind(member_size))
         except ValueError:
             raise ConfigError(
                 f"Size {size!r} of {name.strip()!r} in strategy {spec!r} is not an integer."
