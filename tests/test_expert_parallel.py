@@ -16,6 +16,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_scan_layers import SEQ, TINY, token_batches
+from test_sequence_parallel_checkpoints import host
 from toy_models import RecordLosses, assert_params_match, train_reference
 
 from nnx_spmd_trainer import (
@@ -29,6 +30,7 @@ from nnx_spmd_trainer import (
     Trainer,
 )
 from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
 from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
 
 EXPERTS, STEPS = 4, 3
@@ -75,20 +77,23 @@ def reference():
     return params, losses, seen
 
 
-def fit(strategy, devices=None, **kwargs):
-    recorder, moe = RecordLosses(), RecordMoE()
-    trainer = Trainer(
+def trainer_for(strategy, callbacks, devices=None):
+    return Trainer(
         moe_gpt,
         optax.sgd(0.5),
         strategy=strategy,
         loss_fn=gpt.loss_fn,
         metrics=Metrics,
-        callbacks=[recorder, moe],
+        callbacks=callbacks,
         log_every_n_steps=1,
         track_norms=False,
         devices=devices,
-        **kwargs,
     )
+
+
+def fit(strategy, devices=None):
+    recorder, moe = RecordLosses(), RecordMoE()
+    trainer = trainer_for(strategy, [recorder, moe], devices)
     trainer.fit(token_batches(STEPS), max_steps=STEPS)
     return trainer, recorder.losses, moe.steps
 
@@ -110,13 +115,14 @@ def experts_weight(trainer):
 
 # -- the same maths under every expert layout -------------------------------------------------
 def test_expert_parallel_4_equals_one_device_and_splits_the_experts(reference):
-    strategy = ExpertParallel(4)
+    strategy, four = ExpertParallel(4), jax.devices()[:4]
+    trainer, losses, moe_steps = fit(strategy, devices=four)
+    assert_matches(reference, trainer, losses, moe_steps)
+    # The plan of the same layout (its step compiled again: the compilation cache's).
     plan = Plan(moe_gpt, optax.sgd(0.5), strategy=strategy, loss_fn=gpt.loss_fn,
-                metrics=Metrics, devices=jax.devices()[:4])  # fmt: skip
+                metrics=Metrics, devices=four)  # fmt: skip
     batch = token_batches(1)[0]
     report = plan.report(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
-    trainer, losses, moe_steps = fit(strategy, devices=jax.devices()[:4])
-    assert_matches(reference, trainer, losses, moe_steps)
 
     # Per-device expert bytes: 1/4 of the experts, planned = held.
     wi = experts_weight(trainer)
@@ -132,10 +138,9 @@ def test_expert_parallel_4_equals_one_device_and_splits_the_experts(reference):
 @pytest.mark.parametrize(
     "strategy",
     [
-        Hybrid(DataParallel(2), ExpertParallel(4)),
         Hybrid(ExpertParallel(2), FSDP(2, min_size=16), TensorParallel(2)),
     ],
-    ids=["dp2-ep4", "ep2-fsdp2-tp2"],
+    ids=["ep2-fsdp2-tp2"],  # Hybrid(DataParallel(2), ExpertParallel(4)): the checkpoint test
 )
 def test_hybrid_expert_layouts_equal_one_device(strategy, reference):
     trainer, losses, moe_steps = fit(strategy)
@@ -167,3 +172,45 @@ def test_moe_without_drops_is_the_weighted_sum_of_its_top_k_experts():
     y, dropped, want = outputs(block, x)
     assert float(dropped) == 0
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+def test_a_run_saved_under_expert_parallel_resumes_under_fsdp_exactly(tmp_path, reference):
+    """Saved at step 2 under Hybrid(DataParallel(2), ExpertParallel(4)) (which computes the
+    one-device run: checked here), resumed under FSDP(8), where no axis splits the experts:
+    the restored state is the saved one bit for bit, the resumed step the uninterrupted
+    run's."""
+    batches, save_at = token_batches(STEPS), STEPS - 1
+    whole, moe = RecordLosses(), RecordMoE()
+    saving = OrbaxCheckpoint(tmp_path, save_every_n_steps=save_at)
+    writer = trainer_for(Hybrid(DataParallel(2), ExpertParallel(4)), [saving, whole, moe])
+    writer.fit(batches[:save_at], max_steps=save_at)
+    saved = jax.device_get(writer.state)
+    writer.fit(batches[save_at:], max_steps=STEPS)  # the run that never stopped
+    assert_matches(reference, writer, whole.losses, moe.steps)
+    assert experts_weight(writer).sharding.spec == P("expert")
+
+    restored: list = []
+    after = RecordLosses()
+    checkpoint = OrbaxCheckpoint(tmp_path / "moved", restore=tmp_path / str(save_at))
+    moved = trainer_for(
+        FSDP(8, min_size=16),
+        [
+            checkpoint,
+            LambdaCallback(
+                on_train_begin=lambda logs: restored.append(jax.device_get(moved.state))
+            ),
+            after,
+        ],
+    )
+    with pytest.warns(UserWarning, match=f"first {save_at} batches are read and discarded"):
+        moved.fit(batches, max_steps=STEPS)
+    assert checkpoint.restored_step == save_at
+    assert "expert" not in jax.tree.leaves(experts_weight(moved).sharding.spec)
+    (state,) = restored
+    for (path, want), got in zip(
+        jax.tree_util.tree_flatten_with_path(saved)[0], jax.tree.leaves(state), strict=True
+    ):
+        np.testing.assert_array_equal(host(got), host(want), err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(after.losses, whole.losses[save_at:], rtol=1e-6, atol=1e-6)
+    assert_params_match(moved, nnx.state(writer.model, nnx.Param), rtol=1e-5)
