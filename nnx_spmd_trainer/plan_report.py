@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from nnx_spmd_trainer.sharding import path_str, shard_shape
-from nnx_spmd_trainer.strategies import pipeline
+from nnx_spmd_trainer.strategies import pipeline, sequence
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -131,6 +131,8 @@ class PlanReport:
       suggestions: what to try when it does not fit.
       pipeline: under ``PipelineParallel``, its stages, layers per stage,
         microbatches, bubble fraction and stacked bytes per device; else ``""``.
+      sequence: under ``SequenceParallel``, the attention form in force (all-gather
+        or ring) and the count of the collective carrying keys and values; else ``""``.
     """
 
     strategy: str
@@ -148,6 +150,7 @@ class PlanReport:
     suggestions: list[str]
     picture: str
     pipeline: str = ""
+    sequence: str = ""
 
     def bytes_per_device(self, kind: str) -> int:
         """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
@@ -194,8 +197,7 @@ class PlanReport:
             f"  per step and device: {self.flops:.3g} FLOPs, {self.bytes_accessed:.3g} bytes{bound}"
         )
         lines.append(f"  layout of the largest leaf: {self.picture}")
-        if self.pipeline:
-            lines.append(f"  {self.pipeline}")
+        lines.extend(f"  {line}" for line in (self.pipeline, self.sequence) if line)
         return "\n".join(lines)
 
 
@@ -277,6 +279,7 @@ def build(
         )
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     largest = max(leaves, key=lambda row: math.prod(row["shape"]))
+    counted = collectives(compiled.as_text())
     return PlanReport(
         strategy=repr(plan.strategy),
         mesh=mesh,
@@ -285,7 +288,7 @@ def build(
         budget_bytes=budget,
         fits=fits,
         verdict=verdict,
-        collectives=collectives(compiled.as_text()),
+        collectives=counted,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         device_kind=kind,
@@ -293,4 +296,5 @@ def build(
         suggestions=suggestions(mesh, plan.grad_accum_steps) if fits is False else [],
         picture=layout_picture(largest, mesh),
         pipeline=pipeline.report_line(plan.strategy, plan.mesh, plan.state_targets()),
+        sequence=sequence.report_line(plan.strategy, plan.mesh, counted),
     )

@@ -29,6 +29,7 @@ from nnx_spmd_trainer import (
     FSDP,
     DataParallel,
     Hybrid,
+    Plan,
     SequenceParallel,
     TensorParallel,
     Trainer,
@@ -186,3 +187,18 @@ def test_the_config_key_sets_the_seq_members_form():
     assert tasks.parse_strategy("seq=8") == SequenceParallel(8)  # all-gather by default
     with pytest.raises(tasks.ConfigError, match=r"config.sequence_attention='rign'; use one of"):
         tasks.parse_strategy("seq=8", "rign")
+
+
+# -- Plan.report says which form is in force --------------------------------------------------
+@pytest.mark.parametrize(
+    ("form", "says"),
+    [
+        ("ring", r"attention ring .*collective-permute x[1-9]"),
+        ("all_gather", r"attention all_gather .*all-gather x[1-9]"),
+    ],
+)
+def test_the_plan_report_names_the_form_and_its_collective(form, says):
+    strategy = Hybrid(FSDP(2), SequenceParallel(4, attention=form))
+    plan = Plan(tiny_gpt, optax.sgd(0.5), strategy=strategy, loss_fn=gpt_loss)
+    (line,) = [s for s in str(plan.report(token_batches(1)[0])).splitlines() if "sequence:" in s]
+    assert re.search(rf"sequence: split over 'seq' \(4 devices\), {says}", line), line

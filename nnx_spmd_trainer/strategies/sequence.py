@@ -136,3 +136,37 @@ class SequenceParallel(AxisStrategy):
             attention_form(self.attention),
         ):
             yield
+
+
+def sequence_of(strategy: Any) -> SequenceParallel | None:
+    """The ``SequenceParallel`` in ``strategy`` (itself or a ``Hybrid``'s member), else None."""
+    if isinstance(strategy, SequenceParallel):
+        return strategy
+    found = (sequence_of(member) for member in getattr(strategy, "members", ()))
+    return next((s for s in found if s is not None), None)
+
+
+def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]]) -> str:
+    """What ``Plan.report`` says of a split sequence: the attention form in force and the
+    collective that carries its keys and values (counted in the compiled step); ``""``
+    without a ``SequenceParallel`` on a mesh axis of more than one device."""
+    member = sequence_of(strategy)
+    if member is None or mesh.shape.get(member.axis, 1) < 2:
+        return ""
+    n = mesh.shape[member.axis]
+    if member.attention == "ring":
+        # Imported here: the attention module imports nothing from the strategies.
+        from nnx_spmd_trainer.ring_attention import ring_blocks
+
+        blocks = ring_blocks(n)
+        how = (
+            f"ring (keys and values passed round {member.axis!r}, 1/{n} of them per device; "
+            f"balanced causal order, {min(blocks)}-{max(blocks)} blocks per device): "
+            f"collective-permute x{collectives.get('collective-permute', {}).get('count', 0)}"
+        )
+    else:
+        how = (
+            f"all_gather (keys and values gathered along {member.axis!r}, the whole sequence's "
+            f"per device): all-gather x{collectives.get('all-gather', {}).get('count', 0)}"
+        )
+    return f"sequence: split over {member.axis!r} ({n} devices), attention {how}"
