@@ -26,5 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.gpt.remat = "none"  # per-block activation checkpointing: a remat.POLICIES name
     # Sequence positions per chunk of the loss; 0: the plain loss over the full logits
     config.gpt.chunked_loss = 0
+    # Mixture of experts: every moe_every-th block routes each token to moe_top_k of
+    # moe_experts expert MLPs (moe.MoE); 0: dense blocks. Split them with expert=N.
+    config.gpt.moe_experts = 0
+    config.gpt.moe_top_k = 2
+    config.gpt.moe_every = 1
     config.eval_fraction = 0.1  # the end of the text is held out
     return config

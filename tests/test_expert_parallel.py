@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_scan_layers import SEQ, TINY, token_batches
 from test_sequence_parallel_checkpoints import host
+from test_sequence_parallel_cli import TINY_GPT, cli
 from toy_models import RecordLosses, assert_params_match, train_reference
 
 from nnx_spmd_trainer import (
@@ -29,8 +30,10 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
 )
+from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
+from nnx_spmd_trainer.configs import default
 from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
 
 EXPERTS, STEPS = 4, 3
@@ -214,3 +217,35 @@ def test_a_run_saved_under_expert_parallel_resumes_under_fsdp_exactly(tmp_path, 
         np.testing.assert_array_equal(host(got), host(want), err_msg=jax.tree_util.keystr(path))
     np.testing.assert_allclose(after.losses, whole.losses[save_at:], rtol=1e-6, atol=1e-6)
     assert_params_match(moved, nnx.state(writer.model, nnx.Param), rtol=1e-5)
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def test_the_strategy_string_and_the_gpt_config_name_the_expert_layout():
+    assert tasks.parse_strategy("data=2,expert=4") == Hybrid(DataParallel(2), ExpertParallel(4))
+    assert tasks.parse_strategy("ep=2,fsdp=2,tp=2") == Hybrid(
+        ExpertParallel(2), FSDP(2), TensorParallel(2)
+    )
+    config = default.get_config()
+    assert tasks.gpt_moe(config) == {}  # the shipped default: dense blocks
+    config.gpt.update(moe_experts=4, moe_every=2)
+    assert tasks.gpt_moe(config) == {"moe_experts": 4, "moe_top_k": 2, "moe_every": 2}
+    config.gpt.moe_top_k = 5
+    with pytest.raises(tasks.ConfigError, match=r"moe_top_k=5.*1 <= top_k <= experts"):
+        tasks.gpt_moe(config)
+    config.gpt.update(moe_top_k=2, scan_layers=True)
+    with pytest.raises(tasks.ConfigError, match=r"scan_layers=False"):
+        tasks.gpt_moe(config)
+
+
+@pytest.mark.slow
+def test_the_default_job_trains_a_moe_gpt_with_its_experts_split(tmp_path):
+    proc = cli(
+        "--config.strategy=data=2,expert=4", "--config.gpt.moe_experts=4",
+        "--config.gpt.moe_every=2", "--config.gpt.num_layers=2", *TINY_GPT[:-1],
+        "--workdir=out", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh {'data': 2, 'expert': 4} (Hybrid(DataParallel(2), ExpertParallel(4))" in (
+        proc.stdout
+    )
+    assert "final after 2 steps: eval loss" in proc.stdout

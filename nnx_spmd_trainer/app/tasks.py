@@ -22,6 +22,7 @@ from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
     DataParallel,
+    ExpertParallel,
     Hybrid,
     PipelineParallel,
     SequenceParallel,
@@ -52,7 +53,8 @@ def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strateg
     Members are ``name[=size]`` (``name:size`` also works), in mesh order;
     names ``data``/``dp``, ``fsdp``, ``model``/``tp``, ``seq``/``sp``
     (``SequenceParallel``: the sequence split), ``stage``/``pp``
-    (``PipelineParallel``: microbatches = stages); a missing size is -1
+    (``PipelineParallel``: microbatches = stages), ``expert``/``ep``
+    (``ExpertParallel``: a MoE model's experts split); a missing size is -1
     ("all devices left"). One member gives that strategy, several a Hybrid.
     ``sequence_attention`` (``config.sequence_attention``) is the ``seq``
     member's ``attention``: ``"all_gather"`` or ``"ring"``.
@@ -65,6 +67,8 @@ def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strateg
     Hybrid(FSDP(2), SequenceParallel(4))
     >>> parse_strategy("data=2,stage=4")
     Hybrid(DataParallel(2), PipelineParallel(4))
+    >>> parse_strategy("data=2,expert=4")
+    Hybrid(DataParallel(2), ExpertParallel(4))
     >>> parse_strategy("fsdp=2,seq=4", sequence_attention="ring")
     Hybrid(FSDP(2), SequenceParallel(4, attention='ring'))
     """
@@ -81,6 +85,8 @@ def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strateg
         "tp": TensorParallel,
         "seq": SequenceParallel,
         "sp": SequenceParallel,
+        "expert": ExpertParallel,
+        "ep": ExpertParallel,
         **dict.fromkeys(STAGE_NAMES, PipelineParallel),
     }
     members: list[Strategy] = []
@@ -90,7 +96,8 @@ def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strateg
         if kind is None:
             raise ConfigError(
                 f"Unknown strategy member {name.strip()!r} in strategy {spec!r}; use "
-                "data (or dp), fsdp, model (or tp), seq (or sp), stage (or pp), e.g. "
+                "data (or dp), fsdp, model (or tp), seq (or sp), stage (or pp), expert (or "
+                "ep), e.g. "
                 "'fsdp=4,model=2'."
             )
         try:
@@ -365,6 +372,7 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
             scan_layers=scan_layers,
             remat=remat,
             **kwargs,
+            **gpt_moe(config),
         ),
         loss_fn,
         splits,
@@ -397,6 +405,32 @@ def gpt_layers(config: ml_collections.ConfigDict) -> tuple[bool, str]:
     except ValueError as error:
         raise ConfigError(f"config.gpt.remat={policy!r}: {error}") from None
     return scan_layers, policy
+
+
+def gpt_moe(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The GPT's mixture-of-experts keywords from ``config.gpt.moe_*``, checked; none
+    where ``moe_experts`` is 0 or absent (every block dense).
+
+    >>> gpt_moe(ml_collections.ConfigDict({"gpt": {"moe_experts": 4, "moe_top_k": 2}}))
+    {'moe_experts': 4, 'moe_top_k': 2, 'moe_every': 1}
+    """
+    sizes = config.gpt
+    experts = sizes.get("moe_experts", 0)
+    if not experts:
+        return {}
+    top_k, every = sizes.get("moe_top_k", 2), sizes.get("moe_every", 1)
+    if not isinstance(experts, int) or experts < 2 or not 1 <= top_k <= experts or every < 1:
+        raise ConfigError(
+            f"config.gpt.moe_experts={experts!r}, moe_top_k={top_k!r}, moe_every={every!r}: "
+            "need experts >= 2, 1 <= top_k <= experts and every >= 1 (every n-th block a "
+            "MoE block), e.g. --config.gpt.moe_experts=4 --config.gpt.moe_top_k=2."
+        )
+    if sizes.get("scan_layers", False):
+        raise ConfigError(
+            "config.gpt.moe_experts with config.gpt.scan_layers=True: MoE blocks are not "
+            "stacked yet; pass --config.gpt.scan_layers=False."
+        )
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_every": every}
 
 
 @register("gpt2_hf")
