@@ -24,6 +24,8 @@ from test_scan_layers import (
     token_batches,
     unrolled,
 )
+from test_seeds import TransformerBlock as SeedBlock
+from test_seeds import regression_batches, regression_loss
 from test_sequence_parallel import simulated
 from toy_models import RecordLosses, train_reference
 
@@ -176,10 +178,6 @@ class Deep(nnx.Module):
         return self.head(stack.run(self.blocks, x))
 
 
-def regression_loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
-
-
 def test_a_users_stacked_model_pipelines_as_one_device():
     rng = np.random.default_rng(0)
     normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
@@ -197,6 +195,51 @@ def test_a_users_stacked_model_pipelines_as_one_device():
     np.testing.assert_allclose(recorder.losses, want_losses, rtol=1e-5, atol=1e-6)
     got = jax.device_get(nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
     assert_trees_close(got, nnx.to_pure_dict(want_params), rtol=1e-4, atol=1e-5)
+
+
+class SeedLayers(nnx.Module):
+    """The JAX scaling slides' GPT-2 ``TransformerBlock`` (``test_seeds``, as written), 4 of
+    them: unrolled for the one-device reference, a stack (``stack.stacked``) to pipeline."""
+
+    def __init__(self, rngs: nnx.Rngs, *, stacked: bool = False) -> None:
+        def block(rngs: nnx.Rngs) -> SeedBlock:
+            return SeedBlock(16, 2, 32, 0.0, rngs)  # the slides' signature; no dropout
+
+        self.blocks = (
+            stack.stacked(block, 4, rngs) if stacked else nnx.List([block(rngs) for _ in range(4)])
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.blocks, SeedBlock):
+            return stack.run(self.blocks, x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def seed_stack(rngs):
+    """The stacked seed blocks holding the unrolled ones' initial state."""
+    source = gpt.stack_blocks(nnx.to_pure_dict(nnx.state(SeedLayers(rngs))))
+    return holding(SeedLayers(nnx.Rngs(1), stacked=True), source, stack=False)
+
+
+@pytest.mark.slow
+def test_a_seed_document_model_made_scanned_pipelines_as_one_device():
+    data = regression_batches(STEPS, (8, 8, 16))
+    want_params, want_losses = train_reference(SeedLayers, TX, data, loss_fn=regression_loss)
+    recorder = RecordLosses()
+    trainer = Trainer(
+        seed_stack,
+        TX,
+        strategy=Hybrid(DataParallel(2), PipelineParallel(4)),
+        loss_fn=regression_loss,
+        callbacks=[recorder],
+    )
+    trainer.fit(data, max_steps=STEPS)
+    np.testing.assert_allclose(recorder.losses, want_losses, rtol=1e-5, atol=1e-5)
+    got = jax.device_get(nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+    want = gpt.stack_blocks(nnx.to_pure_dict(want_params))
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # -- memory and communication --------------------------------------------------------------
