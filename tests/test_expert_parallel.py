@@ -249,3 +249,4 @@ def test_the_default_job_trains_a_moe_gpt_with_its_experts_split(tmp_path):
         proc.stdout
     )
     assert "final after 2 steps: eval loss" in proc.stdout
+    assert "moe_dropped_fraction" in proc.stdout, proc.stdout[-2000:]  # the MoE metrics logged

@@ -154,7 +154,7 @@ def run(
             tasks.make_optimizer(config),
             strategy=strategy,
             loss_fn=task.loss_fn,
-            metrics=tasks.Metrics,
+            metrics=task.metrics,
             callbacks=[*run_callbacks, BaselineReport(splits.baseline, splits.baseline_name)],
             seed=config.seed,
             grad_accum_steps=config.grad_accum_steps,

@@ -13,6 +13,7 @@ import ml_collections
 import optax
 from clu import metrics as clu_metrics
 
+from nnx_spmd_trainer import moe as moe_lib
 from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
 from nnx_spmd_trainer.app.models import gpt2_hf
@@ -262,12 +263,14 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 class Task:
     """A model factory, its loss, and the data it learns; and, for a model whose
     pretrained weights exist as files, how the model is made from one
-    (``weight_map``, for ``config.init_from``; ``None``: the task has none)."""
+    (``weight_map``, for ``config.init_from``; ``None``: the task has none); the metrics
+    its loss reports (``Metrics``, plus a MoE model's ``moe.moe_metrics``)."""
 
     model: Callable[[Any], Any]
     loss_fn: Callable[..., Any]
     splits: datasets.Splits
     weight_map: WeightMap | None = None
+    metrics: type[clu_metrics.Collection] = Metrics
 
 
 #: Builds a task from the config and this process's ``(index, count)`` shard of the data.
@@ -360,6 +363,7 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
             "positions per chunk of the loss; 0: the plain loss over the full logits); "
             "pass e.g. --config.gpt.chunked_loss=128."
         )
+    moe = gpt_moe(config)
     loss_fn: Callable[..., Any] = models.gpt.loss_fn
     if chunk_size:
         loss_fn = functools.partial(models.gpt.chunked_loss_fn, chunk_size=chunk_size)
@@ -372,10 +376,11 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
             scan_layers=scan_layers,
             remat=remat,
             **kwargs,
-            **gpt_moe(config),
+            **moe,
         ),
         loss_fn,
         splits,
+        metrics=Metrics if not moe else moe_metrics_for(moe["moe_experts"]),
     )
 
 
@@ -405,6 +410,16 @@ def gpt_layers(config: ml_collections.ConfigDict) -> tuple[bool, str]:
     except ValueError as error:
         raise ConfigError(f"config.gpt.remat={policy!r}: {error}") from None
     return scan_layers, policy
+
+
+def moe_metrics_for(num_experts: int) -> type[clu_metrics.Collection]:
+    """``Metrics`` with a MoE model's (``moe.moe_metrics``): load balance, dropped
+    tokens, each expert's load."""
+    return clu_metrics.Collection.create(
+        loss=clu_metrics.Average.from_output("loss"),
+        accuracy=clu_metrics.Average.from_output("accuracy"),
+        **moe_lib.moe_metrics(num_experts),
+    )
 
 
 def gpt_moe(config: ml_collections.ConfigDict) -> dict[str, Any]:
