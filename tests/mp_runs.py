@@ -183,6 +183,12 @@ SEQUENCE_STRATEGIES = {
     "seq4_x_tp2": lambda: Hybrid(SequenceParallel(4), TensorParallel(2)),  # sequence over them
     "dp2_x_seq2_x_tp2": lambda: Hybrid(DataParallel(2), SequenceParallel(2), TensorParallel(2)),
     "dp_x_seq2": lambda: Hybrid(DataParallel(), SequenceParallel(2)),  # rows over processes
+    # Ring attention (issue 31): keys and values passed round the ring, across the processes
+    "seq8_ring": lambda: SequenceParallel(8, attention="ring"),
+    "fsdp2_x_seq4_ring": lambda: Hybrid(FSDP(2, min_size=1), SequenceParallel(4, attention="ring")),
+    "dp2_x_seq2_x_tp2_ring": lambda: Hybrid(
+        DataParallel(2), SequenceParallel(2, attention="ring"), TensorParallel(2)
+    ),
 }
 GPT_ROWS, GPT_SEQ, GPT_VOCAB = 8, 16, 16
 

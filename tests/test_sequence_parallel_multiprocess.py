@@ -6,7 +6,8 @@ The tiny GPT trained through ``Trainer.fit`` gives one device's per-step losses
 whether the processes split the rows (each feeds its own) or the sequence
 itself (``SequenceParallel(8)``, ``Hybrid(SequenceParallel(4),
 TensorParallel(2))``: both processes feed the same whole rows, each device
-keeping its chunk).
+keeping its chunk). The ``_ring`` runs take ``attention="ring"`` (issue 31): keys
+and values passed round the ``seq`` axis, across the processes where it spans them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def one_device() -> tuple[dict[str, np.ndarray], list[float]]:
         ("seq4_x_tp2", 1),
         ("dp2_x_seq2_x_tp2", 2),
         ("dp_x_seq2", 2),
+        ("seq8_ring", 1),
+        ("fsdp2_x_seq4_ring", 2),
+        ("dp2_x_seq2_x_tp2_ring", 2),
     ],
 )
 def test_two_processes_train_the_gpt_like_one_device(two_processes, one_device, name, feeders):
