@@ -35,6 +35,7 @@ from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
 from nnx_spmd_trainer.configs import default
 from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
+from nnx_spmd_trainer.plan_report import collectives, leaf_rows
 
 EXPERTS, STEPS = 4, 3
 Metrics = clu_metrics.Collection.create(
@@ -112,11 +113,16 @@ def assert_matches(reference, trainer, losses, moe_steps):
         assert got["moe_load_balance"] == pytest.approx(want["moe_load_balance"], rel=1e-5)
 
 
+def expert_block(trainer):
+    return trainer.model.blocks[1].moe
+
+
 def experts_weight(trainer):
     return trainer.model.blocks[1].moe.wi.get_value()
 
 
 # -- the same maths under every expert layout -------------------------------------------------
+@pytest.mark.slow
 def test_expert_parallel_4_equals_one_device_and_splits_the_experts(reference):
     strategy, four = ExpertParallel(4), jax.devices()[:4]
     trainer, losses, moe_steps = fit(strategy, devices=four)
@@ -125,19 +131,26 @@ def test_expert_parallel_4_equals_one_device_and_splits_the_experts(reference):
     plan = Plan(moe_gpt, optax.sgd(0.5), strategy=strategy, loss_fn=gpt.loss_fn,
                 metrics=Metrics, devices=four)  # fmt: skip
     batch = token_batches(1)[0]
-    report = plan.report(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    text = plan.lower(shapes).compile().as_text()
 
     # Per-device expert bytes: 1/4 of the experts, planned = held.
     wi = experts_weight(trainer)
     assert wi.sharding.spec == P("expert")
     held = wi.addressable_shards[0].data.nbytes
     assert held * EXPERTS == wi.nbytes
-    planned = {row["path"]: row["bytes_per_device"] for row in report.leaves}
+    planned = {row["path"]: row["bytes_per_device"] for row in leaf_rows(plan.state_targets())}
     assert planned["model/blocks/1/moe/wi"] == held
-    # The step sends tokens to their experts' devices and back: all-to-alls.
-    assert report.collectives["all-to-all"]["count"] >= 2, report.collectives
+    # The step sends tokens to their experts' devices and back: all-to-alls (what
+    # Plan.report counts), each moving (rows/4, experts/4, capacity, embed) blocks of the
+    # dispatched tokens: there and back in the forward pass, and in the backward pass.
+    assert collectives(text)["all-to-all"]["count"] == 4
+    tokens = f"f32[{8 // 4},{EXPERTS // 4},{expert_block(trainer).capacity(SEQ)},16]"
+    moved = [line for line in text.splitlines() if " all-to-all(" in line]
+    assert len(moved) == 4 and all(tokens in line for line in moved), moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -178,6 +191,7 @@ def test_moe_without_drops_is_the_weighted_sum_of_its_top_k_experts():
 
 
 # -- checkpoints -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_run_saved_under_expert_parallel_resumes_under_fsdp_exactly(tmp_path, reference):
     """Saved at step 2 under Hybrid(DataParallel(2), ExpertParallel(4)) (which computes the
     one-device run: checked here), resumed under FSDP(8), where no axis splits the experts:
