@@ -21,6 +21,7 @@ VOCAB, SEQ, ROWS, STEPS, SAVE_AT = 16, 16, 4, 6, 3
 TINY = dict(seq_len=SEQ, embed_dim=16, num_heads=4, ff_dim=32, num_layers=1)
 FSDP_SEQ = Hybrid(FSDP(2, min_size=1), SequenceParallel(4))
 FSDP_TP = Hybrid(FSDP(4, min_size=1), TensorParallel(2))
+FSDP_RING = Hybrid(FSDP(2, min_size=1), SequenceParallel(4, attention="ring"))  # issue 31
 
 
 def tiny_gpt(rngs):
@@ -65,8 +66,8 @@ def reference():
 
 @pytest.mark.parametrize(
     ("saved_under", "resumed_under"),
-    [(FSDP_SEQ, FSDP_TP), (FSDP_TP, FSDP_SEQ)],
-    ids=["fsdp2-seq4-to-fsdp4-tp2", "fsdp4-tp2-to-fsdp2-seq4"],
+    [(FSDP_SEQ, FSDP_TP), (FSDP_TP, FSDP_SEQ), (FSDP_TP, FSDP_RING)],
+    ids=["fsdp2-seq4-to-fsdp4-tp2", "fsdp4-tp2-to-fsdp2-seq4", "fsdp4-tp2-to-fsdp2-ring4"],
 )
 def test_a_run_saved_under_one_layout_resumes_under_another_exactly(
     tmp_path, saved_under, resumed_under, reference
