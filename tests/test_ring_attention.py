@@ -131,14 +131,6 @@ def test_gpt_with_ring_attention_trains_like_one_device(strategy, reference):  #
     assert kv_gathers(text) == []
 
 
-def test_the_all_gather_form_gathers_where_the_ring_does_not():
-    batches = token_batches(1)
-    trainer = Trainer(tiny_gpt, optax.sgd(0.5), strategy=SequenceParallel(8), loss_fn=gpt_loss)
-    trainer.fit(batches, max_steps=1)
-    text = compiled_step(trainer, batches[0])
-    assert kv_gathers(text) and "collective-permute" not in text  # the check sees them
-
-
 # -- checkpoints move between the forms exactly ----------------------------------------------
 def test_a_checkpoint_moves_between_ring_and_all_gather(tmp_path, reference):  # noqa: F811
     batches, save_at = token_batches(STEPS), 2
@@ -200,5 +192,10 @@ def test_the_config_key_sets_the_seq_members_form():
 def test_the_plan_report_names_the_form_and_its_collective(form, says):
     strategy = Hybrid(FSDP(2), SequenceParallel(4, attention=form))
     plan = Plan(tiny_gpt, optax.sgd(0.5), strategy=strategy, loss_fn=gpt_loss)
-    (line,) = [s for s in str(plan.report(token_batches(1)[0])).splitlines() if "sequence:" in s]
+    batch = token_batches(1)[0]
+    (line,) = [s for s in str(plan.report(batch)).splitlines() if "sequence:" in s]
     assert re.search(rf"sequence: split over 'seq' \(4 devices\), {says}", line), line
+    # kv_gathers sees the all-gather form's keys and values, and none in the ring's.
+    with jax.set_mesh(plan.mesh):
+        gathered = kv_gathers(plan.lower(batch).compile().as_text())
+    assert bool(gathered) == (form == "all_gather")
