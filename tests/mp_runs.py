@@ -24,6 +24,7 @@ from nnx_spmd_trainer import (
     Auto,
     Callback,
     DataParallel,
+    ExpertParallel,
     Hybrid,
     PipelineParallel,
     SequenceParallel,
@@ -238,7 +239,25 @@ def pipelined_tiny_gpt(rngs: nnx.Rngs) -> nnx.Module:
     return model
 
 
-def train_gpt_sequence(name: str, *, pipeline: bool = False) -> dict[str, np.ndarray]:
+# Issue 32: the experts within each process (rows over the processes), and over both.
+EXPERT_STRATEGIES = {
+    "dp2_x_ep4": lambda: Hybrid(DataParallel(2), ExpertParallel(4)),
+    "ep4_x_dp2": lambda: Hybrid(ExpertParallel(4), DataParallel(2)),  # all-to-alls across them
+}
+
+
+def tiny_moe_gpt(rngs: nnx.Rngs) -> nnx.Module:
+    from nnx_spmd_trainer.app.models import GPT
+
+    return GPT(
+        vocab_size=GPT_VOCAB, seq_len=GPT_SEQ, embed_dim=16, num_heads=4, ff_dim=32,
+        num_layers=1, dropout_rate=0.0, rngs=rngs, moe_experts=4,
+    )  # fmt: skip
+
+
+def train_gpt_sequence(
+    name: str, *, pipeline: bool = False, expert: bool = False
+) -> dict[str, np.ndarray]:
     """The tiny GPT under ``SEQUENCE_STRATEGIES[name]`` (``pipeline``: the scanned one under
     ``PIPELINE_STRATEGIES[name]``) through ``Trainer.fit``, each process feeding the rows
     its ``data_shard`` names (whole sequences): losses and parameters."""
@@ -246,8 +265,11 @@ def train_gpt_sequence(name: str, *, pipeline: bool = False) -> dict[str, np.nda
 
     recorder = RecordLosses()
     strategies = PIPELINE_STRATEGIES if pipeline else SEQUENCE_STRATEGIES
+    model = pipelined_tiny_gpt if pipeline else tiny_gpt
+    if expert:  # the MoE GPT under EXPERT_STRATEGIES[name]
+        strategies, model = EXPERT_STRATEGIES, tiny_moe_gpt
     trainer = Trainer(
-        pipelined_tiny_gpt if pipeline else tiny_gpt,
+        model,
         optax.sgd(0.5),
         strategy=strategies[name](),
         loss_fn=gpt.loss_fn,

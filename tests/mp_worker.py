@@ -50,6 +50,9 @@ if __name__ == "__main__":
     elif sys.argv[2:3] == ["--sequence"]:  # OUT.npz --sequence NAME ... (SEQUENCE_STRATEGIES)
         for name in sys.argv[3:]:
             results.update(train_gpt_sequence(name))
+    elif sys.argv[2:3] == ["--expert"]:  # OUT.npz --expert NAME ... (EXPERT_STRATEGIES)
+        for name in sys.argv[3:]:
+            results.update(train_gpt_sequence(name, expert=True))
     elif sys.argv[2:3] == ["--pipeline"]:  # OUT.npz --pipeline NAME ... (PIPELINE_STRATEGIES)
         for name in sys.argv[3:]:
             results.update(train_gpt_sequence(name, pipeline=True))
