@@ -42,7 +42,7 @@ from nnx_spmd_trainer.run import Run
 from nnx_spmd_trainer.run import not_chosen as not_chosen
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.state import ModelFactory
-from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel
+from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel, expert
 
 #: How a candidate's train step is lowered: ``(plan, global batch shapes) -> Lowered``.
 Lower = Callable[[Plan, Any], jax.stages.Lowered]
@@ -414,7 +414,8 @@ def choose(
       batches: this process's host batches; the first ``steps`` are used (repeated
         when there are fewer).
       memory_budget_bytes: per device (default the device's limit where reported).
-      strategies: the candidates (default ``candidates(len(devices))``).
+      strategies: the candidates (default ``candidates(len(devices))``, and
+        ``strategies.expert.expert_candidates`` for a model with experts).
       steps, rounds: see ``Auto``.
       lower: how a candidate's train step is lowered (default ``plan.lower(shapes)``);
         ``Trainer`` lowers its own ``train_step``.
@@ -438,8 +439,9 @@ def choose(
         raise ValueError("strategy='auto' needs batches to time the layouts on; none came.")
     timing_batches = list(itertools.islice(itertools.cycle(taken), steps))
     devices = list(jax.devices() if devices is None else devices)
-    if strategies is None:
-        strategies = candidates(len(devices))
+    if strategies is None:  # a model with experts: the expert layouts too
+        experts = expert.num_experts(model)
+        strategies = candidates(len(devices)) + expert.expert_candidates(len(devices), experts)
     lower = lower or (lambda plan, shapes: plan.lower(shapes))
     plan_all = functools.partial(
         _plan_candidates,

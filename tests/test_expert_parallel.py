@@ -29,6 +29,7 @@ from nnx_spmd_trainer import (
     Plan,
     TensorParallel,
     Trainer,
+    auto,
 )
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
@@ -36,6 +37,7 @@ from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
 from nnx_spmd_trainer.configs import default
 from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
 from nnx_spmd_trainer.plan_report import collectives, leaf_rows
+from nnx_spmd_trainer.strategies.expert import expert_candidates, num_experts
 
 EXPERTS, STEPS = 4, 3
 Metrics = clu_metrics.Collection.create(
@@ -264,3 +266,21 @@ def test_the_default_job_trains_a_moe_gpt_with_its_experts_split(tmp_path):
     )
     assert "final after 2 steps: eval loss" in proc.stdout
     assert "moe_dropped_fraction" in proc.stdout, proc.stdout[-2000:]  # the MoE metrics logged
+
+
+# -- auto ---------------------------------------------------------------------------------------
+def test_auto_adds_the_expert_layouts_for_a_model_with_experts(monkeypatch):
+    assert num_experts(moe_gpt) == EXPERTS
+    assert num_experts(lambda rngs: GPT(**TINY, num_layers=1, dropout_rate=0.0, rngs=rngs)) == 0
+    planned = []
+
+    def plan_nothing(strategies, **kwargs):
+        planned.append(list(strategies))
+        return [], [], None
+
+    monkeypatch.setattr(auto, "_plan_candidates", plan_nothing)
+    with pytest.raises(auto.NoLayoutFits):
+        auto.choose(moe_gpt, optax.sgd(0.5), token_batches(1), loss_fn=gpt.loss_fn)
+    (strategies,) = planned
+    assert strategies == auto.candidates(8) + expert_candidates(8, EXPERTS)
+    assert Hybrid(DataParallel(2), ExpertParallel(4)) in strategies

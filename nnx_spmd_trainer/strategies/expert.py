@@ -5,16 +5,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
-from nnx_spmd_trainer.strategies.base import context_rules
+from nnx_spmd_trainer.strategies.base import Strategy, context_rules, is_variable
+from nnx_spmd_trainer.strategies.data_parallel import DataParallel
+from nnx_spmd_trainer.strategies.fsdp import FSDP
+from nnx_spmd_trainer.strategies.hybrid import Hybrid
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -67,3 +71,45 @@ class ExpertParallel(AxisStrategy):
         own = [] if "experts" in {name for name, _ in enclosing} else [("experts", self.axis)]
         with super().trace_context(mesh), nnx.logical_axis_rules([*enclosing, *own]):
             yield
+
+
+def num_experts(factory: Callable[[nnx.Rngs], Any]) -> int:
+    """The experts of the model ``factory`` builds: the size of the largest dimension any of
+    its parameters annotates ``experts`` (0 for a model without experts). Traced, not built.
+
+    >>> from nnx_spmd_trainer.moe import MoE
+    >>> num_experts(lambda rngs: MoE(8, 16, num_experts=4, rngs=rngs))
+    4
+    """
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    found = [0]
+    for variable in jax.tree.leaves(nnx.state(abstract), is_leaf=is_variable):
+        names = variable.get_metadata().get("out_sharding") or ()
+        shape = getattr(variable.get_value(), "shape", ())
+        found += [shape[i] for i, name in enumerate(names) if name == "experts" and i < len(shape)]
+    return max(found)
+
+
+def expert_candidates(device_count: int, experts: int) -> list[Strategy]:
+    """The expert layouts ``strategy="auto"`` adds for a model of ``experts`` experts: for
+    each expert-axis size above 1 dividing both, ``ExpertParallel`` alone when it takes
+    every device, else ``DataParallel`` and ``FSDP`` over the devices left, times it.
+
+    >>> expert_candidates(8, 0)
+    []
+    >>> expert_candidates(8, 4)  # doctest: +NORMALIZE_WHITESPACE
+    [Hybrid(DataParallel(4), ExpertParallel(2)), Hybrid(FSDP(4), ExpertParallel(2)),
+     Hybrid(DataParallel(2), ExpertParallel(4)), Hybrid(FSDP(2), ExpertParallel(4))]
+    """
+    found: list[Strategy] = []
+    for size in range(2, device_count + 1) if experts > 1 else ():  # no experts: none
+        if device_count % size or experts % size:
+            continue
+        rest = device_count // size
+        if rest == 1:
+            found.append(ExpertParallel(size))
+        else:
+            found += [Hybrid(DataParallel(rest), ExpertParallel(size)),
+                      Hybrid(FSDP(rest), ExpertParallel(size))]  # fmt: skip
+    return found
