@@ -13,8 +13,9 @@ transposed. Two things differ from the file, each a transform of the map
 ``v`` here (so a ``model`` axis splits whole heads, Megatron's way), and the
 vocabulary may be padded (``pad_vocab_to``) so that a ``model`` axis divides it;
 the padded tokens' logits are the dtype's lowest value. Under ``scan_layers`` the
-blocks are one stacked block (``h/mlp/c_fc/kernel`` of shape
-``(n_layer, n_embd, 4 * n_embd)``), run by ``nnx.scan``; the map stacks the
+blocks are one stack (``stack.stacked``: ``h/mlp/c_fc/kernel`` of shape
+``(n_layer, n_embd, 4 * n_embd)``), run by ``stack.run`` (pipelined under
+``PipelineParallel``); the map stacks the
 file's per-layer tensors.
 
 Dropout (``dropout``) follows HF's ``resid_pdrop``/``embd_pdrop``; the attention
@@ -33,9 +34,10 @@ import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
-from nnx_spmd_trainer.app.models.gpt import loss_fn, stacked_blocks
+from nnx_spmd_trainer.app.models.gpt import loss_fn
 from nnx_spmd_trainer.attention import causal_attention
-from nnx_spmd_trainer.sharding import LAYERS
+from nnx_spmd_trainer.stack import run as run_stack
+from nnx_spmd_trainer.stack import stacked
 from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
 
 __all__ = ["GPT2", "GPT2Block", "GPT2Config", "gpt2_weight_map", "loss_fn"]
@@ -134,13 +136,6 @@ class GPT2Block(nnx.Module):
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
-@nnx.scan(
-    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS}
-)
-def _scan_blocks(x: jax.Array, block: GPT2Block) -> jax.Array:
-    return block(x)
-
-
 class GPT2(nnx.Module):
     """GPT-2 returning logits ``(batch, seq, padded_vocab_size)`` for token ids.
 
@@ -171,7 +166,7 @@ class GPT2(nnx.Module):
         )
         self.drop = nnx.Dropout(config.dropout, rngs=rngs)
         self.h: GPT2Block | nnx.List[GPT2Block] = (
-            stacked_blocks(lambda r: GPT2Block(config, r), config.n_layer, rngs)
+            stacked(lambda r: GPT2Block(config, r), config.n_layer, rngs)
             if scan_layers
             else nnx.List([GPT2Block(config, rngs) for _ in range(config.n_layer)])
         )
@@ -183,7 +178,7 @@ class GPT2(nnx.Module):
             raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
         x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(length)))
         if isinstance(self.h, GPT2Block):  # scan_layers: one stacked block
-            x = _scan_blocks(x, self.h)
+            x = run_stack(self.h, x)  # a scan; under PipelineParallel, the stages
         else:
             for block in self.h:
                 x = block(x)
