@@ -9,6 +9,9 @@ model axis that spans the processes, each process feeding its own slice.
 
 from __future__ import annotations
 
+import io
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grain
@@ -17,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from toy_models import Net, RecordLosses, classification_loss, make_batches
+from toy_models import Net, RecordLosses, classification_loss, make_batches, train_reference
 
 from nnx_spmd_trainer import (
     FSDP,
@@ -31,8 +34,10 @@ from nnx_spmd_trainer import (
     Strategy,
     TensorParallel,
     Trainer,
+    distributed,
 )
 from nnx_spmd_trainer.app.datasets.base import index_batches
+from nnx_spmd_trainer.app.models import gpt
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
 STRATEGIES = {
@@ -246,6 +251,31 @@ EXPERT_STRATEGIES = {
 }
 
 
+MOE_LOGGED = ("moe_load_balance", "moe_dropped_tokens", "moe_dropped_fraction")
+
+
+def moe_gpt_metrics() -> type:
+    """The loss and the MoE block's metrics (``moe.moe_metrics``) of ``tiny_moe_gpt``."""
+    from clu import metrics as clu_metrics
+
+    from nnx_spmd_trainer.moe import moe_metrics
+
+    return clu_metrics.Collection.create(
+        loss=clu_metrics.Average.from_output("loss"), **moe_metrics(4)
+    )
+
+
+class RecordLogged(Callback):
+    """Every step's logged ``train/NAME`` for ``names`` (log every step)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.values: dict[str, list[float]] = {name: [] for name in names}
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        for name, seen in self.values.items():
+            seen.append(float(logs[f"train/{name}"]))
+
+
 def tiny_moe_gpt(rngs: nnx.Rngs) -> nnx.Module:
     from nnx_spmd_trainer.app.models import GPT
 
@@ -263,17 +293,20 @@ def train_gpt_sequence(
     its ``data_shard`` names (whole sequences): losses and parameters."""
     from nnx_spmd_trainer.app.models import gpt
 
-    recorder = RecordLosses()
+    recorder, moe_log = RecordLosses(), RecordLogged(MOE_LOGGED)
     strategies = PIPELINE_STRATEGIES if pipeline else SEQUENCE_STRATEGIES
     model = pipelined_tiny_gpt if pipeline else tiny_gpt
-    if expert:  # the MoE GPT under EXPERT_STRATEGIES[name]
+    settings: dict = {}
+    if expert:  # the MoE GPT under EXPERT_STRATEGIES[name], its MoE metrics every step
         strategies, model = EXPERT_STRATEGIES, tiny_moe_gpt
+        settings = {"metrics": moe_gpt_metrics(), "log_every_n_steps": 1, "track_norms": False}
     trainer = Trainer(
         model,
         optax.sgd(0.5),
         strategy=strategies[name](),
         loss_fn=gpt.loss_fn,
-        callbacks=[recorder],
+        callbacks=[recorder, moe_log] if expert else [recorder],
+        **settings,
     )
     index, count = trainer.placement.data_shard
     rows = GPT_ROWS // count
@@ -284,4 +317,28 @@ def train_gpt_sequence(
     trainer.fit(mine, max_steps=STEPS)
     flat = gathered(nnx.state(trainer.model, nnx.Param), f"{name}/params/")
     shard = np.array((index, count))
-    return {**flat, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": shard}
+    logged = {f"{name}/{k}": np.asarray(v) for k, v in moe_log.values.items()}
+    return {**flat, **logged, f"{name}/losses": np.asarray(recorder.losses), f"{name}/shard": shard}
+
+
+# -- the two-process GPT runs and the one device they equal ---------------------------------
+WORKER = Path(__file__).parent / "mp_worker.py"
+
+
+def launched(out_dir: Path, *args: str) -> dict[str, np.ndarray]:
+    """What ``mp_worker.py OUT *args`` wrote, run as 2 processes of 4 devices each."""
+    out = out_dir / "results.npz"
+    log = io.StringIO()
+    status = distributed.Launch([sys.executable, str(WORKER), str(out), *args], 2, out=log).run()
+    assert status == 0, log.getvalue()[-4000:]
+    return dict(np.load(out))
+
+
+def one_device_gpt(
+    model: Callable[[nnx.Rngs], nnx.Module], loss_fn: Callable = gpt.loss_fn
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """``model`` trained on ``token_batches(STEPS)`` on one device with plain optax: its
+    parameters named as ``gathered`` names the processes' ones, and its losses."""
+    params, losses = train_reference(model, optax.sgd(0.5), token_batches(STEPS), loss_fn=loss_fn)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in flat}, losses

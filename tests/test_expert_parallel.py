@@ -15,6 +15,7 @@ import pytest
 from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from mp_runs import MOE_LOGGED
 from test_scan_layers import SEQ, TINY, token_batches
 from test_sequence_parallel_checkpoints import host
 from test_sequence_parallel_cli import TINY_GPT, cli
@@ -43,7 +44,7 @@ EXPERTS, STEPS = 4, 3
 Metrics = clu_metrics.Collection.create(
     loss=clu_metrics.Average.from_output("loss"), **moe_metrics(EXPERTS)
 )
-COMPARED = ("moe_load_balance", "moe_dropped_tokens", "moe_dropped_fraction")
+COMPARED = MOE_LOGGED  # the MoE metrics compared with one device
 
 
 def moe_gpt(rngs):
@@ -198,7 +199,7 @@ def test_a_run_saved_under_expert_parallel_resumes_under_fsdp_exactly(tmp_path, 
     """Saved at step 2 under Hybrid(DataParallel(2), ExpertParallel(4)) (which computes the
     one-device run: checked here), resumed under FSDP(8), where no axis splits the experts:
     the restored state is the saved one bit for bit, the resumed step the uninterrupted
-    run's."""
+    run's; FSDP(8)'s last checkpoint comes back into the expert layout bit for bit."""
     batches, save_at = token_batches(STEPS), STEPS - 1
     whole, moe = RecordLosses(), RecordMoE()
     saving = OrbaxCheckpoint(tmp_path, save_every_n_steps=save_at)
@@ -233,6 +234,24 @@ def test_a_run_saved_under_expert_parallel_resumes_under_fsdp_exactly(tmp_path, 
         np.testing.assert_array_equal(host(got), host(want), err_msg=jax.tree_util.keystr(path))
     np.testing.assert_allclose(after.losses, whole.losses[save_at:], rtol=1e-6, atol=1e-6)
     assert_params_match(moved, nnx.state(writer.model, nnx.Param), rtol=1e-5)
+
+    # And back: FSDP(8)'s last checkpoint restored into the expert layout, bit for bit.
+    back: list = []
+    returned = trainer_for(
+        Hybrid(DataParallel(2), ExpertParallel(4)),
+        [
+            OrbaxCheckpoint(tmp_path / "moved"),
+            LambdaCallback(on_train_begin=lambda logs: back.append(jax.device_get(returned.state))),
+        ],
+    )
+    returned.fit(batches, max_steps=STEPS)  # restored at STEPS: nothing left to train
+    assert experts_weight(returned).sharding.spec == P("expert")
+    (state,) = back
+    final = jax.device_get(moved.state)
+    for (path, want), got in zip(
+        jax.tree_util.tree_flatten_with_path(final)[0], jax.tree.leaves(state), strict=True
+    ):
+        np.testing.assert_array_equal(host(got), host(want), err_msg=jax.tree_util.keystr(path))
 
 
 # -- the CLI -------------------------------------------------------------------------------------

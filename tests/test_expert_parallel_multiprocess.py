@@ -5,48 +5,30 @@ expert axis spanning them (the all-to-alls cross the processes)."""
 
 from __future__ import annotations
 
-import io
-import sys
-from pathlib import Path
-
-import jax
 import numpy as np
-import optax
 import pytest
-from mp_runs import EXPERT_STRATEGIES, STEPS, tiny_moe_gpt, token_batches
-from toy_models import train_reference
-
-from nnx_spmd_trainer import distributed
-from nnx_spmd_trainer.app.models import gpt
+from mp_runs import EXPERT_STRATEGIES, MOE_LOGGED, launched, one_device_gpt, tiny_moe_gpt
+from test_expert_parallel import recording
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
-WORKER = Path(__file__).parent / "mp_worker.py"
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("mp-expert") / "results.npz"
-    log = io.StringIO()
-    command = [sys.executable, str(WORKER), str(out), "--expert", *EXPERT_STRATEGIES]
-    status = distributed.Launch(command, 2, out=log).run()
-    assert status == 0, log.getvalue()[-4000:]
-    return dict(np.load(out))
+    return launched(tmp_path_factory.mktemp("mp-expert"), "--expert", *EXPERT_STRATEGIES)
 
 
 @pytest.fixture(scope="module")
-def one_device() -> tuple[dict[str, np.ndarray], list[float]]:
-    params, losses = train_reference(
-        tiny_moe_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=gpt.loss_fn
-    )
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]  # named as mp_runs.gathered names
-    return {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in flat}, losses
+def one_device() -> tuple[dict[str, np.ndarray], list[float], list[dict[str, float]]]:
+    seen: list[dict[str, float]] = []  # each step's MoE metrics
+    return (*one_device_gpt(tiny_moe_gpt, loss_fn=recording(seen)), seen)
 
 
 @pytest.mark.parametrize("name", list(EXPERT_STRATEGIES))
 def test_experts_over_two_processes_train_the_moe_gpt_like_one_device(
     two_processes, one_device, name
 ):
-    ref_params, ref_losses = one_device
+    ref_params, ref_losses, ref_steps = one_device
     np.testing.assert_allclose(two_processes[f"{name}/losses"], ref_losses, rtol=1e-5, atol=1e-5)
     prefix = f"{name}/params/"
     got = {k.removeprefix(prefix): v for k, v in two_processes.items() if k.startswith(prefix)}
@@ -55,3 +37,8 @@ def test_experts_over_two_processes_train_the_moe_gpt_like_one_device(
     for key, want in ref_params.items():
         np.testing.assert_allclose(got[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
     assert int(two_processes[f"{name}/shard"][1]) == 2  # each process feeds its own rows
+    # The load-balance loss and the dropped tokens, step by step, as on one device.
+    assert sum(step["moe_dropped_tokens"] for step in ref_steps) > 0  # capacity did drop
+    for key in MOE_LOGGED:
+        want = [step[key] for step in ref_steps]
+        np.testing.assert_allclose(two_processes[f"{name}/{key}"], want, rtol=1e-5, err_msg=key)

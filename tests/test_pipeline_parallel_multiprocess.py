@@ -5,33 +5,22 @@ and parameters (1e-4), plain optax; both processes feed the same (all) rows."""
 
 from __future__ import annotations
 
-import io
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from mp_runs import PIPELINE_STRATEGIES, STEPS, tiny_gpt_layers, token_batches
+from mp_runs import PIPELINE_STRATEGIES, STEPS, launched, tiny_gpt_layers, token_batches
 from toy_models import train_reference
 
-from nnx_spmd_trainer import distributed
 from nnx_spmd_trainer.app.models import gpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
-WORKER = Path(__file__).parent / "mp_worker.py"
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("mp-pipeline") / "results.npz"
-    log = io.StringIO()
-    command = [sys.executable, str(WORKER), str(out), "--pipeline", *PIPELINE_STRATEGIES]
-    status = distributed.Launch(command, 2, out=log).run()
-    assert status == 0, log.getvalue()[-4000:]
-    return dict(np.load(out))
+    return launched(tmp_path_factory.mktemp("mp-pipeline"), "--pipeline", *PIPELINE_STRATEGIES)
 
 
 @pytest.fixture(scope="module")

@@ -12,42 +12,21 @@ and values passed round the ``seq`` axis, across the processes where it spans th
 
 from __future__ import annotations
 
-import io
-import sys
-from pathlib import Path
-
-import jax
 import numpy as np
-import optax
 import pytest
-from mp_runs import SEQUENCE_STRATEGIES, STEPS, tiny_gpt, token_batches
-from toy_models import train_reference
-
-from nnx_spmd_trainer import distributed
-from nnx_spmd_trainer.app.models import gpt
+from mp_runs import SEQUENCE_STRATEGIES, launched, one_device_gpt, tiny_gpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # make test runs these alone
-WORKER = Path(__file__).parent / "mp_worker.py"
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("mp-seq") / "results.npz"
-    log = io.StringIO()
-    command = [sys.executable, str(WORKER), str(out), "--sequence", *SEQUENCE_STRATEGIES]
-    status = distributed.Launch(command, 2, out=log).run()
-    assert status == 0, log.getvalue()[-4000:]
-    return dict(np.load(out))
+    return launched(tmp_path_factory.mktemp("mp-seq"), "--sequence", *SEQUENCE_STRATEGIES)
 
 
 @pytest.fixture(scope="module")
 def one_device() -> tuple[dict[str, np.ndarray], list[float]]:
-    params, losses = train_reference(
-        tiny_gpt, optax.sgd(0.5), token_batches(STEPS), loss_fn=gpt.loss_fn
-    )
-    # Named as mp_runs.gathered names the processes' parameters.
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in flat}, losses
+    return one_device_gpt(tiny_gpt)
 
 
 @pytest.mark.parametrize(
