@@ -24,10 +24,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.ring_attention import ring_attention
 
 __all__ = [
@@ -80,14 +80,7 @@ def length_axes() -> tuple[str, ...]:
     >>> length_axes()  # no rules, no mesh
     ()
     """
-    rules = dict(flax_spmd.get_logical_axis_rules())
-    target = next((rules[n] for n in LENGTH_NAMES if rules.get(n) is not None), None)
-    if target is None:
-        return ()
-    names = (target,) if isinstance(target, str) else tuple(target)
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
-    return tuple(n for n in names if sizes.get(n, 1) > 1)
+    return sh.traced_axes(*LENGTH_NAMES)
 
 
 def _pinned(x: jax.Array, spec: P) -> jax.Array:

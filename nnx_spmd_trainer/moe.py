@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 from clu import metrics as clu_metrics
 from flax import nnx
-from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer import sharding as sh
 
 __all__ = ["EXPERTS", "METRIC_NAMES", "MoE", "expert_axes", "moe_losses", "moe_metrics"]
 
@@ -69,13 +70,7 @@ def expert_axes() -> tuple[str, ...]:
     >>> expert_axes()  # no rules, no mesh
     ()
     """
-    target = dict(flax_spmd.get_logical_axis_rules()).get(EXPERTS)
-    if target is None:
-        return ()
-    names = (target,) if isinstance(target, str) else tuple(target)
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
-    return tuple(n for n in names if sizes.get(n, 1) > 1)
+    return sh.traced_axes(EXPERTS)
 
 
 def _exchange(x: jax.Array, *, to_experts: bool) -> jax.Array:

@@ -28,6 +28,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
+from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -385,3 +387,13 @@ def dimension_axes(spec: P, ndim: int | None = None) -> tuple[tuple[str, ...], .
     entries = [_axis_names(entry) for entry in spec]
     return tuple(entries + [()] * ((len(entries) if ndim is None else ndim) - len(entries)))
 
+
+def traced_axes(*logical: str) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the first of ``logical`` with a rule in force maps to,
+    on the mesh being traced: how a layer learns, inside a step, which axes split it."""
+    rules = dict(flax_spmd.get_logical_axis_rules())
+    target = next((rules[n] for n in logical if rules.get(n) is not None), None)
+    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
+    return tuple(n for n in names if sizes.get(n, 1) > 1)
