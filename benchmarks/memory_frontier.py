@@ -52,7 +52,7 @@ from nnx_spmd_trainer import (  # noqa: E402
     remat,
 )
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
-from nnx_spmd_trainer.plan_report import PlanReport, size  # noqa: E402
+from nnx_spmd_trainer.planner.plan_report import PlanReport, size  # noqa: E402
 
 MiB = 2**20
 

@@ -35,7 +35,7 @@ from nnx_spmd_trainer import (  # noqa: E402
     Trainer,
 )
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
-from nnx_spmd_trainer.moe import moe_metrics  # noqa: E402
+from nnx_spmd_trainer.nn.moe import moe_metrics  # noqa: E402
 
 
 class StepTimes(Callback):

@@ -31,7 +31,7 @@ import optax  # noqa: E402
 
 from nnx_spmd_trainer import FSDP, Callback, PipelineParallel, Plan, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
-from nnx_spmd_trainer.plan_report import size  # noqa: E402
+from nnx_spmd_trainer.planner.plan_report import size  # noqa: E402
 
 ROWS, SEQ, VOCAB, LAYERS = 32, 64, 64, 8
 

@@ -51,7 +51,7 @@ from floor import Loss, floor, hand_written_loops, interleaved  # noqa: E402
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
-from nnx_spmd_trainer.state import sharding_table  # noqa: E402
+from nnx_spmd_trainer.planner.state import sharding_table  # noqa: E402
 
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "DataParallel": DataParallel,

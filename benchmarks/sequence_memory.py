@@ -30,8 +30,8 @@ import optax  # noqa: E402
 from nnx_spmd_trainer import Plan, SequenceParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
 from nnx_spmd_trainer.callbacks import Callback  # noqa: E402
-from nnx_spmd_trainer.plan_report import size  # noqa: E402
-from nnx_spmd_trainer.ring_attention import ring_blocks  # noqa: E402
+from nnx_spmd_trainer.nn.ring_attention import ring_blocks  # noqa: E402
+from nnx_spmd_trainer.planner.plan_report import size  # noqa: E402
 
 ROWS, VOCAB, SIZES = 2, 256, (1, 2, 4, 8)
 

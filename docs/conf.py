@@ -71,14 +71,14 @@ nitpick_ignore_regex = [(r"py:.*", rf"(~?)({_EXTERNAL})(\..*)?")]
 # Type aliases and names as the annotations spell them (``step.LossFn``, ``sh.Rules``): the
 # reference documents each once (api/types.rst); these point the signatures' links there.
 ALIASES = {
-    "ModelFactory": "nnx_spmd_trainer.state.ModelFactory",
-    "step.LossFn": "nnx_spmd_trainer.step.LossFn",
-    "LossFn": "nnx_spmd_trainer.step.LossFn",
+    "ModelFactory": "nnx_spmd_trainer.planner.state.ModelFactory",
+    "step.LossFn": "nnx_spmd_trainer.planner.step.LossFn",
+    "LossFn": "nnx_spmd_trainer.planner.step.LossFn",
     "sh.Rules": "nnx_spmd_trainer.sharding.Rules",
     "Rules": "nnx_spmd_trainer.sharding.Rules",
     "auto.Auto": "nnx_spmd_trainer.Auto",
-    "Candidate": "nnx_spmd_trainer.auto.Candidate",
-    "Lower": "nnx_spmd_trainer.auto.Lower",
+    "Candidate": "nnx_spmd_trainer.planner.auto.Candidate",
+    "Lower": "nnx_spmd_trainer.planner.auto.Lower",
     "modes.AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
     "AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
 }

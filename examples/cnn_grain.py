@@ -25,7 +25,7 @@ from nnx_spmd_trainer.app.datasets.synthetic import make_images  # noqa: E402
 from nnx_spmd_trainer.app.models import CNN  # noqa: E402
 from nnx_spmd_trainer.app.models.mlp import loss_fn  # noqa: E402  # cross entropy + accuracy
 from nnx_spmd_trainer.callbacks import MetricsLogger  # noqa: E402
-from nnx_spmd_trainer.pipeline import grain_pipeline  # noqa: E402
+from nnx_spmd_trainer.data.grain_input import grain_pipeline  # noqa: E402
 
 Metrics = metrics.Collection.create(
     loss=metrics.Average.from_output("loss"), accuracy=metrics.Average.from_output("accuracy")

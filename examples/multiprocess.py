@@ -40,7 +40,7 @@ def main(full: bool = False) -> float:
     from nnx_spmd_trainer.app.datasets.synthetic import make_classification
     from nnx_spmd_trainer.app.models import MLP
     from nnx_spmd_trainer.app.models.mlp import loss_fn
-    from nnx_spmd_trainer.pipeline import grain_pipeline
+    from nnx_spmd_trainer.data.grain_input import grain_pipeline
 
     hidden, steps, global_batch = (1024, 300, 256) if full else (64, 30, 64)
     x, y = make_classification(8192, 16, 4, seed=0)  # every process sees the same source

@@ -30,7 +30,7 @@ from nnx_spmd_trainer.app.datasets.synthetic import make_classification  # noqa:
 from nnx_spmd_trainer.app.models import MLP  # noqa: E402
 from nnx_spmd_trainer.app.models.mlp import loss_fn  # noqa: E402
 from nnx_spmd_trainer.callbacks import MetricsLogger  # noqa: E402
-from nnx_spmd_trainer.pipeline import grain_pipeline  # noqa: E402
+from nnx_spmd_trainer.data.grain_input import grain_pipeline  # noqa: E402
 
 
 class SAMTrainer(Trainer):

@@ -2,21 +2,23 @@
 
 import importlib.metadata
 
-from nnx_spmd_trainer import auto, distributed, moe, remat, stack, weights
-from nnx_spmd_trainer.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
-from nnx_spmd_trainer.batch_errors import BatchMismatch
-from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer import deprecation, distributed, weights
+from nnx_spmd_trainer.data.batch_errors import BatchMismatch
+from nnx_spmd_trainer.data.grain_input import grain_pipeline
+from nnx_spmd_trainer.data.prefetch import as_position
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.export import export_params
-from nnx_spmd_trainer.losses import chunked_cross_entropy
-from nnx_spmd_trainer.pipeline import grain_pipeline
-from nnx_spmd_trainer.plan import Plan
-from nnx_spmd_trainer.prefetch import as_position
-from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
-from nnx_spmd_trainer.run_state import Progress, RunState
+from nnx_spmd_trainer.engine.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.io.export import export_params
+from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
+from nnx_spmd_trainer.nn import moe, remat, stack
+from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
+from nnx_spmd_trainer.planner import auto
+from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
+from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.state import sharding_table
+from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import ShardingError, path_str
-from nnx_spmd_trainer.state import sharding_table
-from nnx_spmd_trainer.step import masked_mean
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
@@ -30,6 +32,8 @@ from nnx_spmd_trainer.strategies import (
 )
 from nnx_spmd_trainer.strategies.axis_types import ExplicitModeError
 from nnx_spmd_trainer.trainer import Trainer
+
+deprecation.redirect_moved_modules(__name__)  # nnx_spmd_trainer.moe and the other 0.1 paths
 
 try:
     __version__ = importlib.metadata.version("nnx-spmd-trainer")

@@ -7,6 +7,10 @@ is given once per process, so a loop reading an old name is not flooded.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -102,3 +106,67 @@ def renamed_keywords(**renames: str) -> Callable[[_F], _F]:
         return accepting_old_names  # type: ignore[return-value]
 
     return decorate
+
+
+#: Modules that moved into the role folders in 0.2.0 (old name -> new, under the package).
+#: ``import nnx_spmd_trainer.moe`` still works until {REMOVED_IN}, warning once.
+MOVED_MODULES: dict[str, str] = {
+    "loop": "engine.loop",
+    "run": "engine.run",
+    "run_state": "engine.run_state",
+    "run_access": "engine.run_access",
+    "metric_log": "engine.metric_log",
+    "callback": "engine.callback",
+    "predict": "engine.predict",
+    "layout": "engine.layout",
+    "plan": "planner.plan",
+    "plan_report": "planner.plan_report",
+    "step": "planner.step",
+    "step_compiler": "planner.step_compiler",
+    "state": "planner.state",
+    "auto": "planner.auto",
+    "backend_defaults": "planner.backend_defaults",
+    "batches": "data.batches",
+    "placement": "data.placement",
+    "prefetch": "data.prefetch",
+    "data_position": "data.position",
+    "same_rows": "data.same_rows",
+    "batch_errors": "data.batch_errors",
+    "pipeline": "data.grain_input",
+    "attention": "nn.attention",
+    "ring_attention": "nn.ring_attention",
+    "moe": "nn.moe",
+    "stack": "nn.stack",
+    "remat": "nn.remat",
+    "losses": "nn.losses",
+    "export": "io.export",
+    "run_lock": "io.run_lock",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers an old module path with the module at its new one (the same object, so
+    ``isinstance`` and monkeypatching see one module), warning that it moved."""
+
+    def __init__(self, package: str) -> None:
+        self._prefix = package + "."
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        old = fullname.removeprefix(self._prefix)
+        if not fullname.startswith(self._prefix) or old not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = self._prefix + MOVED_MODULES[spec.name.removeprefix(self._prefix)]
+        warn_renamed(f"the module {spec.name}", new)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The module ran when its new path was imported."""
+
+
+def redirect_moved_modules(package: str) -> None:
+    """Lets the old module paths of ``package`` import (once per process)."""
+    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedModuleFinder(package))

@@ -14,17 +14,18 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
-from nnx_spmd_trainer import auto, layout, predict, step
-from nnx_spmd_trainer.callback import Callback, CallbackList, History
-from nnx_spmd_trainer.export import export_params
-from nnx_spmd_trainer.layout import LayoutAccess
-from nnx_spmd_trainer.loop import Loop
-from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.plan import DefaultMetrics, Plan, tracing_plan
-from nnx_spmd_trainer.run import Run
-from nnx_spmd_trainer.run_access import RunAccess
-from nnx_spmd_trainer.state import ModelFactory
-from nnx_spmd_trainer.step import LossFn
+from nnx_spmd_trainer.engine import layout, predict
+from nnx_spmd_trainer.engine.callback import Callback, CallbackList, History
+from nnx_spmd_trainer.engine.layout import LayoutAccess
+from nnx_spmd_trainer.engine.loop import Loop
+from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.run import Run
+from nnx_spmd_trainer.engine.run_access import RunAccess
+from nnx_spmd_trainer.io.export import export_params
+from nnx_spmd_trainer.planner import auto, step
+from nnx_spmd_trainer.planner.plan import DefaultMetrics, Plan, tracing_plan
+from nnx_spmd_trainer.planner.state import ModelFactory
+from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
 from nnx_spmd_trainer.weights import Pretrained, WeightMap, save_safetensors
 

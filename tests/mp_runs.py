@@ -258,7 +258,7 @@ def moe_gpt_metrics() -> type:
     """The loss and the MoE block's metrics (``moe.moe_metrics``) of ``tiny_moe_gpt``."""
     from clu import metrics as clu_metrics
 
-    from nnx_spmd_trainer.moe import moe_metrics
+    from nnx_spmd_trainer.nn.moe import moe_metrics
 
     return clu_metrics.Collection.create(
         loss=clu_metrics.Average.from_output("loss"), **moe_metrics(4)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from toy_models import Net, assert_params_match, make_batches, train_reference
 
 from nnx_spmd_trainer import DataParallel, Trainer, masked_mean
-from nnx_spmd_trainer.step import compute_gradients
+from nnx_spmd_trainer.planner.step import compute_gradients
 
 
 def loss_with_aux(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:

@@ -413,7 +413,7 @@ def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
 
 
 def test_a_candidate_is_traced_with_its_own_plan_and_the_trainers_run_is_untouched():
-    from nnx_spmd_trainer.plan import tracing_plan
+    from nnx_spmd_trainer.planner.plan import tracing_plan
 
     seen = []
 

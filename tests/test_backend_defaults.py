@@ -6,7 +6,7 @@ import pytest
 from toy_models import Net, assert_params_match, classification_loss, make_batches, train_reference
 
 from nnx_spmd_trainer import FSDP, Plan, Trainer
-from nnx_spmd_trainer.backend_defaults import MEASURED, ON_ACCELERATORS
+from nnx_spmd_trainer.planner.backend_defaults import MEASURED, ON_ACCELERATORS
 
 
 def trainer(**options) -> Trainer:

@@ -7,7 +7,7 @@ from test_callbacks_helpers import make_batches, make_trainer, np_metrics, param
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.callbacks import LambdaCallback, MetricsLogger
-from nnx_spmd_trainer.metric_log import GOODPUT
+from nnx_spmd_trainer.engine.metric_log import GOODPUT
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from nnx_spmd_trainer.callbacks import (
     MetricsLogger,
     Profiler,
 )
-from nnx_spmd_trainer.metric_log import is_perf_key
+from nnx_spmd_trainer.engine.metric_log import is_perf_key
 
 
 def test_early_stopping_state_round_trips_and_a_resumed_run_keeps_its_patience():

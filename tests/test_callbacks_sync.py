@@ -40,7 +40,7 @@ from nnx_spmd_trainer.callbacks import (
     TensorBoard,
     TerminateOnNaN,
 )
-from nnx_spmd_trainer.metric_log import MetricLog
+from nnx_spmd_trainer.engine.metric_log import MetricLog
 
 
 class HostReads:

@@ -15,7 +15,7 @@ from nnx_spmd_trainer.callbacks import (
     Profiler,
     ProgressBar,
 )
-from nnx_spmd_trainer.metric_log import is_perf_key
+from nnx_spmd_trainer.engine.metric_log import is_perf_key
 
 
 def _fit(trainer, steps=6, eval_every=3):

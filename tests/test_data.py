@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import DataParallel, Hybrid, ShardingError, TensorParallel
 from nnx_spmd_trainer.data import place_batch
-from nnx_spmd_trainer.placement import InFlight
+from nnx_spmd_trainer.data.placement import InFlight
 
 
 class Marker:

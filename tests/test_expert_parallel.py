@@ -36,8 +36,8 @@ from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
 from nnx_spmd_trainer.configs import default
-from nnx_spmd_trainer.moe import MoE, moe_losses, moe_metrics
-from nnx_spmd_trainer.plan_report import collectives, leaf_rows
+from nnx_spmd_trainer.nn.moe import MoE, moe_losses, moe_metrics
+from nnx_spmd_trainer.planner.plan_report import collectives, leaf_rows
 from nnx_spmd_trainer.strategies.expert import expert_candidates, num_experts
 
 EXPERTS, STEPS = 4, 3

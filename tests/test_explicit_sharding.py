@@ -34,7 +34,7 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
 )
-from nnx_spmd_trainer.attention import causal_attention
+from nnx_spmd_trainer.nn.attention import causal_attention
 from nnx_spmd_trainer.strategies import axis_types
 
 STEPS = 3

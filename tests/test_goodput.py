@@ -8,7 +8,7 @@ from toy_models import Net, classification_loss, make_batches
 
 from nnx_spmd_trainer import Callback, Trainer
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
-from nnx_spmd_trainer.metric_log import GOODPUT
+from nnx_spmd_trainer.engine.metric_log import GOODPUT
 
 
 def trainer_for(**kwargs) -> Trainer:

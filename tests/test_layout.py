@@ -42,5 +42,6 @@ def test_neither_the_library_nor_any_core_module_imports_the_app_or_the_callback
     library, every_core_module = imported()
     assert "nnx_spmd_trainer.trainer" in library
     assert outside_the_core(library) == []
-    assert {"nnx_spmd_trainer.step", "nnx_spmd_trainer.strategies.fsdp"} <= set(every_core_module)
+    core = {"nnx_spmd_trainer.planner.step", "nnx_spmd_trainer.strategies.fsdp"}
+    assert core <= set(every_core_module)
     assert outside_the_core(every_core_module) == []

@@ -38,10 +38,10 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
     path_str,
-    plan_report,
     stack,
 )
 from nnx_spmd_trainer.app.models import gpt
+from nnx_spmd_trainer.planner import plan_report
 
 LAYERS, STEPS = 8, 2
 TX = optax.sgd(0.5)  # SGD: Adam would amplify the key bias's float-noise gradient (PITFALLS)

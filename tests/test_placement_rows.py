@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_spmd_trainer import placement
+from nnx_spmd_trainer.data import placement
+from nnx_spmd_trainer.data.same_rows import batch_fingerprint, leaf_fingerprint, same_rows_error
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.same_rows import batch_fingerprint, leaf_fingerprint, same_rows_error
 from nnx_spmd_trainer.sharding import ShardingError
 
 

@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 from toy_models import RecordLosses, assert_params_match, flat_params, train_reference
 
-from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel, Trainer, remat
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel, Trainer
 from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.nn import remat
 
 VOCAB, SEQ, ROWS, STEPS = 16, 16, 8, 3
 TINY = dict(seq_len=SEQ, embed_dim=16, num_heads=4, ff_dim=32, num_layers=2)
@@ -240,7 +241,8 @@ MEMORY_SCRIPT = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, optax
     from flax import nnx
-    from nnx_spmd_trainer import Plan, remat
+    from nnx_spmd_trainer import Plan
+    from nnx_spmd_trainer.nn import remat
     from nnx_spmd_trainer.app.models import GPT, gpt
 
     def factory(block_policy):

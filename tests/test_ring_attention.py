@@ -34,9 +34,9 @@ from nnx_spmd_trainer import (
     TensorParallel,
     Trainer,
 )
-from nnx_spmd_trainer.attention import attention_form, causal_attention
 from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
-from nnx_spmd_trainer.ring_attention import ring_blocks
+from nnx_spmd_trainer.nn.attention import attention_form, causal_attention
+from nnx_spmd_trainer.nn.ring_attention import ring_blocks
 
 
 def ring(n):
@@ -63,7 +63,7 @@ def kv_gathers(text):
 # -- the attention alone: forward and gradient, both orders ------------------------------
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
 def test_ring_attention_and_its_gradient_equal_one_device(balanced):
-    from nnx_spmd_trainer.ring_attention import ring_attention
+    from nnx_spmd_trainer.nn.ring_attention import ring_attention
 
     strategy = Hybrid(DataParallel(2), SequenceParallel(4))
     mesh = strategy.make_mesh()

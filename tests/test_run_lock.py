@@ -15,8 +15,9 @@ import pytest
 from test_checkpoint import grain_data, trainer_for
 from test_checkpoint_cli import SMALL, environment
 
-from nnx_spmd_trainer import DirectoryInUse, RunLock, run_lock
+from nnx_spmd_trainer import DirectoryInUse, RunLock
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+from nnx_spmd_trainer.io import run_lock
 
 # The package's run_lock.py loaded by its path: the same RunLock, without importing JAX
 # (the package's __init__) in a process that only holds a lock.

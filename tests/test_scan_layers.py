@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 from toy_models import RecordLosses, train_reference
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel, Trainer
-from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.configs import default
+from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.sharding import path_str
 
 VOCAB, SEQ, ROWS, STEPS, LAYERS = 16, 8, 8, 3, 2

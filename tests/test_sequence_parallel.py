@@ -1,6 +1,6 @@
 """SequenceParallel: the sequence split over a mesh axis, alone and in a Hybrid, exact.
 
-The shipped GPT (its attention is ``nnx_spmd_trainer.attention.causal_attention``)
+The shipped GPT (its attention is ``nnx_spmd_trainer.nn.attention.causal_attention``)
 trained through ``Trainer.fit`` is checked against plain optax on one device
 (``toy_models.train_reference``), not against the library.
 """
@@ -26,7 +26,7 @@ from nnx_spmd_trainer import (
 )
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import GPT, gpt
-from nnx_spmd_trainer.attention import causal_attention, length_axes
+from nnx_spmd_trainer.nn.attention import causal_attention, length_axes
 from nnx_spmd_trainer.strategies.base import context_rules
 
 VOCAB, SEQ, ROWS, STEPS = 16, 16, 4, 3

@@ -6,7 +6,7 @@ the ``causal_attention_mask(seq_len)`` the slides pass, ``sharding=("model",)``
 annotations) is trained through ``Trainer.fit`` with its input's sequence
 split, and checked against plain optax on one device
 (``toy_models.train_reference``). Nothing of the model is adapted: its
-attention is not ``nnx_spmd_trainer.attention.causal_attention``, and the
+attention is not ``nnx_spmd_trainer.nn.attention.causal_attention``, and the
 compiler still splits it along the sequence (the scores of each device's
 query chunk against gathered keys and values), exactly.
 """

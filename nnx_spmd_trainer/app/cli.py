@@ -53,7 +53,7 @@ from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.interrupts import ORBAX_LOG, exit_at_once, interrupt
 from nnx_spmd_trainer.app.job import EXPORT_FORMATS, export, run
 from nnx_spmd_trainer.app.workdir import check_writable
-from nnx_spmd_trainer.export import check_export_path
+from nnx_spmd_trainer.io.export import check_export_path
 from nnx_spmd_trainer.sharding import ShardingError
 
 

@@ -33,8 +33,8 @@ from nnx_spmd_trainer.app.workdir import (
     set_old_checkpoints_aside,
     workdir_lock,
 )
-from nnx_spmd_trainer.auto import Auto
-from nnx_spmd_trainer.export import export_params
+from nnx_spmd_trainer.io.export import export_params
+from nnx_spmd_trainer.planner.auto import Auto
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from nnx_spmd_trainer.attention import FORMS
 from nnx_spmd_trainer.configs import _base
+from nnx_spmd_trainer.nn.attention import FORMS
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,

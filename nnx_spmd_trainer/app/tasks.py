@@ -12,8 +12,6 @@ import jax.numpy as jnp
 import ml_collections
 from clu import metrics as clu_metrics
 
-from nnx_spmd_trainer import moe as moe_lib
-from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
 from nnx_spmd_trainer.app.models import gpt2_hf
 from nnx_spmd_trainer.app.run_config import OPTIONAL as OPTIONAL  # re-exported: tasks.X
@@ -24,6 +22,8 @@ from nnx_spmd_trainer.app.run_config import compute_dtype as compute_dtype
 from nnx_spmd_trainer.app.run_config import fit_to_devices as fit_to_devices
 from nnx_spmd_trainer.app.run_config import make_optimizer as make_optimizer
 from nnx_spmd_trainer.app.run_config import parse_strategy as parse_strategy
+from nnx_spmd_trainer.nn import moe as moe_lib
+from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.weights import WeightMap
 
 #: Metrics computed inside the compiled step; every example loss returns ``accuracy`` in aux.

@@ -13,7 +13,7 @@ import jax
 
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.console import say
-from nnx_spmd_trainer.run_lock import DirectoryInUse, RunLock
+from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 
 
 def set_old_checkpoints_aside(workdir: Path) -> None:

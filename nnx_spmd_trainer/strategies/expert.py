@@ -26,7 +26,7 @@ class ExpertParallel(AxisStrategy):
     """Expert parallelism over one mesh axis: each device holds ``E / size`` experts.
 
     - Parameters: leaves annotated with the logical name ``experts``
-      (``nnx_spmd_trainer.moe.MoE``'s expert weights ``(E, ...)``) are split
+      (``nnx_spmd_trainer.nn.moe.MoE``'s expert weights ``(E, ...)``) are split
       along it over this axis; every other leaf of at least ``min_size``
       elements is split along its largest dimension the axis divides, as
       ``FSDP`` does (the axis is an FSDP axis for the dense part of the
@@ -77,7 +77,7 @@ def num_experts(factory: Callable[[nnx.Rngs], Any]) -> int:
     """The experts of the model ``factory`` builds: the size of the largest dimension any of
     its parameters annotates ``experts`` (0 for a model without experts). Traced, not built.
 
-    >>> from nnx_spmd_trainer.moe import MoE
+    >>> from nnx_spmd_trainer.nn.moe import MoE
     >>> num_experts(lambda rngs: MoE(8, 16, num_experts=4, rngs=rngs))
     4
     """

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer import stack
+from nnx_spmd_trainer.nn import stack
 from nnx_spmd_trainer.strategies import axis_types as modes
 from nnx_spmd_trainer.strategies.base import Axes, Strategy, is_variable
 
@@ -146,7 +146,7 @@ class PipelineParallel(Strategy):
             raise ValueError(
                 f"{self!r}: the step ran no stacked blocks, so there is nothing to split "
                 "into stages. Hold the model's blocks as one stack and run it with "
-                "nnx_spmd_trainer.stack (blocks = stack.stacked(Block, num_layers, rngs); "
+                "nnx_spmd_trainer.nn.stack (blocks = stack.stacked(Block, num_layers, rngs); "
                 "x = stack.run(blocks, x)): the shipped GPT does with scan_layers=True. "
                 "Or use another strategy (FSDP, TensorParallel)."
             )

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.attention import FORMS, LENGTH_NAMES, attention_form
+from nnx_spmd_trainer.nn.attention import FORMS, LENGTH_NAMES, attention_form
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
 from nnx_spmd_trainer.strategies.base import context_rules
 
@@ -35,7 +35,7 @@ class SequenceParallel(AxisStrategy):
       never changes the ``DataShard`` (``Strategy.data_shard``: a dimension
       after the rows is fed split only over batch axes, and this axis is not one).
     - Tracing (``trace_context``): the logical activation names ``length``
-      and ``seq`` map to this axis, so ``nnx_spmd_trainer.attention.causal_attention``
+      and ``seq`` map to this axis, so ``nnx_spmd_trainer.nn.attention.causal_attention``
       gathers keys and values along it (the queries stay split) and
       ``flax.linen.with_logical_constraint`` splits activations along it. A rule
       for them in an enclosing ``nnx.logical_axis_rules`` wins.
@@ -49,14 +49,14 @@ class SequenceParallel(AxisStrategy):
     the JAX tutorials write it): from the split queries the compiler computes
     each device's chunk of the scores against gathered keys and values, the
     same program, collectives and memory per device as
-    ``nnx_spmd_trainer.attention.causal_attention`` for the tutorials' GPT-2
+    ``nnx_spmd_trainer.nn.attention.causal_attention`` for the tutorials' GPT-2
     block and for the shipped GPT. ``causal_attention`` pins that layout with
     sharding constraints rather than leaving it to the compiler's propagation:
     prefer it in models of your own.
 
     ``attention`` picks how ``causal_attention`` attends over the split
     sequence: ``"all_gather"`` (default: above) or ``"ring"``
-    (``nnx_spmd_trainer.ring_attention``: keys and values passed round the
+    (``nnx_spmd_trainer.nn.ring_attention``: keys and values passed round the
     axis a block at a time with ``ppermute``, a balanced causal order, an
     online softmax; keys and values per device fall as ``1/n``). Both are
     exact; the all-gather form is cheaper at short sequences. The ring form
@@ -156,7 +156,7 @@ def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]
     n = mesh.shape[member.axis]
     if member.attention == "ring":
         # Imported here: the attention module imports nothing from the strategies.
-        from nnx_spmd_trainer.ring_attention import ring_blocks
+        from nnx_spmd_trainer.nn.ring_attention import ring_blocks
 
         blocks = ring_blocks(n)
         how = (

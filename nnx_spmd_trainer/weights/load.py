@@ -24,7 +24,7 @@ from nnx_spmd_trainer.weights.mapping import WeightMap, WeightsMismatch, check
 from nnx_spmd_trainer.weights.sources import SafetensorsSource, WeightSource
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.plan import Plan
+    from nnx_spmd_trainer.planner.plan import Plan
 
 __all__ = ["Pretrained", "load_weights", "param_targets", "pretrained_state"]
 

@@ -14,7 +14,7 @@ seed has them) must be divisible by the ``model`` axis size.
 Mixed precision: ``dtype`` is the compute dtype (``jnp.bfloat16`` for speed on
 GPUs and TPUs) and ``param_dtype`` the parameters' (fp32 master weights; the
 optimizer state follows the parameters); the logits come back in fp32.
-Attention is ``nnx_spmd_trainer.attention.causal_attention``:
+Attention is ``nnx_spmd_trainer.nn.attention.causal_attention``:
 ``jax.nn.dot_product_attention`` with a causal mask, cuDNN's fused kernel on a
 GPU computing in bf16/fp16, XLA's everywhere else; exact under
 ``SequenceParallel`` too (keys and values gathered along the split sequence),
@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer import remat as remat_lib
-from nnx_spmd_trainer import stack as stack_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
-from nnx_spmd_trainer.attention import attention_implementation, causal_attention
-from nnx_spmd_trainer.losses import chunked_cross_entropy
-from nnx_spmd_trainer.moe import MoE, moe_losses
+from nnx_spmd_trainer.nn import remat as remat_lib
+from nnx_spmd_trainer.nn import stack as stack_lib
+from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
+from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
+from nnx_spmd_trainer.nn.moe import MoE, moe_losses
+from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
-from nnx_spmd_trainer.step import masked_mean
 
 __all__ = [
     "GPT",

@@ -35,9 +35,9 @@ from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.app.models.gpt import loss_fn
-from nnx_spmd_trainer.attention import causal_attention
-from nnx_spmd_trainer.stack import run as run_stack
-from nnx_spmd_trainer.stack import stacked
+from nnx_spmd_trainer.nn.attention import causal_attention
+from nnx_spmd_trainer.nn.stack import run as run_stack
+from nnx_spmd_trainer.nn.stack import stacked
 from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
 
 __all__ = ["GPT2", "GPT2Block", "GPT2Config", "gpt2_weight_map", "loss_fn"]

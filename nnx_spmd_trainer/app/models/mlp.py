@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
-from nnx_spmd_trainer.step import masked_mean
+from nnx_spmd_trainer.planner.step import masked_mean
 
 __all__ = ["CNN", "MLP", "loss_fn"]
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from clu import metrics as clu_metrics
 
-from nnx_spmd_trainer.callback import Logs
+from nnx_spmd_trainer.engine.callback import Logs
 
 #: A 1-D metric of at most this many values is logged one scalar per index.
 MAX_INDEXED = 64

@@ -27,11 +27,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import plan_report, step
-from nnx_spmd_trainer import remat as remat_lib
-from nnx_spmd_trainer.backend_defaults import backend_default
-from nnx_spmd_trainer.state import ModelFactory, leaf_shardings, model_builder
-from nnx_spmd_trainer.step_compiler import StepCompiler
+from nnx_spmd_trainer.nn import remat as remat_lib
+from nnx_spmd_trainer.planner import plan_report, step
+from nnx_spmd_trainer.planner.backend_defaults import backend_default
+from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
+from nnx_spmd_trainer.planner.step_compiler import StepCompiler
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))

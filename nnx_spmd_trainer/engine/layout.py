@@ -12,15 +12,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_spmd_trainer import auto
-from nnx_spmd_trainer import remat as remat_lib
-from nnx_spmd_trainer.backend_defaults import backend_default
-from nnx_spmd_trainer.callback import CallbackList
-from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.placement import Placement
-from nnx_spmd_trainer.plan import Plan
-from nnx_spmd_trainer.run import Run, not_chosen
-from nnx_spmd_trainer.state import ModelFactory
+from nnx_spmd_trainer.data.placement import Placement
+from nnx_spmd_trainer.engine.callback import CallbackList
+from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.run import Run, not_chosen
+from nnx_spmd_trainer.nn import remat as remat_lib
+from nnx_spmd_trainer.planner import auto
+from nnx_spmd_trainer.planner.backend_defaults import backend_default
+from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.strategies import Strategy
 
 _T = TypeVar("_T")

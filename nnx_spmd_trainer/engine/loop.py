@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from nnx_spmd_trainer import data_position, predict
-from nnx_spmd_trainer.batch_errors import batch_mismatch, raise_if_changed
-from nnx_spmd_trainer.callback import Logs
-from nnx_spmd_trainer.prefetch import Prefetch, has_position
+from nnx_spmd_trainer.data import position as data_position
+from nnx_spmd_trainer.data.batch_errors import batch_mismatch, raise_if_changed
+from nnx_spmd_trainer.data.prefetch import Prefetch, has_position
+from nnx_spmd_trainer.engine import predict
+from nnx_spmd_trainer.engine.callback import Logs
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.placement import InFlight
-    from nnx_spmd_trainer.run import Run
+    from nnx_spmd_trainer.data.placement import InFlight
+    from nnx_spmd_trainer.engine.run import Run
     from nnx_spmd_trainer.trainer import Trainer
 
 #: What a compiled train step returns: ``(state arrays, train metrics, loss, norms)``.

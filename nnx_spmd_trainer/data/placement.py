@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from nnx_spmd_trainer import batches, same_rows
+from nnx_spmd_trainer.data import batches, same_rows
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.sharding import ShardingError
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.plan import Plan
+    from nnx_spmd_trainer.planner.plan import Plan
 
 
 def _batch_key(batch: Any, *extra: Any) -> Any:

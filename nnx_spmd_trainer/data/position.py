@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import grain
 
-from nnx_spmd_trainer.prefetch import has_position
+from nnx_spmd_trainer.data.prefetch import has_position
 
 
 class _BatchesTaken:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.run_state import Progress, RunState
+from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.run_state import Progress, RunState
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.run import Run
+    from nnx_spmd_trainer.engine.run import Run
 
 
 class RunAccess:

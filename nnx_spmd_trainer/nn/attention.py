@@ -28,7 +28,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.ring_attention import ring_attention
+from nnx_spmd_trainer.nn.ring_attention import ring_attention
 
 __all__ = [
     "FORMS",

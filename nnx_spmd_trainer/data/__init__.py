@@ -16,15 +16,15 @@ The rest of what data.py once held is internal: ``data_position.seek`` and
 same rows), ``placement.InFlight`` (the bound on steps in flight).
 """
 
-from nnx_spmd_trainer.batch_errors import BatchMismatch
-from nnx_spmd_trainer.batches import (
+from nnx_spmd_trainer.data.batch_errors import BatchMismatch
+from nnx_spmd_trainer.data.batches import (
     check_batch,
     pad_batch,
     place_batch,
     rows_multiple,
     transfer_batch,
 )
-from nnx_spmd_trainer.data_position import BATCHES_TAKEN
+from nnx_spmd_trainer.data.position import BATCHES_TAKEN
 
 __all__ = [
     "BATCHES_TAKEN",

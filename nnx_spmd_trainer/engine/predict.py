@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nnx_spmd_trainer.placement import Placement
+from nnx_spmd_trainer.data.placement import Placement
 
 
 def model_inputs(batch: Any) -> Any:

@@ -29,19 +29,22 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer import deprecation, plan_report
+from nnx_spmd_trainer import deprecation
+from nnx_spmd_trainer.data.placement import InFlight, Placement
+from nnx_spmd_trainer.data.prefetch import has_position
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.loop import train_one
-from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.placement import InFlight, Placement
-from nnx_spmd_trainer.plan import Plan, abstract_batch
-from nnx_spmd_trainer.plan_report import PlanReport, size
-from nnx_spmd_trainer.prefetch import has_position
-from nnx_spmd_trainer.run import LayoutNotChosen as LayoutNotChosen  # its public home was here
-from nnx_spmd_trainer.run import Run
-from nnx_spmd_trainer.run import not_chosen as not_chosen
+from nnx_spmd_trainer.engine.loop import train_one
+from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.run import (
+    LayoutNotChosen as LayoutNotChosen,  # its public home was here
+)
+from nnx_spmd_trainer.engine.run import Run
+from nnx_spmd_trainer.engine.run import not_chosen as not_chosen
+from nnx_spmd_trainer.planner import plan_report
+from nnx_spmd_trainer.planner.plan import Plan, abstract_batch
+from nnx_spmd_trainer.planner.plan_report import PlanReport, size
+from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.sharding import ShardingError
-from nnx_spmd_trainer.state import ModelFactory
 from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel, expert
 
 #: How a candidate's train step is lowered: ``(plan, global batch shapes) -> Lowered``.

@@ -16,13 +16,13 @@ import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.callback import CallbackList
-from nnx_spmd_trainer.data_position import DataPosition
-from nnx_spmd_trainer.metric_log import MetricLog
-from nnx_spmd_trainer.plan import Plan
-from nnx_spmd_trainer.prefetch import has_position
-from nnx_spmd_trainer.run_state import Progress, RunState
-from nnx_spmd_trainer.state import LiveState
+from nnx_spmd_trainer.data.position import DataPosition
+from nnx_spmd_trainer.data.prefetch import has_position
+from nnx_spmd_trainer.engine.callback import CallbackList
+from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.state import LiveState
 
 
 class LayoutNotChosen(RuntimeError):

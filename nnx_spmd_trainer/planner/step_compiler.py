@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 
-from nnx_spmd_trainer.step import (
+from nnx_spmd_trainer.planner.step import (
     Batch,
     make_eval_step,
     make_predict_step,
@@ -17,7 +17,7 @@ from nnx_spmd_trainer.step import (
 )
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.plan import Plan
+    from nnx_spmd_trainer.planner.plan import Plan
 
 
 class StepCompiler:
