@@ -1,0 +1,59 @@
+"""Each module that moved into a role folder in 0.2.0 still imports from its 0.1 path, as
+the same module object, warning once that it moved (``deprecation.MOVED_MODULES``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from nnx_spmd_trainer.deprecation import MOVED_MODULES
+
+# A fresh interpreter: the warning is once per process, and this one may have seen it.
+_PROBE = """
+import importlib, json, sys, warnings
+from nnx_spmd_trainer.deprecation import MOVED_MODULES
+out = {}
+for old, new in MOVED_MODULES.items():
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        module = importlib.import_module("nnx_spmd_trainer." + old)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        importlib.import_module("nnx_spmd_trainer." + old)
+    out[old] = {
+        "same": module is importlib.import_module("nnx_spmd_trainer." + new),
+        "first": [f"{w.category.__name__}: {w.message}" for w in first],
+        "again": len(again),
+        "names": sorted(n for n in vars(module) if not n.startswith("_"))[:3],
+    }
+print(json.dumps(out))
+"""
+
+
+def test_every_old_module_path_imports_the_new_module_and_warns_once():
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True, timeout=300
+    )
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert set(seen) == set(MOVED_MODULES)
+    for old, new in MOVED_MODULES.items():
+        result = seen[old]
+        assert result["same"], old
+        assert result["names"], f"{old} imported an empty module"
+        assert result["first"] == [
+            f"DeprecationWarning: the module nnx_spmd_trainer.{old} is deprecated and will "
+            f"be removed in 0.2.0; use nnx_spmd_trainer.{new}."
+        ], old
+        assert result["again"] == 0, f"{old} warned twice"
+
+
+def test_an_unknown_module_is_still_an_import_error():
+    done = subprocess.run(
+        [sys.executable, "-c", "import nnx_spmd_trainer.no_such_module"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "ModuleNotFoundError: No module named 'nnx_spmd_trainer.no_such_module'" in done.stderr
