@@ -47,7 +47,13 @@ from ml_collections import config_flags
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import tasks
-from nnx_spmd_trainer.app.command_line import fail, normalize_argv, parse_flags, usage
+from nnx_spmd_trainer.app.command_line import (
+    fail,
+    launch_args,
+    normalize_argv,
+    parse_flags,
+    usage,
+)
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.interrupts import ORBAX_LOG, exit_at_once, interrupt
@@ -132,14 +138,18 @@ def _main(argv: Sequence[str]) -> int:
 
 
 def local_launch(argv: Sequence[str]) -> distributed.Launch | None:
-    """``--num_processes=N`` with no coordinator: N processes of this command, here."""
-    values = dict(a.removeprefix("--").split("=", 1) for a in argv[1:] if "=" in a)
-    processes = int(values.get("num_processes", "1"))
-    if processes == 1 or "coordinator_address" in values or distributed.PROCESS_ID in os.environ:
+    """``--num_processes=N`` (or ``--num_processes N``) with no coordinator: N processes of
+    this command, here, each given the rest of ``argv``."""
+    args = launch_args(argv)
+    if (
+        args.num_processes == 1
+        or args.coordinator_address is not None
+        or distributed.PROCESS_ID in os.environ
+    ):
         return None
-    rest = [a for a in argv[1:] if not a.startswith("--num_processes=")]
+    command = [sys.executable, "-m", "nnx_spmd_trainer", *args.rest[1:]]
     try:
-        return distributed.Launch([sys.executable, "-m", "nnx_spmd_trainer", *rest], processes)
+        return distributed.Launch(command, args.num_processes)
     except ValueError as error:
         fail(str(error))
 

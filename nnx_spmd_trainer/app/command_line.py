@@ -7,6 +7,7 @@ import importlib.resources
 import importlib.util
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -63,6 +64,35 @@ def parse_flags(argv: list[str]) -> list[str]:
             f"{flag}: the config has no key {key}; an override must name a key defined in "
             f"{', '.join(files)} (see --help).{' ' + hint if hint else ''}"
         )
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """What decides a launch on this machine, read from argv before the run's flags exist."""
+
+    num_processes: int
+    coordinator_address: str | None
+    #: argv without ``--num_processes`` and ``--coordinator_address`` (argv[0] first):
+    #: the command each launched process runs.
+    rest: list[str]
+
+
+def launch_args(argv: Sequence[str]) -> LaunchArgs:
+    """``--num_processes`` and ``--coordinator_address`` read by absl's own parser, so every
+    form it accepts counts (``--num_processes=2``, ``--num_processes 2``, ``-num_processes
+    2``, a ``--flagfile``), and taken out of argv; every other argument is left as it was.
+
+    A value absl refuses (``--num_processes two``) is one line on stderr and exit status 2.
+    ``--undefok`` is consumed by the parse: a launch's processes do not receive it.
+    """
+    launch = flags.FlagValues()  # apart from flags.FLAGS: the run's flags are defined later
+    flags.DEFINE_integer("num_processes", 1, "", flag_values=launch)
+    flags.DEFINE_string("coordinator_address", None, "", flag_values=launch)
+    try:
+        rest = launch(list(argv), known_only=True)
+    except flags.Error as error:
+        fail(f"{str(error).removeprefix('flag ')} (see --help)")
+    return LaunchArgs(launch.num_processes, launch.coordinator_address, rest)
 
 
 def _shipped() -> str:
