@@ -15,69 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import grain
+from nnx_spmd_trainer.data.position import as_position, has_position
 
 _END = object()
-
-
-def has_position(iterator: Any) -> bool:
-    """Grain iterators (and anything like them) can save and set their position."""
-    return callable(getattr(iterator, "get_state", None)) and callable(
-        getattr(iterator, "set_state", None)
-    )
-
-
-class Position(grain.DatasetIterator):
-    """A saved position standing in for its iterator in ``grain.checkpoint.CheckpointSave``."""
-
-    def __init__(self, state: Any) -> None:  # no parents: it is never iterated
-        self.state = state
-
-    def __next__(self) -> Any:
-        raise TypeError("A Position is a saved data position, not an iterator.")
-
-    def get_state(self) -> Any:
-        return self.state
-
-    def set_state(self, state: Any) -> None:
-        self.state = state
-
-    def close(self) -> None:
-        """Nothing to release (a DatasetIterator closes its parents here)."""
-
-    def start_prefetch(self) -> None:
-        """Nothing to start (Grain's restore calls it on what it restored into)."""
-
-
-class _BytesPosition:
-    """The same for iterators whose state is bytes (``grain.DataLoader``'s)."""
-
-    def __init__(self, state: bytes) -> None:
-        self.state = state
-
-    def get_state(self) -> bytes:
-        return self.state
-
-    def set_state(self, state: bytes) -> None:
-        self.state = state
-
-    def start_prefetch(self) -> None:
-        """Nothing to start (Grain's restore calls it on what it restored into)."""
-
-
-def as_position(state: Any) -> Any:
-    """A data position value (an iterator's ``get_state()``, ``RunState.data``) as an
-    object Grain's checkpoint handler takes, like ``Progress.position()``.
-
-    ``grain.checkpoint.CheckpointSave(as_position(run.data))`` saves a run's position;
-    ``grain.checkpoint.CheckpointRestore(into)`` with ``into = as_position({})`` (a
-    ``DatasetIterator``'s dict; ``as_position(b"")`` for a ``DataLoader``'s bytes) reads
-    one back, and ``into.get_state()`` is the value for ``RunState.data``.
-
-    >>> as_position({"next_index": 3}).get_state()
-    {'next_index': 3}
-    """
-    return _BytesPosition(state) if isinstance(state, bytes) else Position(state)
 
 
 class Prefetch:

@@ -19,7 +19,8 @@ import jax
 
 from nnx_spmd_trainer.data import position as data_position
 from nnx_spmd_trainer.data.batch_errors import batch_mismatch, raise_if_changed
-from nnx_spmd_trainer.data.prefetch import Prefetch, has_position
+from nnx_spmd_trainer.data.position import has_position
+from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
 from nnx_spmd_trainer.engine.callback import Logs
 

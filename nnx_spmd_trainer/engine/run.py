@@ -16,8 +16,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.data.position import DataPosition
-from nnx_spmd_trainer.data.prefetch import has_position
+from nnx_spmd_trainer.data.position import DataPosition, has_position
 from nnx_spmd_trainer.engine.callback import CallbackList
 from nnx_spmd_trainer.engine.metric_log import MetricLog
 from nnx_spmd_trainer.engine.run_state import Progress, RunState

@@ -31,7 +31,7 @@ from flax import nnx
 
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.data.placement import InFlight, Placement
-from nnx_spmd_trainer.data.prefetch import has_position
+from nnx_spmd_trainer.data.position import has_position
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.engine.loop import train_one
 from nnx_spmd_trainer.engine.metric_log import MetricLog
