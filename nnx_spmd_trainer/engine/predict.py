@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer.data.placement import Placement
+from nnx_spmd_trainer.data.to_host import gather_to_host
 
 
 def model_inputs(batch: Any) -> Any:
@@ -26,18 +26,11 @@ def model_inputs(batch: Any) -> Any:
     return batch["x"]
 
 
-def _to_host(tree: Any) -> Any:
-    """Every process gets the whole of each output, as NumPy."""
-    if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, tree)
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
-
-
 def _real_rows(placement: Placement, rows: int, padded_rows: int) -> np.ndarray:
     """The global indices of the rows every process fed before padding (each process
     pads its own rows, so its padding sits at the end of its block)."""
     real = {"real": np.arange(padded_rows) < rows}
-    return np.flatnonzero(_to_host(placement.place(real))["real"])
+    return np.flatnonzero(gather_to_host(placement.place(real))["real"])
 
 
 def predict_batches(
@@ -59,5 +52,5 @@ def predict_batches(
             rows = len(jax.tree.leaves(host_batch)[0])
             keep = _real_rows(placement, rows, len(padded["mask"]))
             out = jax.tree.map(lambda x, keep=keep: x[keep], out)
-        outputs.append(_to_host(out) if to_numpy else out)
+        outputs.append(gather_to_host(out) if to_numpy else out)
     return outputs

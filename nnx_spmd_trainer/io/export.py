@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
+
+from nnx_spmd_trainer.data.to_host import gather_to_host
 
 
 def check_export_path(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
@@ -24,19 +23,10 @@ def check_export_path(path: str | os.PathLike[str], *, overwrite: bool = False) 
     return path
 
 
-def _host_copy(x: Any) -> np.ndarray:
-    """The whole value of one parameter as a NumPy array, on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        # Several processes: a collective (every process must call it), one leaf at a
-        # time, so the devices hold at most one whole parameter on top of the model.
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
-def _to_host(tree: dict[Any, Any]) -> dict[str, Any]:
-    """String keys (a list index ``0`` becomes ``"0"``) and host arrays, in the same nesting."""
+def _string_keys(tree: dict[Any, Any]) -> dict[str, Any]:
+    """String keys (a list index ``0`` becomes ``"0"``), in the same nesting."""
     return {
-        str(key): _to_host(value) if isinstance(value, dict) else _host_copy(value)
+        str(key): _string_keys(value) if isinstance(value, dict) else value
         for key, value in tree.items()
     }
 
@@ -78,7 +68,7 @@ def export_params(
     path = check_export_path(path, overwrite=overwrite)
     import orbax.checkpoint as ocp  # here: importing the library should not import Orbax
 
-    params = _to_host(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = gather_to_host(_string_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     # force: an empty directory (or, with overwrite, an old export) is replaced; synchronous.
     ocp.PyTreeCheckpointer().save(path, params, force=True)
     return path
