@@ -16,6 +16,7 @@ test: install  ## lint, type-check and run the tests, as CI does
 # deadlines (Gloo's start, a killed peer named within 30 s): alone, afterwards.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -m "not serial" -n 2 --dist loadfile
 	$(VENV)/bin/pytest -m serial
 

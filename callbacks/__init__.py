@@ -1,12 +1,14 @@
 """Concrete callbacks for ``nnx_spmd_trainer.Trainer``: the plug-in layer.
 
-From the core these import only public names, those of ``nnx_spmd_trainer.__all__``
-and ``nnx_spmd_trainer.data.__all__``, so a user-written callback can do anything
-these do. Among them, for checkpoints: ``path_str`` (a state leaf's name),
-``as_position`` (a data position for Grain's checkpoint handler),
-``RunState.array_stand_ins`` (the arrays in a saved callback state) and
-``data.BATCHES_TAKEN``. One exception is left: ``ProgressBar`` asks the metrics
-module which logs keys are not metrics.
+From the core these import the names of ``nnx_spmd_trainer.__all__`` and
+``nnx_spmd_trainer.data.__all__``, so a user-written callback can do anything these
+do. Among them, for checkpoints: ``path_str`` (a state leaf's name), ``as_position``
+(a data position for Grain's checkpoint handler), ``RunState.array_stand_ins`` (the
+arrays in a saved callback state), ``RunLock`` and ``data.BATCHES_TAKEN``. Three
+imports are not of those names: ``nnx_spmd_trainer.deprecation`` (``OrbaxCheckpoint``'s
+renamed ``report`` warns through it), ``nnx_spmd_trainer.engine.metric_log.is_perf_key``
+(``ProgressBar`` asks which logs keys are not metrics) and, for type annotations only
+(under ``TYPE_CHECKING``), ``nnx_spmd_trainer.trainer.Trainer``, the public ``Trainer``.
 """
 
 from nnx_spmd_trainer import Callback, History

@@ -20,8 +20,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
-from nnx_spmd_trainer import Logs, RunState, as_position, deprecation
-from nnx_spmd_trainer.io.run_lock import RunLock
+from nnx_spmd_trainer import Logs, RunLock, RunState, as_position, deprecation
 
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import set_aside

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.nn.attention import FORMS, LENGTH_NAMES, attention_form
+from nnx_spmd_trainer.nn.ring_attention import ring_blocks
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
 from nnx_spmd_trainer.strategies.base import context_rules
 
@@ -155,9 +156,6 @@ def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]
         return ""
     n = mesh.shape[member.axis]
     if member.attention == "ring":
-        # Imported here: the attention module imports nothing from the strategies.
-        from nnx_spmd_trainer.nn.ring_attention import ring_blocks
-
         blocks = ring_blocks(n)
         how = (
             f"ring (keys and values passed round {member.axis!r}, 1/{n} of them per device; "

@@ -1,0 +1,111 @@
+"""The layering, checked: import-linter's contracts ([tool.importlinter] in pyproject.toml)
+hold on the tree, a wrong import breaks them, every folder has its place in them, and the
+map in docs/architecture.md names only paths that exist."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "nnx_spmd_trainer"
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+# What callbacks/ may import from the core besides the package's __all__ (the contract
+# "callbacks-public-names-only" forbids everything else).
+PUBLIC_TO_CALLBACKS = {"weights", "distributed", "deprecation", "adapters"}
+OUTSIDE_THE_CORE = {"app", "__main__"}
+
+
+def lint_imports(cwd: Path, *contracts: str) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` run where ``make test`` runs it (the repository root, or a copy)."""
+    only = [arg for contract in contracts for arg in ("--contract", contract)]
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo", *only],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )
+
+
+def contracts() -> dict[str, dict]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {contract["id"]: contract for contract in config["contracts"]}
+
+
+def package_children() -> set[str]:
+    """The package's folders and top modules, as the contracts name them."""
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    return folders | modules
+
+
+def test_the_tree_keeps_every_import_contract() -> None:
+    result = lint_imports(REPO)
+    assert result.returncode == 0, (
+        "the import contracts in pyproject.toml ([tool.importlinter]) are broken; "
+        f"each line is importer -> imported (line):\n{result.stdout}\n{result.stderr}"
+    )
+
+
+def test_an_engine_import_from_nn_breaks_the_contract_naming_it(tmp_path: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(PACKAGE, tmp_path / "nnx_spmd_trainer", ignore=ignore)
+    shutil.copytree(REPO / "callbacks", tmp_path / "callbacks", ignore=ignore)
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    wrong = "nnx_spmd_trainer.nn.losses -> nnx_spmd_trainer.engine.loop"
+
+    before = lint_imports(tmp_path, "nn-below-the-engine", "layers")
+    assert wrong not in before.stdout, before.stdout
+
+    losses = tmp_path / "nnx_spmd_trainer" / "nn" / "losses.py"
+    losses.write_text(losses.read_text() + "\nfrom nnx_spmd_trainer.engine import loop  # wrong\n")
+    after = lint_imports(tmp_path, "nn-below-the-engine", "layers")
+
+    assert after.returncode != 0, after.stdout
+    nn_contract = contracts()["nn-below-the-engine"]["name"]
+    assert re.search(re.escape(nn_contract) + r"\s+BROKEN", after.stdout), after.stdout
+    # Named by both contracts: the forbidden one and the layers.
+    assert after.stdout.count(wrong) >= 2, after.stdout
+
+
+def test_every_folder_and_module_has_its_place_in_the_contracts() -> None:
+    """A new folder must be placed on purpose: in the layers (import-linter's ``exhaustive``
+    checks that), among the core that never imports app/ or callbacks/, and either public to
+    callbacks or forbidden to them."""
+    children = package_children()
+    by_id = contracts()
+
+    def names(modules: list[str]) -> set[str]:
+        return {m.removeprefix("nnx_spmd_trainer.") for m in modules}
+
+    core = names(by_id["core-without-app-or-callbacks"]["source_modules"])
+    assert core == children - OUTSIDE_THE_CORE
+
+    forbidden = names(by_id["callbacks-public-names-only"]["forbidden_modules"])
+    assert not forbidden & PUBLIC_TO_CALLBACKS
+    assert forbidden | PUBLIC_TO_CALLBACKS == children - {"__main__"}
+
+    layers = by_id["layers"]
+    placed = {name.strip(" ()") for layer in layers["layers"] for name in re.split("[|:]", layer)}
+    assert placed | set(layers["exhaustive_ignores"]) == children
+
+
+DOC = REPO / "docs" / "architecture.md"
+
+
+def test_every_path_the_architecture_doc_names_exists() -> None:
+    """The map and the "to change X, open Y" table stay true as files move: each path under
+    nnx_spmd_trainer/ or callbacks/ exists, and each ``name.py`` is some file's tail."""
+    text = DOC.read_text()
+    paths = set(re.findall(r"(?<![\w./])((?:nnx_spmd_trainer|callbacks)/[\w/.]*\w)", text))
+    assert len(paths) > 20  # the map and the table name them in full
+    missing = sorted(p for p in paths if not (REPO / p).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+    files = [p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".venv" not in p.parts]
+    tails = set(re.findall(r"(?<![\w.])([\w/]*\w\.py)\b", text))
+    unknown = sorted(t for t in tails if not any(f == t or f.endswith("/" + t) for f in files))
+    assert not unknown, f"docs/architecture.md names files that do not exist: {unknown}"
