@@ -4,6 +4,7 @@ map in docs/architecture.md names only paths that exist."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -93,6 +94,32 @@ def test_every_folder_and_module_has_its_place_in_the_contracts() -> None:
     assert placed | set(layers["exhaustive_ignores"]) == children
 
 
+def imported_names(path: Path) -> set[str]:
+    """Every module an ``import`` statement in ``path`` names, TYPE_CHECKING blocks included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_no_core_module_names_the_installed_callbacks_package() -> None:
+    """What grimp cannot see: callbacks/ is outside nnx_spmd_trainer/ on disk, so an import
+    of ``nnx_spmd_trainer.callbacks`` is dropped from its graph; read the core's imports here."""
+    core = [p for p in PACKAGE.rglob("*.py") if "app" not in p.relative_to(PACKAGE).parts[:1]]
+    assert len(core) > 50
+    named = {str(path.relative_to(REPO)): imported_names(path) for path in core}
+    offending = {
+        path: sorted(n for n in names if n.startswith(CALLBACKS))
+        for path, names in named.items()
+        if any(n.startswith(CALLBACKS) for n in names)
+    }
+    assert not offending, f"the core imports the callbacks: {offending}"
+
+
+CALLBACKS = "nnx_spmd_trainer.callbacks"
 DOC = REPO / "docs" / "architecture.md"
 
 
