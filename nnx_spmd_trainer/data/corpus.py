@@ -1,0 +1,343 @@
+"""A tokenized corpus on disk: ``write_corpus`` makes one, ``Corpus`` reads it per process.
+
+The format is a memory-mapped flat token array with document offsets, chosen
+over ArrayRecord (``grain.sources.ArrayRecordDataSource``) for four reasons:
+
+- **Random access for shuffling.** Document ``i`` is ``tokens[offsets[i-1]:offsets[i]]``:
+  one slice of a memory map, no index lookup or record decoding; Grain's global
+  shuffle asks for documents in any order and each costs the same.
+- **Read speed per process.** A read is a ``memcpy`` of the pages it touches
+  (the OS page cache and read-ahead do the rest); ArrayRecord decompresses and
+  parses a chunk of records to return one, and reads that whole chunk.
+- **No process reads the whole corpus.** A process touches only the pages of the
+  documents its shard asks for, plus the offsets (8 bytes a document); a header
+  of a few hundred bytes says the rest. ``Corpus.bytes_read`` counts the token
+  bytes a process sliced.
+- **Robust to a truncated file.** The header records every file's size and a
+  CRC32 of each chunk written, so a file cut short is named, with its path and
+  the offset where it ends, when the corpus opens (before anything trains), and
+  ``Corpus.verify`` finds a damaged chunk. An ArrayRecord file cut short loses
+  its footer index and fails at open without saying where.
+
+Files in the corpus folder: ``tokens.bin`` (``uint16`` ids when the vocabulary
+has fewer than 65536, else ``uint32``), ``offsets.bin`` (``int64``: the end of
+each document in tokens), ``header.json`` and ``tokenizer.json``.
+
+The writer appends in chunks of documents: data first, then an atomic
+replacement of the header that records it, so a stopped write leaves a header
+naming only bytes that are on disk, and ``write_corpus`` run again continues
+after the last complete chunk (bytes of a torn chunk are cut off first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from nnx_spmd_trainer.data.tokenizer import Tokenizer, load_tokenizer
+
+HEADER_FILE = "header.json"
+TOKENS_FILE = "tokens.bin"
+OFFSETS_FILE = "offsets.bin"
+FORMAT_VERSION = 1
+
+
+class CorpusError(ValueError):
+    """A corpus that is damaged, incomplete, or does not fit the model or tokenizer."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """``uint16`` for vocabularies under 65536 ids, else ``uint32``."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _documents(inputs: Sequence[str | os.PathLike[str]], field: str) -> Iterator[str]:
+    """Each document's text: a whole file, or the ``field`` of each line of a ``.jsonl``."""
+    for path in map(Path, inputs):
+        if path.suffix != ".jsonl":
+            yield path.read_text(encoding="utf-8")
+            continue
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if field not in record:
+                    raise CorpusError(f"{path}:{number} has no field {field!r} to tokenize.")
+                yield str(record[field])
+
+
+def _expand(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The input files in writing order: a folder stands for its files, sorted."""
+    files: list[str] = []
+    for item in map(Path, inputs):
+        found = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() else [item]
+        files += [os.fspath(p) for p in found]
+    return files
+
+
+def _write_header(directory: Path, header: dict[str, Any]) -> None:
+    partial = directory / (HEADER_FILE + ".partial")
+    with partial.open("w", encoding="utf-8") as file:
+        json.dump(header, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, directory / HEADER_FILE)  # the header names only bytes on disk
+
+
+def _append(path: Path, data: bytes) -> None:
+    with path.open("ab") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _start_or_resume(out: Path, files: list[str], tokenizer: Tokenizer) -> dict[str, Any]:
+    """The header to continue from: a new one, or the last one written, with any torn
+    chunk's bytes cut off the data files."""
+    if not (out / HEADER_FILE).exists():
+        for name in (TOKENS_FILE, OFFSETS_FILE):
+            (out / name).write_bytes(b"")
+        return {
+            "format": FORMAT_VERSION,
+            "dtype": token_dtype(tokenizer.vocab_size).name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "tokenizer_sha256": tokenizer.sha256,
+            "inputs": files,
+            "n_docs": 0,
+            "n_tokens": 0,
+            "max_id": -1,
+            "chunks": [],
+            "complete": False,
+        }
+    header: dict[str, Any] = json.loads((out / HEADER_FILE).read_text(encoding="utf-8"))
+    if header["tokenizer_sha256"] != tokenizer.sha256 or header["inputs"] != files:
+        raise CorpusError(
+            f"{out} holds a corpus of other inputs or another tokenizer; write to a new "
+            "folder, or delete this one to start again."
+        )
+    itemsize = np.dtype(header["dtype"]).itemsize
+    for name, size in (
+        (TOKENS_FILE, header["n_tokens"] * itemsize),
+        (OFFSETS_FILE, header["n_docs"] * 8),
+    ):
+        with (out / name).open("r+b") as file:
+            file.truncate(size)  # the bytes of a chunk stopped before its header was written
+    return header
+
+
+def write_corpus(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    tokenizer: Tokenizer,
+    *,
+    jsonl_field: str = "text",
+    append_eos: bool = True,
+    chunk_docs: int = 1024,
+    progress: bool = True,
+) -> Corpus:
+    """Tokenizes text files into a corpus at ``out_dir``; run again, it resumes.
+
+    Args:
+      inputs: text files (one document each), ``.jsonl`` files (one document per line,
+        its ``jsonl_field``), or folders of them (their files in sorted order).
+      out_dir: the corpus folder; the tokenizer is saved in it as ``tokenizer.json``.
+      tokenizer: the ``Tokenizer`` (``train_bpe`` or ``load_tokenizer``).
+      append_eos: end each document with ``tokenizer.eos_id``.
+      chunk_docs: documents per chunk: the unit of a checksum and of resuming.
+      progress: show a tqdm progress bar of documents.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if append_eos and tokenizer.eos_id is None:
+        raise CorpusError("The tokenizer has no end-of-document token; pass append_eos=False.")
+    files = _expand(inputs)
+    header = _start_or_resume(out, files, tokenizer)
+    if not header["complete"]:
+        tokenizer.save(out)
+        _write_chunks(
+            out, header, _documents(files, jsonl_field), tokenizer, append_eos, chunk_docs, progress
+        )
+    return Corpus(out)
+
+
+def _write_chunks(
+    out: Path,
+    header: dict[str, Any],
+    documents: Iterator[str],
+    tokenizer: Tokenizer,
+    append_eos: bool,
+    chunk_docs: int,
+    progress: bool,
+) -> None:
+    dtype = np.dtype(header["dtype"])
+    bar = tqdm(
+        desc=f"tokenizing into {out}", unit="doc", initial=header["n_docs"], disable=not progress
+    )
+    for _ in range(header["n_docs"]):  # written before the stop: skipped, not tokenized again
+        next(documents)
+    with bar:
+        while True:
+            texts = [text for _, text in zip(range(chunk_docs), documents, strict=False)]
+            if not texts:
+                break
+            encoded = tokenizer.encode_batch(texts)
+            if append_eos:
+                eos = np.array([tokenizer.eos_id], np.int32)
+                encoded = [np.concatenate([ids, eos]) for ids in encoded]
+            tokens = np.concatenate(encoded).astype(dtype)
+            ends = header["n_tokens"] + np.cumsum([len(ids) for ids in encoded], dtype=np.int64)
+            _append(out / TOKENS_FILE, tokens.tobytes())
+            _append(out / OFFSETS_FILE, ends.tobytes())
+            header["chunks"].append(
+                {
+                    "n_docs": len(texts),
+                    "n_tokens": len(tokens),
+                    "tokens_crc32": zlib.crc32(tokens.tobytes()),
+                    "offsets_crc32": zlib.crc32(ends.tobytes()),
+                }
+            )
+            header["n_docs"] += len(texts)
+            header["n_tokens"] += len(tokens)
+            header["max_id"] = max(header["max_id"], int(tokens.max(initial=0)))
+            _write_header(out, header)
+            bar.update(len(texts))
+    header["complete"] = True
+    _write_header(out, header)
+
+
+class Corpus:
+    """A tokenized corpus as a random-access Grain source: ``corpus[i]`` is document ``i``'s
+    ids (``int32``), read from a memory map, so a process reads only the documents it is
+    asked for.
+
+    Opening checks the header against the files: a missing or truncated file raises
+    ``CorpusError`` naming its path and the byte offset where it ends. ``check_vocab``
+    refuses a corpus with ids beyond the model's vocabulary.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        header_path = self.directory / HEADER_FILE
+        if not header_path.is_file():
+            raise CorpusError(f"{header_path} is missing: {self.directory} is not a corpus.")
+        self.header: dict[str, Any] = json.loads(header_path.read_text(encoding="utf-8"))
+        if not self.header["complete"]:
+            raise CorpusError(
+                f"{self.directory} was not written to the end ({self.header['n_docs']} "
+                "documents so far): run write_corpus again with the same inputs to finish it."
+            )
+        self.dtype = np.dtype(self.header["dtype"])
+        self._check_sizes()
+        self.ends = np.fromfile(self.directory / OFFSETS_FILE, dtype=np.int64)
+        self.vocab_limit: int | None = None
+        self.bytes_read = 0  # token bytes sliced by __getitem__, for measuring a process's share
+        self._tokens: np.ndarray | None = None
+
+    def _check_sizes(self) -> None:
+        expected = {
+            TOKENS_FILE: self.header["n_tokens"] * self.dtype.itemsize,
+            OFFSETS_FILE: self.header["n_docs"] * 8,
+        }
+        for name, size in expected.items():
+            path = self.directory / name
+            actual = path.stat().st_size if path.exists() else 0
+            if actual < size:
+                raise CorpusError(
+                    f"{path} is truncated: it ends at byte offset {actual}, but the header "
+                    f"records {size} bytes. Write the corpus again (write_corpus)."
+                )
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The flat token array, memory-mapped on first use (and after unpickling)."""
+        if self._tokens is None:
+            n = self.header["n_tokens"]
+            path = self.directory / TOKENS_FILE
+            # np.memmap refuses a zero-length file: an empty corpus is an empty array
+            self._tokens = (
+                np.memmap(path, self.dtype, "r", shape=(n,)) if n else np.empty(0, self.dtype)
+            )
+        return self._tokens
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.header["n_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary of the tokenizer that wrote the corpus."""
+        return int(self.header["vocab_size"])
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Document ``index``'s ``[start, end)`` in the flat token array."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"document {index} of a corpus of {len(self)}")
+        index %= len(self)
+        start = int(self.ends[index - 1]) if index else 0
+        return start, int(self.ends[index])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start, end = self.span(index)
+        ids = np.asarray(self.tokens[start:end], dtype=np.int32)
+        self.bytes_read += (end - start) * self.dtype.itemsize
+        if self.vocab_limit is not None and len(ids) and int(ids.max()) >= self.vocab_limit:
+            raise CorpusError(
+                f"Document {index} of {self.directory} holds id {int(ids.max())}, outside the "
+                f"model's vocabulary of {self.vocab_limit}."
+            )
+        return ids
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuses a corpus whose ids reach ``vocab_size`` (from the largest id the writer
+        recorded: no token is read) and has every later read check its document too."""
+        if self.header["max_id"] >= vocab_size:
+            raise CorpusError(
+                f"{self.directory} holds ids up to {self.header['max_id']} (tokenizer "
+                f"vocabulary {self.vocab_size}), but the model's vocabulary is {vocab_size}: "
+                "the corpus was tokenized for another model. Tokenize it again with the "
+                "model's tokenizer, or give the model a vocabulary of at least "
+                f"{self.header['max_id'] + 1}."
+            )
+        self.vocab_limit = vocab_size
+
+    def verify(self) -> None:
+        """Reads every chunk and compares its CRC32 with the header's (reads the whole
+        corpus: for a check after copying, not for each training process)."""
+        token_start = doc_start = 0
+        for number, chunk in enumerate(self.header["chunks"]):
+            tokens = np.asarray(self.tokens[token_start : token_start + chunk["n_tokens"]])
+            ends = self.ends[doc_start : doc_start + chunk["n_docs"]]
+            for name, data, crc, start in (
+                (TOKENS_FILE, tokens, chunk["tokens_crc32"], token_start * self.dtype.itemsize),
+                (OFFSETS_FILE, ends, chunk["offsets_crc32"], doc_start * 8),
+            ):
+                if zlib.crc32(data.tobytes()) != crc:
+                    raise CorpusError(
+                        f"{self.directory / name} is damaged: chunk {number}, from byte "
+                        f"offset {start}, does not match its checksum."
+                    )
+            token_start += chunk["n_tokens"]
+            doc_start += chunk["n_docs"]
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer saved beside the corpus."""
+        return load_tokenizer(self.directory)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Grain's worker processes get the corpus pickled: the path, not the mapped tokens
+        return {**self.__dict__, "_tokens": None}
+
+    def __repr__(self) -> str:
+        return f"Corpus({os.fspath(self.directory)!r}, docs={len(self)}, tokens={self.n_tokens})"

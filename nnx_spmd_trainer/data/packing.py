@@ -1,0 +1,179 @@
+"""Documents packed into rows with Grain's own packing, with segments and positions.
+
+Rows are ``{"inputs", "targets", "segment_ids", "positions"}``, each ``int32
+(seq_len,)``, the shapes the app's language-model task reads (``targets`` is
+``inputs`` shifted by one, ``app/datasets/text.py``), plus:
+
+- ``segment_ids``: ``1, 2, ...`` for the documents of a row in order, ``0`` for padding.
+  The loss skips ``segment_ids == 0``; attention lets a token see only its own segment.
+- ``positions``: ``0, 1, ...`` restarting at every segment.
+
+How a document becomes segments (``split_document``): a document of ``n`` ids
+gives the ``n - 1`` (input, target) pairs ``ids[j] -> ids[j+1]``, so no target is
+ever the first token of another document. Pairs are cut into chunks of at most
+``seq_len``; every chunk, the continuation of a long document included, is its own
+segment whose positions restart at 0. Every target of the document is predicted
+exactly once, and the loss keeps the first pair of a continued chunk (it is
+predicted from one token of context, as at the start of any document). A document
+of fewer than 2 ids has no pair and is dropped.
+
+The packing itself is Grain's (``grain.experimental.FirstFitPackIterDataset``, or
+``BestFitPackIterDataset`` with ``best_fit=True``), wrapped, not written again: it
+makes the segment ids and positions, and its iterator's ``get_state`` /
+``set_state`` is the data position a checkpoint saves (``RunState.data``), so a
+packed pipeline resumes exactly on the same process count. Each process packs
+the documents of its own shard, so on another process count the rows differ: a
+mixture of row sources (``data.mixture``) is what resumes exactly there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from nnx_spmd_trainer.data_shard import DataShard
+
+Row = dict[str, np.ndarray]
+
+#: The keys of a packed row (and of a batch of them).
+ROW_KEYS = ("inputs", "targets", "segment_ids", "positions")
+
+
+def split_document(ids: np.ndarray, seq_len: int) -> list[Row]:
+    """A document's (input, target) pairs in chunks of at most ``seq_len``, one segment each.
+
+    >>> [c["inputs"].tolist() for c in split_document(np.arange(6), 3)]
+    [[0, 1, 2], [3, 4]]
+    >>> [c["targets"].tolist() for c in split_document(np.arange(6), 3)]
+    [[1, 2, 3], [4, 5]]
+    """
+    ids = np.asarray(ids, dtype=np.int32)
+    inputs, targets = ids[:-1], ids[1:]
+    return [
+        {"inputs": inputs[start : start + seq_len], "targets": targets[start : start + seq_len]}
+        for start in range(0, len(inputs), seq_len)
+    ]
+
+
+class _SplitDocuments(grain.experimental.FlatMapTransform):
+    """``split_document`` as a Grain flat map (a long document gives several elements)."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.max_fan_out = 1 << 30  # only a MapDataset's flat map reads it; ours is an IterDataset
+
+    def flat_map(self, element: np.ndarray) -> Sequence[Row]:
+        return split_document(element, self.seq_len)
+
+
+def _row(packed: dict[str, np.ndarray]) -> Row:
+    """Grain's packed element (``inputs_segment_ids``, ...) under the row's names."""
+    return {
+        "inputs": packed["inputs"].astype(np.int32),
+        "targets": packed["targets"].astype(np.int32),
+        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+        "positions": packed["inputs_positions"].astype(np.int32),
+    }
+
+
+def pack_documents(
+    documents: grain.MapDataset[Any] | grain.IterDataset[Any],
+    seq_len: int,
+    *,
+    packed: bool = True,
+    num_packing_bins: int = 16,
+    best_fit: bool = False,
+    seed: int = 0,
+    shuffle_bins: bool = True,
+) -> grain.IterDataset[Row]:
+    """Rows of ``seq_len`` from a dataset of documents (``int`` id arrays).
+
+    Args:
+      documents: the documents in reading order (already shuffled and sharded).
+      seq_len: tokens per row.
+      packed: ``False`` gives one segment per row, padded (Grain's packer with one
+        sequence a bin): the baseline packing is measured against.
+      num_packing_bins: rows Grain fills at once; more bins, less padding.
+      best_fit: Grain's best-fit packer instead of first-fit.
+      seed, shuffle_bins: Grain's shuffle of the rows of each round of bins.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}.")
+    if isinstance(documents, grain.MapDataset):
+        documents = documents.to_iter_dataset()
+    chunks = grain.experimental.FlatMapIterDataset(documents, _SplitDocuments(seq_len))
+    packer = (
+        grain.experimental.BestFitPackIterDataset
+        if best_fit
+        else grain.experimental.FirstFitPackIterDataset
+    )
+    rows = packer(
+        chunks,
+        length_struct={"inputs": seq_len, "targets": seq_len},
+        num_packing_bins=num_packing_bins if packed else 1,
+        seed=seed,
+        shuffle_bins=shuffle_bins,
+        max_sequences_per_bin=None if packed else 1,
+    )
+    return rows.map(_row)
+
+
+def packed_pipeline(
+    source: Any,
+    seq_len: int,
+    global_batch_size: int,
+    shard: DataShard | tuple[int, int] = (0, 1),
+    *,
+    seed: int = 0,
+    repeat: bool = True,
+    packed: bool = True,
+    num_packing_bins: int | None = None,
+) -> grain.IterDataset[Row]:
+    """source -> shuffle -> repeat -> this process's documents -> pack -> batch.
+
+    Like ``grain_pipeline``, every process shuffles the same global order of
+    documents and takes ``docs[index::count]``; it then packs its own documents
+    into its ``global_batch_size // count`` rows a step. A random-access source
+    (a ``Corpus``) is read only at the documents this process takes.
+
+    Args:
+      source: a random-access source of documents (``Corpus``, a list of arrays).
+      seq_len: tokens per row.
+      global_batch_size: rows per step over all processes.
+      shard: which documents this process reads (``trainer.placement.data_shard``).
+      num_packing_bins: Grain's bins (default: the process's rows a step).
+    """
+    index, count = shard
+    if global_batch_size % count:
+        raise ValueError(
+            f"A global batch of {global_batch_size} rows cannot be split between "
+            f"{count} processes; use a multiple of {count}."
+        )
+    documents = grain.MapDataset.source(source)
+    if seed is not None:
+        documents = documents.shuffle(seed=seed)
+    if repeat:
+        documents = documents.repeat(None)
+    if count > 1:
+        documents = documents[index::count]
+    rows_per_process = global_batch_size // count
+    rows = pack_documents(
+        documents,
+        seq_len,
+        packed=packed,
+        num_packing_bins=num_packing_bins or rows_per_process,
+        seed=seed or 0,
+    )
+    return rows.batch(rows_per_process, drop_remainder=True)
+
+
+def padding_share(segment_ids: np.ndarray) -> float:
+    """The share of a row's (or batch's) tokens that are padding (``segment_ids == 0``).
+
+    >>> padding_share(np.array([[1, 1, 2, 0], [1, 0, 0, 0]]))
+    0.5
+    """
+    return float(np.mean(np.asarray(segment_ids) == 0))
