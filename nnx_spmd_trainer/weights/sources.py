@@ -23,6 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_spmd_trainer.sharding import path_str
+from nnx_spmd_trainer.weights.safetensors_files import (
+    SafetensorsFiles,
+    find_files,
+    index_problems,
+    vet_header,
+)
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -84,8 +90,13 @@ class SafetensorsSource:
 
     The header is parsed here (8 bytes of length, then JSON), so a file cut short, a
     tensor whose bytes run past its end or do not match its shape, an unknown dtype and a
-    name in two files are ``problems()`` before any tensor is read. A sharded Hugging
-    Face checkpoint (``model-00001-of-00002.safetensors``, ...) is a directory of them.
+    name in two files are ``problems()`` before any tensor is read; a header that reads
+    well is then vetted by the ``safetensors`` package itself (``safe_open``), which
+    refuses tensors whose bytes overlap and bytes that belong to no tensor. A sharded
+    Hugging Face checkpoint (``model-00001-of-00002.safetensors``, ...) is a directory of
+    them; where it holds ``model.safetensors.index.json``, exactly the files the index
+    names are read (not a consolidated ``model.safetensors`` beside them), and a tensor
+    the index lists that its file lacks is a problem too. The index's own path works too.
 
     >>> import tempfile, numpy as np, safetensors.numpy
     >>> path = tempfile.mkdtemp() + "/w.safetensors"
@@ -100,13 +111,14 @@ class SafetensorsSource:
     """
 
     def __init__(self, path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> None:
-        if isinstance(path, str | os.PathLike):
-            path = Path(path)
-            files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        else:
-            files = [Path(p) for p in path]
+        found = (
+            find_files(Path(path))
+            if isinstance(path, str | os.PathLike)
+            else SafetensorsFiles([Path(p) for p in path])
+        )
+        files = found.files
         self._entries: dict[str, _Entry] = {}
-        self._problems: list[str] = []
+        self._problems: list[str] = list(found.problems)
         self._maps: dict[Path, mmap.mmap] = {}
         self._files = files
         absent = [str(file) for file in files if not file.exists()]
@@ -115,10 +127,12 @@ class SafetensorsSource:
                 f"no weights file at {', '.join(absent)}: give the path of a .safetensors "
                 "file, a list of them, or a directory holding them."
             )
-        if not files:
+        if not files and found.index is None:
             self._problems.append(f"{path}: no .safetensors file there")
         for file in files:
             self._read_header(file)
+        holders = {name: entry.file for name, entry in self._entries.items()}
+        self._problems += index_problems(found, holders)
 
     def _read_header(self, file: Path) -> None:
         try:
@@ -133,18 +147,25 @@ class SafetensorsSource:
         except (OSError, ValueError) as error:
             self._problems.append(f"{file}: unreadable header ({error})")
             return
+        before = len(self._problems)
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             problem = self._add(file, name, entry, 8 + length, size)
             if problem:
                 self._problems.append(f"{file}: {name}: {problem}")
+        if len(self._problems) == before:  # damage named above is not named twice
+            damage = vet_header(file, header, size - 8 - length)
+            if damage:
+                self._problems.append(f"{file}: {damage}")
 
     def _add(self, file: Path, name: str, entry: Any, data_start: int, size: int) -> str | None:
         try:
             dtype, shape = SAFETENSORS_DTYPES.get(entry["dtype"]), tuple(entry["shape"])
             begin, end = entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
+            return f"malformed header entry {entry!r}"
+        if not all(isinstance(n, int) and n >= 0 for n in (begin, end, *shape)):
             return f"malformed header entry {entry!r}"
         if dtype is None:
             return f"unsupported dtype {entry['dtype']}"
