@@ -13,12 +13,14 @@ beats stop makes the others exit with status 1 and one line naming it. JAX's
 own heartbeat (3 x that timeout) is the backstop; it aborts the process.
 
 One module per job, every public name re-exported here: ``runtime`` (joining the
-runtime, its timeouts, the ``NNX_SPMD_*`` variable names), ``peers`` (the dead-peer
-watch), ``gloo_notes`` (Gloo's "connected to N peer ranks" notes, dropped) and
-``launch`` (the local launcher).
+runtime, its timeouts, the ``NNX_SPMD_*`` variable names), ``agree`` (the one place
+processes agree on a host value: ``agree.all_values``, ``agree.broadcast_from_first``),
+``peers`` (the dead-peer watch), ``gloo_notes`` (Gloo's "connected to N peer ranks"
+notes, dropped) and ``launch`` (the local launcher).
 """
 
-from nnx_spmd_trainer.distributed import peers, runtime
+from nnx_spmd_trainer.distributed import agree, peers, runtime
+from nnx_spmd_trainer.distributed.agree import Agreement, PeerMissing
 from nnx_spmd_trainer.distributed.gloo_notes import (
     GLOO_PIECES,
     QUIET_STDOUT,
@@ -70,4 +72,7 @@ __all__ = [
     "free_port",
     "split_host_devices",
     "Launch",
+    "agree",
+    "Agreement",
+    "PeerMissing",
 ]

@@ -1,0 +1,20 @@
+"""Other libraries' insides, fenced: the one module per library that touches a private name.
+
+Everything else in the package (and ``callbacks/``) uses only public names of JAX,
+Orbax and Grain, and reaches the few private ones it needs through these modules:
+
+* ``jax_private``: the coordination service's client (its key-value store) and the
+  cluster detection ``jax.distributed.initialize`` runs.
+* ``orbax_private``: a JSON item written in Orbax's background commit, a
+  ``CheckpointManager`` whose own preemption checks stay away from JAX's, and the
+  commit marker of a finished step.
+* ``grain_private``: the layout of a Grain iterator's saved position (``next_index``)
+  and of the per-process files Grain checkpoints it into.
+
+Each function or class names the private thing it touches and why no public API
+does the job; ``tests/test_adapters.py`` checks every assumption against the
+installed library and names the version it was checked against (jax 0.10.2,
+orbax-checkpoint 0.12.8, grain 0.2.18: pyproject.toml caps Orbax and Grain at the
+next minor). These modules are public to ``callbacks/`` (the one part of the core
+they may import besides the package's ``__all__``); users need not touch them.
+"""
