@@ -83,7 +83,8 @@ def launch_args(argv: Sequence[str]) -> LaunchArgs:
     2``, a ``--flagfile``), and taken out of argv; every other argument is left as it was.
 
     A value absl refuses (``--num_processes two``) is one line on stderr and exit status 2.
-    ``--undefok`` is consumed by the parse: a launch's processes do not receive it.
+    ``--undefok`` is consumed by the parse, and with it the flags it names: a launch's
+    processes receive neither.
     """
     launch = flags.FlagValues()  # apart from flags.FLAGS: the run's flags are defined later
     flags.DEFINE_integer("num_processes", 1, "", flag_values=launch)
