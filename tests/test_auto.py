@@ -39,6 +39,7 @@ from nnx_spmd_trainer import (
     auto,
 )
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint, TensorBoard
+from nnx_spmd_trainer.engine import timing
 
 
 def big_net(rngs):
@@ -403,6 +404,7 @@ def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
         strategies=[DataParallel(), TensorParallel(8), renamed],
         steps=1,
         rounds=1,
+        time_steps=timing.time_steps,  # the engine times; auto ranks
     )
     rows = {row.layout: row for row in choice.rows}
     assert choice.strategy == DataParallel()

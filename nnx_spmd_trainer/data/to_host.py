@@ -1,7 +1,9 @@
-"""Arrays back from the devices: the whole value of each, as NumPy, on every process.
+"""Arrays leaving the devices: gathered whole to every host, or freed.
 
-The reverse of placement (``placement.py`` puts host batches on the devices);
-``Trainer.predict``'s outputs and ``export_params``'s parameters both come back here.
+The reverse of placement (``placement.py`` puts host batches on the devices):
+``Trainer.predict``'s outputs and ``export_params``'s parameters come back through
+``gather_to_host``; ``strategy="auto"``'s timings free what they placed and built with
+``delete_arrays``.
 """
 
 from __future__ import annotations
@@ -31,3 +33,11 @@ def _whole_on_host(leaf: Any) -> np.ndarray:
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return np.asarray(jax.device_get(leaf))
+
+
+def delete_arrays(tree: Any) -> None:
+    """Frees the device memory of every live ``jax.Array`` in ``tree`` now, rather than
+    when Python drops the last reference."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_spmd_trainer.data.placement import Placement
+from nnx_spmd_trainer.engine import timing
 from nnx_spmd_trainer.engine.callback import CallbackList
 from nnx_spmd_trainer.engine.metric_log import MetricLog
 from nnx_spmd_trainer.engine.run import Run, not_chosen
@@ -83,6 +84,7 @@ def plan_or_chooser(
         strategies=auto_layout.candidates,
         steps=auto_layout.steps,
         rounds=auto_layout.rounds,
+        time_steps=timing.time_steps,  # auto ranks; the engine times
         **settings,
     )
     return None, (auto_layout, choose)

@@ -20,22 +20,10 @@ from nnx_spmd_trainer.data.position import DataPosition, has_position
 from nnx_spmd_trainer.engine.callback import CallbackList
 from nnx_spmd_trainer.engine.metric_log import MetricLog
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.planner.auto import LayoutNotChosen as LayoutNotChosen
+from nnx_spmd_trainer.planner.auto import not_chosen
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.state import LiveState
-
-
-class LayoutNotChosen(RuntimeError):
-    """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
-    was chosen (``fit`` or ``choose_layout``)."""
-
-
-def not_chosen(name: str) -> LayoutNotChosen:
-    """The error for ``trainer.<name>`` asked for before the layout was chosen."""
-    return LayoutNotChosen(
-        f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
-        "placement, state): it chooses one on real batches. Call "
-        "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
-    )
 
 
 class Run:

@@ -4,10 +4,14 @@ Each candidate is planned from shapes alone (``Plan`` and its compiled train
 step: ``PlanReport``), so one that does not fit the per-device memory never
 has its state built. The candidates that fit are timed on real batches, a
 few steps each, taking turns round after round (the median of the rounds),
-with only one candidate's state on the devices at a time (each step taken as
-the trainer's loop takes it: ``loop.train_one``) and every array of a timing
-deleted after it: what stays is the chosen ``Plan``, whose state is
+with only one candidate's state on the devices at a time and every array of a
+timing deleted after it: what stays is the chosen ``Plan``, whose state is
 then built afresh (the initial state, as if the layout had been given).
+
+This module enumerates and ranks; timing a candidate is the engine's, handed to
+``choose`` (``TimeSteps``: ``engine.timing.time_steps``). The rows are
+``auto_choice``'s, the tables ``auto_table``'s, the data read ahead is set back by
+``data.position.look_ahead``.
 
 >>> candidates(8, tp_sizes=[2])  # doctest: +NORMALIZE_WHITESPACE
 [DataParallel(), FSDP(), Hybrid(DataParallel(4), TensorParallel(2)),
@@ -19,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -30,25 +34,43 @@ import optax
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.data.placement import InFlight, Placement
-from nnx_spmd_trainer.data.position import has_position
+from nnx_spmd_trainer.data.placement import Placement
+from nnx_spmd_trainer.data.position import look_ahead
+from nnx_spmd_trainer.data.to_host import delete_arrays
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.engine.loop import train_one
-from nnx_spmd_trainer.engine.metric_log import MetricLog
-from nnx_spmd_trainer.engine.run import (
-    LayoutNotChosen as LayoutNotChosen,  # its public home was here
-)
-from nnx_spmd_trainer.engine.run import Run
-from nnx_spmd_trainer.engine.run import not_chosen as not_chosen
 from nnx_spmd_trainer.planner import plan_report
+from nnx_spmd_trainer.planner.auto_choice import Candidate, Choice
+from nnx_spmd_trainer.planner.auto_table import HEADER as HEADER
 from nnx_spmd_trainer.planner.plan import Plan, abstract_batch
-from nnx_spmd_trainer.planner.plan_report import PlanReport, size
+from nnx_spmd_trainer.planner.plan_report import size
 from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.strategies import FSDP, DataParallel, Hybrid, Strategy, TensorParallel, expert
 
 #: How a candidate's train step is lowered: ``(plan, global batch shapes) -> Lowered``.
 Lower = Callable[[Plan, Any], jax.stages.Lowered]
+
+
+class TimeSteps(Protocol):
+    """How ``choose`` has a candidate timed (``engine.timing.time_steps``): seconds per
+    step of ``compiled`` over ``batches`` (placed on ``plan``'s mesh) from a fresh state
+    of ``plan``, each step taken as ``fit`` takes it, every array it built deleted after."""
+
+    def __call__(self, plan: Plan, compiled: Any, batches: Sequence[Any]) -> float: ...
+
+
+class LayoutNotChosen(RuntimeError):
+    """``Trainer(strategy="auto")``'s plan, mesh or state was asked for before the layout
+    was chosen (``fit`` or ``choose_layout``)."""
+
+
+def not_chosen(name: str) -> LayoutNotChosen:
+    """The error for ``trainer.<name>`` asked for before the layout was chosen."""
+    return LayoutNotChosen(
+        f"trainer.{name}: Trainer(strategy='auto') has no layout yet (plan, mesh, "
+        "placement, state): it chooses one on real batches. Call "
+        "trainer.fit(data, ...) or trainer.choose_layout(batches) first."
+    )
 
 
 class NoLayoutFits(ValueError):
@@ -142,132 +164,6 @@ def _axes_used(plan: Plan) -> set[str]:
     return used
 
 
-@dataclasses.dataclass
-class Candidate:
-    """One row of the ranking.
-
-    Attributes:
-      strategy: the layout; ``mesh`` its axes and sizes.
-      status: ``"timed"``, ``"does not fit"``, ``"cannot split"``, or ``"resumed"`` (the
-        layout of the run being resumed, kept untimed).
-      reason: why it was not timed (``""`` when it was).
-      state_bytes, peak_bytes: per device: the state the plan lays out, and the compiled
-        step's peak (``PlanReport.memory["peak"]``); ``None`` when it could not be planned.
-      step_time_s: median seconds per step over the rounds (timed candidates only).
-      ratio: ``step_time_s`` over the fastest's.
-      report: its ``PlanReport`` (``None`` when it could not be planned).
-    """
-
-    strategy: Strategy
-    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
-    status: str = "cannot split"
-    reason: str = ""
-    state_bytes: int | None = None
-    peak_bytes: int | None = None
-    step_time_s: float | None = None
-    ratio: float | None = None
-    report: PlanReport | None = None
-    times: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def layout(self) -> str:
-        return repr(self.strategy)
-
-    def cells(self) -> list[str]:
-        """layout, mesh, state, peak, step time, ratio (or why it was not timed)."""
-        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items()) or "-"
-        state = size(self.state_bytes) if self.state_bytes is not None else "-"
-        peak = size(self.peak_bytes) if self.peak_bytes is not None else "-"
-        if self.step_time_s is None:
-            return [self.layout, mesh, state, peak, f"{self.status}: {self.reason}", ""]
-        time_text, ratio = f"{self.step_time_s * 1e3:.3f} ms", f"{self.ratio or 1.0:.2f}x"
-        return [self.layout, mesh, state, peak, time_text, ratio]
-
-
-HEADER = ["layout", "mesh", "state/device", "peak/device", "step time", "vs best"]
-
-
-@dataclasses.dataclass
-class Choice:
-    """What ``choose`` found: the fastest layout that fits, and the ranking.
-
-    Attributes:
-      plan: the chosen layout's ``Plan`` (no state built: ``plan.materialize()``
-        builds the initial state); ``strategy`` its strategy.
-      rows: every candidate (``Candidate``), the timed ones fastest first, then those
-        that do not fit (smallest peak first), then those that cannot split.
-      budget_bytes: the per-device memory the candidates were checked against.
-      steps, rounds: how they were timed.
-      resumed: the layout of the run being resumed was taken, nothing timed.
-    """
-
-    plan: Plan
-    rows: list[Candidate]
-    budget_bytes: int | None
-    steps: int
-    rounds: int
-    resumed: bool = False
-
-    @property
-    def strategy(self) -> Strategy:
-        return self.plan.strategy
-
-    @property
-    def chosen(self) -> Candidate:
-        return self.rows[0]
-
-    @property
-    def report(self) -> PlanReport:
-        """The chosen layout's ``PlanReport``."""
-        assert self.chosen.report is not None
-        return self.chosen.report
-
-    def title(self) -> str:
-        budget = f"{size(self.budget_bytes)} per device" if self.budget_bytes else "no memory limit"
-        if self.resumed:
-            return (
-                f'strategy="auto" kept {self.chosen.layout}, the resumed run\'s layout ({budget})'
-            )
-        return (
-            f'strategy="auto" chose {self.chosen.layout} ({budget}; {self.steps} steps x '
-            f"{self.rounds} rounds, median)"
-        )
-
-    def table(self) -> str:
-        """The ranking as aligned text: what ``Trainer`` prints at the start of the run."""
-        lines = [HEADER, *(row.cells() for row in self.rows)]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
-        text = [self.title()]
-        for at, line in enumerate(lines):
-            mark = "  <- chosen" if at == 1 else ""
-            cells = "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
-            text.append(f"  {cells.rstrip()}{mark}")
-        return "\n".join(text)
-
-    def markdown(self) -> str:
-        """The ranking as a Markdown table (TensorBoard's text tab)."""
-        rows = [HEADER, ["---"] * len(HEADER), *(row.cells() for row in self.rows)]
-        body = "\n".join("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows)
-        return f"{self.title()}\n\n{body}"
-
-    def logs(self) -> dict[str, float]:
-        """The choice as host floats for ``logs``: its step time (when timed), bytes,
-        candidates timed, and its mesh (``layout/mesh/<axis>``: the size of each axis)."""
-        chosen = self.chosen
-        logs = {
-            "layout/peak_bytes_per_device": float(chosen.peak_bytes or 0),
-            "layout/state_bytes_per_device": float(chosen.state_bytes or 0),
-            "layout/candidates_timed": float(sum(r.status == "timed" for r in self.rows)),
-        }
-        if chosen.step_time_s is not None:  # a resumed run's layout is not timed
-            logs["layout/step_time_s"] = float(chosen.step_time_s)
-        logs.update({f"layout/mesh/{axis}": float(n) for axis, n in chosen.mesh.items()})
-        return logs
-
-    def __str__(self) -> str:
-        return self.table()
-
-
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -278,64 +174,43 @@ def _bytes_or_reason(row: Candidate) -> str:
     return f"a peak of {size(row.peak_bytes)} ({row.peak_bytes} bytes)"
 
 
-def _delete(tree: Any) -> None:
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
-
-
 class _Timed:
-    """A candidate that fits: its plan, compiled step and batch placement."""
+    """A candidate that fits: its row, plan, compiled step and batch placement."""
 
     def __init__(self, row: Candidate, plan: Plan, compiled: Any, placement: Placement) -> None:
         self.row, self.plan, self.compiled, self.placement = row, plan, compiled, placement
 
-    def run(self, batches: Sequence[Any], in_flight: int = 2) -> float:
-        """Seconds per step over ``batches`` from a fresh state, each step taken as ``fit``
-        takes it (``loop.train_one`` on a ``Run`` of the candidate's, ``in_flight`` steps
-        unfinished at most), then every array of the run deleted."""
+    def run(self, batches: Sequence[Any], time_steps: TimeSteps) -> float:
+        """Seconds per step over the host ``batches``, placed here and timed by
+        ``time_steps`` from a fresh state; the placed batches deleted after."""
         placed = [self.placement.place(b, divisor=self.plan.grad_accum_steps) for b in batches]
-        plan = self.plan
-        run = Run(MetricLog(plan.empty_metrics, plan.mesh.local_devices, track_norms=False))
-        run.plan = plan
-        bound = InFlight(in_flight)
         try:
-            with jax.set_mesh(plan.mesh):
-                jax.block_until_ready((run.objects().arrays(), run.metric_log.train, placed))
-                start = time.perf_counter()
-                for batch in placed:
-                    train_one(run, self.compiled, batch, bound)
-                bound.drain()
-                jax.block_until_ready((run.objects().arrays(), run.metric_log.train))
-                return (time.perf_counter() - start) / len(placed)
+            return time_steps(self.plan, self.compiled, placed)
         finally:
-            bound.clear()
-            log = run.metric_log
-            arrays = run.live.arrays() if run.live is not None else []
-            _delete((arrays, log.train, log.eval, log.last_loss, log.perf.norms, placed))
+            delete_arrays(placed)
 
 
-def _agreed(times: list[float]) -> list[float]:
-    """Process 0's times on every process: all must choose the same layout."""
+def _from_process_0(topic: str, value: Any) -> Any:
+    """Process 0's ``value`` (JSON) on every process: a choice all must make alike.
+
+    The one cross-process exchange of ``auto`` (the same contract as
+    ``distributed.agree.broadcast_from_first``), over the devices, so every process
+    calls it at the same point; ``topic`` names what is agreed on."""
     if jax.process_count() == 1:
-        return times
+        return value
     from jax.experimental import multihost_utils
 
-    return [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times))]
+    del topic  # the devices' collective needs no name: its order is the program's
+    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    length = int(multihost_utils.broadcast_one_to_all(np.int32(len(encoded))))
+    padded = np.zeros(max(length, 1), np.uint8)
+    padded[: min(length, len(encoded))] = encoded[:length]
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:length]))
 
 
 def agreed_text(text: str | None) -> str | None:
     """Process 0's ``text`` on every process: a choice all processes must make alike."""
-    if jax.process_count() == 1:
-        return text
-    from jax.experimental import multihost_utils
-
-    encoded = np.frombuffer((text if text is not None else "").encode(), np.uint8)
-    length = int(multihost_utils.broadcast_one_to_all(np.int32(len(encoded))))
-    padded = np.zeros(max(length, 1), np.uint8)
-    padded[: min(length, len(encoded))] = encoded[:length]
-    agreed = bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:length]).decode()
-    return agreed or None
+    return _from_process_0("auto: the layout to resume", text) or None
 
 
 def _plan_candidates(
@@ -376,7 +251,7 @@ def _plan_candidates(
             placement = Placement(plan, prefetch=0)
             first = placement.place(first_batch, divisor=plan.grad_accum_steps)
             shapes = abstract_batch(first)
-            _delete(first)
+            delete_arrays(first)
             compiled = lower(plan, shapes).compile()
         except (ShardingError, ValueError) as error:
             row.reason = _first_line(error)
@@ -407,6 +282,7 @@ def choose(
     lower: Lower | None = None,
     data_shard: DataShard | None = None,
     resume: str | None = None,
+    time_steps: TimeSteps | None = None,
     **plan_kwargs: Any,
 ) -> Choice:
     """Plans every candidate layout, times those that fit, and returns the fastest.
@@ -428,9 +304,13 @@ def choose(
       resume: the layout (a strategy's ``repr``) of the run about to be resumed. The
         candidate that is it is taken without timing anything when it still fits, so
         a resumed run goes on in the layout it ran in; otherwise all are timed.
+      time_steps: how a candidate that fits is timed (``TimeSteps``): the engine's
+        ``engine.timing.time_steps``, which ``Trainer`` hands. Needed once a candidate
+        is to be timed.
 
     Raises:
       NoLayoutFits: no candidate fits; the message lists every candidate's bytes.
+      TypeError: a candidate is to be timed and no ``time_steps`` was given.
     """
     if isinstance(model, nnx.Module) or not callable(model):
         raise TypeError(
@@ -466,43 +346,55 @@ def choose(
             return Choice(timed[0].plan, rows, budget, steps, rounds, resumed=True)
     rows, timed, budget = plan_all(strategies)
     if not timed:
-        listing = "\n".join(f"  {r.layout}: {_bytes_or_reason(r)}" for r in rows)
-        budget_text = f"{size(budget)} ({budget} bytes)" if budget is not None else "unknown"
-        raise NoLayoutFits(
-            f"strategy='auto': no layout fits the memory budget of {budget_text} per device. "
-            f"The candidates, per device:\n{listing}\nGive more devices or memory, a smaller "
-            "batch, or gradient accumulation (grad_accum_steps)."
+        raise _nothing_fits(rows, budget)
+    medians = _median_step_times(timed, timing_batches, rounds, time_steps)
+    winner = _rank(rows, timed, medians)
+    return Choice(plan=winner, rows=rows, budget_bytes=budget, steps=steps, rounds=rounds)
+
+
+def _nothing_fits(rows: list[Candidate], budget: int | None) -> NoLayoutFits:
+    listing = "\n".join(f"  {r.layout}: {_bytes_or_reason(r)}" for r in rows)
+    budget_text = f"{size(budget)} ({budget} bytes)" if budget is not None else "unknown"
+    return NoLayoutFits(
+        f"strategy='auto': no layout fits the memory budget of {budget_text} per device. "
+        f"The candidates, per device:\n{listing}\nGive more devices or memory, a smaller "
+        "batch, or gradient accumulation (grad_accum_steps)."
+    )
+
+
+def _median_step_times(
+    timed: list[_Timed], batches: list[Any], rounds: int, time_steps: TimeSteps | None
+) -> list[float]:
+    """Each candidate timed ``rounds`` times taking turns (after a round untimed: first
+    calls, caches); the median of each one's rounds, process 0's on every process."""
+    if time_steps is None:
+        raise TypeError(
+            "auto.choose times the layouts that fit by training on them, which is the "
+            "engine's: pass time_steps=nnx_spmd_trainer.engine.timing.time_steps "
+            "(Trainer(strategy='auto') does)."
         )
-    for _ in range(rounds + 1):  # the first round untimed: first calls, caches
+    for _ in range(rounds + 1):
         for candidate in timed:
-            candidate.row.times.append(candidate.run(timing_batches))
-    medians = _agreed([statistics.median(c.row.times[1:]) for c in timed])
+            candidate.row.times.append(candidate.run(batches, time_steps))
+    medians = [statistics.median(c.row.times[1:]) for c in timed]
+    return [float(t) for t in _from_process_0("auto: step times", medians)]
+
+
+def _rank(rows: list[Candidate], timed: list[_Timed], medians: list[float]) -> Plan:
+    """Sorts ``rows``: the timed fastest first, then those that do not fit (smallest
+    peak first), then those that cannot split; returns the fastest's plan."""
     best = min(medians)
     for candidate, median in zip(timed, medians, strict=True):
         candidate.row.status, candidate.row.step_time_s = "timed", median
         candidate.row.ratio = median / best if best > 0 else 1.0
     order = {"timed": 0, "does not fit": 1, "cannot split": 2}
     rows.sort(key=lambda r: (order[r.status], r.step_time_s or 0.0, r.peak_bytes or 0))
-    winner = next(c.plan for c in timed if c.row is rows[0])
-    return Choice(plan=winner, rows=rows, budget_bytes=budget, steps=steps, rounds=rounds)
+    return next(c.plan for c in timed if c.row is rows[0])
 
 
 def choose_on(
     train_data: Iterable[Any], steps: int, choose_layout: Callable[[Iterable[Any]], Choice]
 ) -> Iterable[Any]:
-    """Calls ``choose_layout`` with the first ``steps`` batches of ``train_data``; returns
-    data that still yields every batch: a re-iterable is iterated afresh, a Grain
-    iterator set back where it was, a one-shot iterator's batches put back in front."""
-    iterator = iter(train_data)
-    if iterator is not train_data:  # re-iterable: fit starts a pass of its own
-        choose_layout(itertools.islice(iterator, steps))
-        return train_data
-    if has_position(iterator):  # a Grain iterator: set back where it was
-        positioned: Any = iterator
-        position = positioned.get_state()
-        choose_layout(list(itertools.islice(iterator, steps)))
-        positioned.set_state(position)
-        return train_data
-    taken = list(itertools.islice(iterator, steps))
-    choose_layout(taken)
-    return itertools.chain(taken, iterator)
+    """``choose_layout`` on the first ``steps`` batches; the data with every batch still
+    in it (``data.position.look_ahead``)."""
+    return look_ahead(train_data, steps, choose_layout)
