@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -10,12 +11,18 @@ from pydoc_data.topics import topics
 import numpy as np
 import pytest
 
-from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, token_dtype, write_corpus
+from nnx_spmd_trainer.data.corpus import (
+    CHUNK_RECORD,
+    Corpus,
+    CorpusError,
+    token_dtype,
+    write_corpus,
+)
 from nnx_spmd_trainer.data.packing import packed_pipeline
 from nnx_spmd_trainer.data.tokenizer import Tokenizer, train_bpe
 from nnx_spmd_trainer.data_shard import DataShard
 
-FILES = ("header.json", "tokens.bin", "offsets.bin", "tokenizer.json")
+FILES = ("header.json", "tokens.bin", "offsets.bin", "chunks.bin", "tokenizer.json")
 
 
 def paragraphs() -> list[str]:
@@ -64,7 +71,7 @@ def test_each_document_reads_back_as_its_text(corpus: Corpus, tokenizer: Tokeniz
         assert tokenizer.decode(ids) == texts[i]
     assert corpus.n_tokens == sum(len(corpus[i]) for i in range(len(corpus)))
     assert corpus.header["max_id"] == max(int(corpus[i].max()) for i in range(len(corpus)))
-    assert len(corpus.header["chunks"]) == -(-len(texts) // 500)
+    assert corpus.header["n_chunks"] == -(-len(texts) // 500)
     assert corpus.tokenizer().sha256 == tokenizer.sha256  # saved beside the corpus
     corpus.verify()
 
@@ -117,7 +124,7 @@ def test_a_resume_with_another_tokenizer_is_refused(
 
 
 def test_a_truncated_file_is_named_with_its_offset(corpus: Corpus, tmp_path: Path) -> None:
-    for name, keep in (("tokens.bin", 12345), ("offsets.bin", 800)):
+    for name, keep in (("tokens.bin", 12345), ("offsets.bin", 800), ("chunks.bin", 30)):
         out = copy(corpus, tmp_path / name)
         with (out / name).open("r+b") as file:
             file.truncate(keep)
@@ -128,7 +135,8 @@ def test_a_truncated_file_is_named_with_its_offset(corpus: Corpus, tmp_path: Pat
 
 def test_a_damaged_chunk_is_named(corpus: Corpus, tmp_path: Path) -> None:
     out = copy(corpus, tmp_path / "damaged")
-    start_of_chunk_1 = corpus.header["chunks"][0]["n_tokens"] * 2
+    chunk_0 = np.fromfile(corpus.directory / "chunks.bin", CHUNK_RECORD)[0]
+    start_of_chunk_1 = int(chunk_0["n_tokens"]) * 2
     with (out / "tokens.bin").open("r+b") as file:
         file.seek(start_of_chunk_1 + 10)
         file.write(b"\x01\x01")
@@ -167,3 +175,30 @@ def test_each_of_two_processes_reads_about_half_the_bytes(corpus: Corpus) -> Non
     # the documents' lengths differ, so the halves do a little); together, every byte once
     assert shares == pytest.approx([0.5, 0.5], abs=0.02), shares
     assert sum(shares) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_a_pickled_corpus_maps_its_files_again(corpus: Corpus) -> None:
+    """Grain's worker processes get the source pickled: the path, not the tokens."""
+    corpus[3]  # maps the files
+    data = pickle.dumps(corpus)
+    assert len(data) < 4096 < corpus.n_tokens * 2
+    again = pickle.loads(data)
+    assert np.array_equal(again[3], corpus[3]) and len(again) == len(corpus)
+
+
+def test_a_jsonl_line_without_the_field_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text('{"text": "one"}\n\n{"body": "two"}\n')
+    with pytest.raises(CorpusError, match=f"{lines} at byte 17: no field 'text'"):
+        write_corpus([lines], tmp_path / "c", tokenizer, progress=False)
+
+
+def test_a_damaged_last_offset_is_named_at_open(corpus: Corpus, tmp_path: Path) -> None:
+    out = copy(corpus, tmp_path / "offsets")
+    with (out / "offsets.bin").open("r+b") as file:
+        file.seek(-8, 2)
+        file.write(np.array([5], "<i8").tobytes())
+    with pytest.raises(
+        CorpusError, match="offsets.bin is damaged: its last document ends at token 5"
+    ):
+        Corpus(out)

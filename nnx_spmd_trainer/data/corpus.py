@@ -31,6 +31,7 @@ after the last complete chunk (bytes of a torn chunk are cut off first).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
@@ -46,7 +47,14 @@ from nnx_spmd_trainer.data.tokenizer import Tokenizer, load_tokenizer
 HEADER_FILE = "header.json"
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.bin"
+CHUNKS_FILE = "chunks.bin"
 FORMAT_VERSION = 1
+
+#: One record of ``chunks.bin`` a chunk written: its documents, its tokens, and the CRC32
+#: of its bytes in ``tokens.bin`` and in ``offsets.bin``.
+CHUNK_RECORD = np.dtype(
+    [("n_docs", "<i8"), ("n_tokens", "<i8"), ("tokens_crc32", "<u4"), ("offsets_crc32", "<u4")]
+)
 
 
 class CorpusError(ValueError):
@@ -58,20 +66,25 @@ def token_dtype(vocab_size: int) -> np.dtype[Any]:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _documents(inputs: Sequence[str | os.PathLike[str]], field: str) -> Iterator[str]:
-    """Each document's text: a whole file, or the ``field`` of each line of a ``.jsonl``."""
-    for path in map(Path, inputs):
+def _documents(files: list[str], field: str, start: list[int]) -> Iterator[tuple[str, list[int]]]:
+    """Each document's text from ``start`` (``[file index, byte offset]``) on, with where
+    the next document starts: a whole file, or the ``field`` of each line of a ``.jsonl``."""
+    for index in range(start[0], len(files)):
+        path = Path(files[index])
         if path.suffix != ".jsonl":
-            yield path.read_text(encoding="utf-8")
+            yield path.read_text(encoding="utf-8"), [index + 1, 0]
             continue
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+        offset = start[1] if index == start[0] else 0
+        with path.open("rb") as lines:
+            lines.seek(offset)  # a resumed write goes straight to its next document
+            for line in lines:
+                at, offset = offset, offset + len(line)
                 if not line.strip():
                     continue
                 record = json.loads(line)
                 if field not in record:
-                    raise CorpusError(f"{path}:{number} has no field {field!r} to tokenize.")
-                yield str(record[field])
+                    raise CorpusError(f"{path} at byte {at}: no field {field!r} to tokenize.")
+                yield str(record[field]), [index, offset]
 
 
 def _expand(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -99,11 +112,21 @@ def _append(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
+def _file_sizes(header: dict[str, Any]) -> dict[str, int]:
+    """The bytes of each data file that a header records."""
+    return {
+        TOKENS_FILE: header["n_tokens"] * np.dtype(header["dtype"]).itemsize,
+        OFFSETS_FILE: header["n_docs"] * 8,
+        CHUNKS_FILE: header["n_chunks"] * CHUNK_RECORD.itemsize,
+    }
+
+
 def _start_or_resume(out: Path, files: list[str], tokenizer: Tokenizer) -> dict[str, Any]:
     """The header to continue from: a new one, or the last one written, with any torn
     chunk's bytes cut off the data files."""
+    inputs_sha256 = hashlib.sha256("\n".join(files).encode()).hexdigest()
     if not (out / HEADER_FILE).exists():
-        for name in (TOKENS_FILE, OFFSETS_FILE):
+        for name in (TOKENS_FILE, OFFSETS_FILE, CHUNKS_FILE):
             (out / name).write_bytes(b"")
         return {
             "format": FORMAT_VERSION,
@@ -111,24 +134,22 @@ def _start_or_resume(out: Path, files: list[str], tokenizer: Tokenizer) -> dict[
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,
             "tokenizer_sha256": tokenizer.sha256,
-            "inputs": files,
+            "n_inputs": len(files),
+            "inputs_sha256": inputs_sha256,
             "n_docs": 0,
             "n_tokens": 0,
+            "n_chunks": 0,
             "max_id": -1,
-            "chunks": [],
+            "next_input": [0, 0],
             "complete": False,
         }
     header: dict[str, Any] = json.loads((out / HEADER_FILE).read_text(encoding="utf-8"))
-    if header["tokenizer_sha256"] != tokenizer.sha256 or header["inputs"] != files:
+    if header["tokenizer_sha256"] != tokenizer.sha256 or header["inputs_sha256"] != inputs_sha256:
         raise CorpusError(
             f"{out} holds a corpus of other inputs or another tokenizer; write to a new "
             "folder, or delete this one to start again."
         )
-    itemsize = np.dtype(header["dtype"]).itemsize
-    for name, size in (
-        (TOKENS_FILE, header["n_tokens"] * itemsize),
-        (OFFSETS_FILE, header["n_docs"] * 8),
-    ):
+    for name, size in _file_sizes(header).items():
         with (out / name).open("r+b") as file:
             file.truncate(size)  # the bytes of a chunk stopped before its header was written
     return header
@@ -163,16 +184,15 @@ def write_corpus(
     header = _start_or_resume(out, files, tokenizer)
     if not header["complete"]:
         tokenizer.save(out)
-        _write_chunks(
-            out, header, _documents(files, jsonl_field), tokenizer, append_eos, chunk_docs, progress
-        )
+        documents = _documents(files, jsonl_field, header["next_input"])
+        _write_chunks(out, header, documents, tokenizer, append_eos, chunk_docs, progress)
     return Corpus(out)
 
 
 def _write_chunks(
     out: Path,
     header: dict[str, Any],
-    documents: Iterator[str],
+    documents: Iterator[tuple[str, list[int]]],
     tokenizer: Tokenizer,
     append_eos: bool,
     chunk_docs: int,
@@ -182,29 +202,34 @@ def _write_chunks(
     bar = tqdm(
         desc=f"tokenizing into {out}", unit="doc", initial=header["n_docs"], disable=not progress
     )
-    for _ in range(header["n_docs"]):  # written before the stop: skipped, not tokenized again
-        next(documents)
     with bar:
         while True:
-            texts = [text for _, text in zip(range(chunk_docs), documents, strict=False)]
-            if not texts:
+            taken = [doc for _, doc in zip(range(chunk_docs), documents, strict=False)]
+            if not taken:
                 break
+            texts = [text for text, _ in taken]
             encoded = tokenizer.encode_batch(texts)
             if append_eos:
                 eos = np.array([tokenizer.eos_id], np.int32)
                 encoded = [np.concatenate([ids, eos]) for ids in encoded]
             tokens = np.concatenate(encoded).astype(dtype)
             ends = header["n_tokens"] + np.cumsum([len(ids) for ids in encoded], dtype=np.int64)
+            record = np.array(
+                [
+                    (
+                        len(texts),
+                        len(tokens),
+                        zlib.crc32(tokens.tobytes()),
+                        zlib.crc32(ends.tobytes()),
+                    )
+                ],
+                CHUNK_RECORD,
+            )
             _append(out / TOKENS_FILE, tokens.tobytes())
             _append(out / OFFSETS_FILE, ends.tobytes())
-            header["chunks"].append(
-                {
-                    "n_docs": len(texts),
-                    "n_tokens": len(tokens),
-                    "tokens_crc32": zlib.crc32(tokens.tobytes()),
-                    "offsets_crc32": zlib.crc32(ends.tobytes()),
-                }
-            )
+            _append(out / CHUNKS_FILE, record.tobytes())
+            header["n_chunks"] += 1
+            header["next_input"] = taken[-1][1]
             header["n_docs"] += len(texts)
             header["n_tokens"] += len(tokens)
             header["max_id"] = max(header["max_id"], int(tokens.max(initial=0)))
@@ -237,17 +262,17 @@ class Corpus:
             )
         self.dtype = np.dtype(self.header["dtype"])
         self._check_sizes()
-        self.ends = np.fromfile(self.directory / OFFSETS_FILE, dtype=np.int64)
         self.vocab_limit: int | None = None
         self.bytes_read = 0  # token bytes sliced by __getitem__, for measuring a process's share
-        self._tokens: np.ndarray | None = None
+        self._maps: dict[str, np.ndarray] = {}
+        if len(self) and int(self.ends[-1]) != self.n_tokens:
+            raise CorpusError(
+                f"{self.directory / OFFSETS_FILE} is damaged: its last document ends at token "
+                f"{int(self.ends[-1])}, not at the {self.n_tokens} tokens the header records."
+            )
 
     def _check_sizes(self) -> None:
-        expected = {
-            TOKENS_FILE: self.header["n_tokens"] * self.dtype.itemsize,
-            OFFSETS_FILE: self.header["n_docs"] * 8,
-        }
-        for name, size in expected.items():
+        for name, size in _file_sizes(self.header).items():
             path = self.directory / name
             actual = path.stat().st_size if path.exists() else 0
             if actual < size:
@@ -256,17 +281,26 @@ class Corpus:
                     f"records {size} bytes. Write the corpus again (write_corpus)."
                 )
 
+    def _mapped(self, name: str, dtype: np.dtype[Any] | str, count: int) -> np.ndarray:
+        """A data file, memory-mapped on first use (and after unpickling)."""
+        if name not in self._maps:
+            path = self.directory / name
+            # np.memmap refuses a zero-length file: an empty one is an empty array
+            self._maps[name] = (
+                np.memmap(path, dtype, "r", shape=(count,)) if count else np.empty(0, dtype)
+            )
+        return self._maps[name]
+
     @property
     def tokens(self) -> np.ndarray:
-        """The flat token array, memory-mapped on first use (and after unpickling)."""
-        if self._tokens is None:
-            n = self.header["n_tokens"]
-            path = self.directory / TOKENS_FILE
-            # np.memmap refuses a zero-length file: an empty corpus is an empty array
-            self._tokens = (
-                np.memmap(path, self.dtype, "r", shape=(n,)) if n else np.empty(0, self.dtype)
-            )
-        return self._tokens
+        """The flat token array (memory-mapped)."""
+        return self._mapped(TOKENS_FILE, self.dtype, self.n_tokens)
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Each document's end in ``tokens`` (memory-mapped: 8 bytes a document, read only
+        at the documents asked for)."""
+        return self._mapped(OFFSETS_FILE, "<i8", int(self.header["n_docs"]))
 
     @property
     def n_tokens(self) -> int:
@@ -278,7 +312,7 @@ class Corpus:
         return int(self.header["vocab_size"])
 
     def __len__(self) -> int:
-        return len(self.ends)
+        return int(self.header["n_docs"])
 
     def span(self, index: int) -> tuple[int, int]:
         """Document ``index``'s ``[start, end)`` in the flat token array."""
@@ -316,20 +350,22 @@ class Corpus:
         """Reads every chunk and compares its CRC32 with the header's (reads the whole
         corpus: for a check after copying, not for each training process)."""
         token_start = doc_start = 0
-        for number, chunk in enumerate(self.header["chunks"]):
-            tokens = np.asarray(self.tokens[token_start : token_start + chunk["n_tokens"]])
-            ends = self.ends[doc_start : doc_start + chunk["n_docs"]]
+        chunks = self._mapped(CHUNKS_FILE, CHUNK_RECORD, int(self.header["n_chunks"]))
+        for number, chunk in enumerate(chunks):
+            n_tokens, n_docs = int(chunk["n_tokens"]), int(chunk["n_docs"])
+            tokens = np.asarray(self.tokens[token_start : token_start + n_tokens])
+            ends = np.asarray(self.ends[doc_start : doc_start + n_docs])
             for name, data, crc, start in (
                 (TOKENS_FILE, tokens, chunk["tokens_crc32"], token_start * self.dtype.itemsize),
                 (OFFSETS_FILE, ends, chunk["offsets_crc32"], doc_start * 8),
             ):
-                if zlib.crc32(data.tobytes()) != crc:
+                if zlib.crc32(data.tobytes()) != int(crc):
                     raise CorpusError(
                         f"{self.directory / name} is damaged: chunk {number}, from byte "
                         f"offset {start}, does not match its checksum."
                     )
-            token_start += chunk["n_tokens"]
-            doc_start += chunk["n_docs"]
+            token_start += n_tokens
+            doc_start += n_docs
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer saved beside the corpus."""
@@ -337,7 +373,7 @@ class Corpus:
 
     def __getstate__(self) -> dict[str, Any]:
         # Grain's worker processes get the corpus pickled: the path, not the mapped tokens
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_maps": {}}
 
     def __repr__(self) -> str:
         return f"Corpus({os.fspath(self.directory)!r}, docs={len(self)}, tokens={self.n_tokens})"
