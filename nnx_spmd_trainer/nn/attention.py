@@ -13,6 +13,13 @@ current mesh, it is ordinary causal attention. Inside ``attention_form("ring")``
 (``SequenceParallel(..., attention="ring")`` enters it while tracing) the split
 sequence takes ``ring_attention.ring_attention`` instead: no device ever holds
 the whole sequence's keys and values.
+
+Packed rows: ``segment_ids`` (``[batch, seq]`` integers, ``0`` for padding,
+``1..k`` for the documents of a row) keep every document to itself in all three
+forms: a query attends to the keys of its own segment only (and causally).
+Padding attends to padding, so no row of the mask is empty and no output is NaN.
+Positions restarting per document are the model's business (its position
+embedding or rope), not the attention's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ __all__ = [
     "attention_implementation",
     "causal_attention",
     "length_axes",
+    "segment_mask",
 ]
 
 #: The logical names of a sequence dimension, looked up in this order.
@@ -97,12 +105,26 @@ def _pinned(x: jax.Array, spec: P) -> jax.Array:
     return jax.sharding.reshard(x, P(*entries))
 
 
+def segment_mask(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+    """``[batch, 1, q, k]``: True where a query and a key belong to the same segment.
+
+    >>> segment_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 1, 2, 0]]))[0, 0].astype(int)
+    Array([[1, 1, 0, 0],
+           [1, 1, 0, 0],
+           [0, 0, 1, 0],
+           [0, 0, 0, 1]], dtype=int32)
+    """
+    return (query_segments[:, None, :, None] == key_segments[:, None, None, :]).astype(bool)
+
+
 def causal_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
     **_: object,
 ) -> jax.Array:
     """Causal dot-product attention, exact whether or not the sequence is split.
@@ -116,6 +138,11 @@ def causal_attention(
     queries stay split; XLA's implementation is used then, whose causal mask
     is built over global positions.
 
+    ``segment_ids`` (``[batch, seq]`` ints, 0 = padding; packed rows) restricts
+    each query to the keys of its own segment: gathered with the keys in the
+    all-gather form, passed round with them in the ring form (whose blocks
+    between segments that cannot meet are skipped).
+
     >>> q = k = v = jnp.ones((1, 4, 2, 8))
     >>> causal_attention(q, k, v).shape
     (1, 4, 2, 8)
@@ -125,9 +152,10 @@ def causal_attention(
         if bias is not None or mask is not None or len(axes) > 1:
             raise ValueError(
                 "ring attention takes no mask or bias (its causal mask is built over global "
-                f"positions) and one sequence axis (got {axes}); use attention='all_gather'."
+                "positions; packed rows pass segment_ids) and one sequence axis (got "
+                f"{axes}); use attention='all_gather'."
             )
-        return ring_attention(query, key, value, axes[0])
+        return ring_attention(query, key, value, axes[0], segment_ids=segment_ids)
     implementation = attention_implementation(query.dtype)
     free = P.UNCONSTRAINED  # the batch and heads keep whatever layout they have
     split = P(free, axes, free, free)
@@ -135,6 +163,13 @@ def causal_attention(
         whole = P(free, None, free, free)
         query, key, value = _pinned(query, split), _pinned(key, whole), _pinned(value, whole)
         implementation = "xla"  # cuDNN's kernel knows no global positions of a query chunk
+    if segment_ids is not None:
+        query_segments = key_segments = segment_ids
+        if axes:  # the queries' segments stay split with them; the keys' are gathered
+            query_segments = _pinned(segment_ids, P(free, axes))
+            key_segments = _pinned(segment_ids, P(free, None))
+        own = segment_mask(query_segments, key_segments)
+        mask = own if mask is None else jnp.logical_and(mask, own)
     out = jax.nn.dot_product_attention(
         query,
         key,

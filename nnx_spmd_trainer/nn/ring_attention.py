@@ -28,12 +28,21 @@ device again: the memory the ring is for. The backward instead keeps only the
 local queries, keys, values, output and log-sum-exp and runs a second ring,
 in which the key/value chunks travel with their gradient accumulators and
 are home after ``N`` hops.
+
+Packed rows (``segment_ids``): each key/value chunk travels with its segment
+ids, every block masks a query from the keys of other segments, and a block
+whose query and key half-chunks hold no segment in common in any row (their
+ranges of ids do not overlap) is skipped like a block above the diagonal.
+``ring_schedule`` gives, for concrete segment ids, the kind of every block the
+ring visits, by the same rule (``_kind``) the ring applies while it runs.
+Padding (segment 0) is renumbered past every document, so a row packed left to
+right keeps non-decreasing ids and padding blocks meet only padding.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +50,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ring_attention", "ring_blocks"]
+__all__ = ["SKIP", "ring_attention", "ring_blocks", "ring_schedule"]
 
 _SKIP, _DIAGONAL, _FULL = 0, 1, 2
+#: ``ring_schedule``'s mark of a block never computed.
+SKIP = _SKIP
+# A finite mask value: a row masked whole in a block visited before its own diagonal
+# gives finite garbage that the later rescale (exp(-1e30 - m) = 0) wipes out, not NaN.
+_MASKED = -1e30
 
 
 class _Ring(NamedTuple):
@@ -82,28 +96,34 @@ def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x[:, :half], x[:, half:]
 
 
-def _kind(q_id: jax.Array, k_id: jax.Array) -> jax.Array:
-    return jnp.where(k_id > q_id, _SKIP, jnp.where(k_id == q_id, _DIAGONAL, _FULL))
+def _kind(q_id: jax.Array, k_id: jax.Array, q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """The block of query half-chunk ``q_id`` against key half-chunk ``k_id`` (their segment
+    ids ``[b, t]``): skipped above the diagonal or where no row's segment ranges overlap
+    (no query can share a segment with a key), causal on the diagonal, full below it."""
+    meets = jnp.any((k_seg.max(1) >= q_seg.min(1)) & (k_seg.min(1) <= q_seg.max(1)))
+    return jnp.where((k_id > q_id) | ~meets, _SKIP, jnp.where(k_id == q_id, _DIAGONAL, _FULL))
 
 
-def _scores(q: jax.Array, k: jax.Array, diagonal: bool) -> jax.Array:
-    """fp32 scores ``[b, h, q, k]``, the causal mask applied on a diagonal block."""
+def _scores(q, k, q_seg, k_seg, diagonal: bool):  # type: ignore[no-untyped-def]
+    """fp32 scores ``[b, h, q, k]``, keys of other segments masked, and the causal mask on a
+    diagonal block."""
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     s = s / np.sqrt(q.shape[-1]).astype(np.float32)
+    keep = q_seg[:, None, :, None] == k_seg[:, None, None, :]
     if diagonal:
         t = q.shape[1]
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
-    return s
+        keep = keep & jnp.tril(jnp.ones((t, t), bool))
+    return jnp.where(keep, s, _MASKED)
 
 
 # -- forward ---------------------------------------------------------------------------
-def _accumulate(state, q, k, v, kind):  # type: ignore[no-untyped-def]
+def _accumulate(state, q, k, v, q_seg, k_seg, kind):  # type: ignore[no-untyped-def]
     """One block of the online softmax: ``state = (out, max, denominator)``, fp32."""
 
     def block(diagonal: bool):  # type: ignore[no-untyped-def]
         def run(state):  # type: ignore[no-untyped-def]
             out, m, denominator = state
-            s = _scores(q, k, diagonal)
+            s = _scores(q, k, q_seg, k_seg, diagonal)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m - m_new)
@@ -122,9 +142,9 @@ def _shift(ring: _Ring, *xs: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(lax.ppermute(x, ring.axis, perm) for x in xs)
 
 
-def _forward(ring: _Ring, q, k, v):  # type: ignore[no-untyped-def]
+def _forward(ring: _Ring, q, k, v, seg):  # type: ignore[no-untyped-def]
     me = lax.axis_index(ring.axis)
-    q_ids, qs = _chunk_ids(ring, me), _halves(q)
+    q_ids, qs, q_segs = _chunk_ids(ring, me), _halves(q), _halves(seg)
     b, t, h, d = qs[0].shape
     fresh = (
         jnp.zeros((b, t, h, d), jnp.float32),
@@ -132,36 +152,37 @@ def _forward(ring: _Ring, q, k, v):  # type: ignore[no-untyped-def]
         jnp.zeros((b, h, t), jnp.float32),
     )
 
-    def visit(states, k, v, owner):  # type: ignore[no-untyped-def]
-        k_ids, ks, vs = _chunk_ids(ring, owner), _halves(k), _halves(v)
+    def visit(states, k, v, k_seg, owner):  # type: ignore[no-untyped-def]
+        k_ids, ks, vs, k_segs = _chunk_ids(ring, owner), _halves(k), _halves(v), _halves(k_seg)
+
+        def block(st, i, j):  # type: ignore[no-untyped-def]
+            kind = _kind(q_ids[i], k_ids[j], q_segs[i], k_segs[j])
+            return _accumulate(st, qs[i], ks[j], vs[j], q_segs[i], k_segs[j], kind)
+
         return tuple(
-            functools.reduce(
-                lambda st, j: _accumulate(st, qs[i], ks[j], vs[j], _kind(q_ids[i], k_ids[j])),
-                (0, 1),
-                states[i],
-            )
-            for i in (0, 1)
+            functools.reduce(lambda st, j, i=i: block(st, i, j), (0, 1), states[i]) for i in (0, 1)
         )
 
     def step(carry, s):  # type: ignore[no-untyped-def]
-        states, k, v = carry
-        k, v = _shift(ring, k, v)
-        return (visit(states, k, v, (me - s) % ring.size), k, v), None
+        states, k, v, k_seg = carry
+        k, v, k_seg = _shift(ring, k, v, k_seg)
+        return (visit(states, k, v, k_seg, (me - s) % ring.size), k, v, k_seg), None
 
-    states = visit((fresh, fresh), k, v, me)  # the local block first: no hop
-    (states, _, _), _ = lax.scan(step, (states, k, v), jnp.arange(1, ring.size))
+    states = visit((fresh, fresh), k, v, seg, me)  # the local block first: no hop
+    carry: Any = (states, k, v, seg)
+    (states, *_), _ = lax.scan(step, carry, jnp.arange(1, ring.size))
     outs = [o / jnp.swapaxes(den, 1, 2)[..., None] for o, _, den in states]
     lse = jnp.concatenate([m + jnp.log(den) for _, m, den in states], axis=-1)
     return jnp.concatenate(outs, axis=1).astype(q.dtype), lse
 
 
 # -- backward --------------------------------------------------------------------------
-def _block_grads(q, k, v, do, lse, delta, kind):  # type: ignore[no-untyped-def]
+def _block_grads(q, k, v, q_seg, k_seg, do, lse, delta, kind):  # type: ignore[no-untyped-def]
     """(dq, dk, dv) of one block, fp32; zeros for a skipped one."""
 
     def block(diagonal: bool):  # type: ignore[no-untyped-def]
         def run(_):  # type: ignore[no-untyped-def]
-            p = jnp.exp(_scores(q, k, diagonal) - lse[..., None])
+            p = jnp.exp(_scores(q, k, q_seg, k_seg, diagonal) - lse[..., None])
             dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
             dp = jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(jnp.float32))
             ds = p * (dp - delta[..., None]) / np.sqrt(q.shape[-1]).astype(np.float32)
@@ -178,49 +199,52 @@ def _block_grads(q, k, v, do, lse, delta, kind):  # type: ignore[no-untyped-def]
     return lax.switch(kind, [skip, block(True), block(False)], None)
 
 
-def _backward(ring: _Ring, q, k, v, out, lse, do):  # type: ignore[no-untyped-def]
+def _backward(ring: _Ring, q, k, v, seg, out, lse, do):  # type: ignore[no-untyped-def]
     me = lax.axis_index(ring.axis)
     do32 = do.astype(jnp.float32)
     # delta = rowsum(dO * O): the softmax's backward term, per query row, [b, h, q].
     delta = jnp.swapaxes(jnp.sum(do32 * out.astype(jnp.float32), -1), 1, 2)
-    q_ids, qs, dos = _chunk_ids(ring, me), _halves(q), _halves(do32)
+    q_ids, qs, dos, q_segs = _chunk_ids(ring, me), _halves(q), _halves(do32), _halves(seg)
     t = qs[0].shape[1]
     lses, deltas = (lse[..., :t], lse[..., t:]), (delta[..., :t], delta[..., t:])
 
     def step(carry, s):  # type: ignore[no-untyped-def]
-        dq, k, v, dk, dv = carry
+        dq, k, v, k_seg, dk, dv = carry
         k_ids, ks, vs = _chunk_ids(ring, (me - s) % ring.size), _halves(k), _halves(v)
+        k_segs = _halves(k_seg)
         dqs, dks, dvs = list(_halves(dq)), list(_halves(dk)), list(_halves(dv))
         for i in (0, 1):
             for j in (0, 1):
+                kind = _kind(q_ids[i], k_ids[j], q_segs[i], k_segs[j])
                 g = _block_grads(
-                    qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], _kind(q_ids[i], k_ids[j])
+                    qs[i], ks[j], vs[j], q_segs[i], k_segs[j], dos[i], lses[i], deltas[i], kind
                 )
                 dqs[i], dks[j], dvs[j] = dqs[i] + g[0], dks[j] + g[1], dvs[j] + g[2]
         dq = jnp.concatenate(dqs, axis=1)
         # The gradients travel with their key/value chunk: after N hops all are home.
-        k, v, dk, dv = _shift(ring, k, v, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
-        return (dq, k, v, dk, dv), None
+        dks, dvs = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
+        k, v, k_seg, dk, dv = _shift(ring, k, v, k_seg, dks, dvs)
+        return (dq, k, v, k_seg, dk, dv), None
 
     zeros = jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)
-    carry = (zeros[0], k, v, zeros[1], zeros[1])
-    (dq, _, _, dk, dv), _ = lax.scan(step, carry, jnp.arange(ring.size))
+    carry = (zeros[0], k, v, seg, zeros[1], zeros[1])
+    (dq, _, _, _, dk, dv), _ = lax.scan(step, carry, jnp.arange(ring.size))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_local(ring: _Ring, q, k, v):  # type: ignore[no-untyped-def]
-    return _forward(ring, q, k, v)[0]
+def _ring_local(ring: _Ring, q, k, v, seg):  # type: ignore[no-untyped-def]
+    return _forward(ring, q, k, v, seg)[0]
 
 
-def _ring_local_fwd(ring: _Ring, q, k, v):  # type: ignore[no-untyped-def]
-    out, lse = _forward(ring, q, k, v)
-    return out, (q, k, v, out, lse)
+def _ring_local_fwd(ring: _Ring, q, k, v, seg):  # type: ignore[no-untyped-def]
+    out, lse = _forward(ring, q, k, v, seg)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _ring_local_bwd(ring: _Ring, residuals, do):  # type: ignore[no-untyped-def]
-    q, k, v, out, lse = residuals
-    return _backward(ring, q, k, v, out, lse, do)
+    q, k, v, seg, out, lse = residuals
+    return (*_backward(ring, q, k, v, seg, out, lse, do), None)  # no cotangent for ids
 
 
 _ring_local.defvjp(_ring_local_fwd, _ring_local_bwd)
@@ -264,6 +288,7 @@ def ring_attention(
     axis: str,
     *,
     balanced: bool = True,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Exact causal attention over ``[batch, seq, heads, head_dim]`` arrays whose
     sequence is split over mesh axis ``axis`` of the current mesh (``jax.set_mesh``).
@@ -273,7 +298,8 @@ def ring_attention(
     axis), left to the compiler. The local sequence chunk must be even (two
     half-chunks per device). Call it while tracing under a mesh that has
     ``axis``; ``causal_attention`` calls it under ``SequenceParallel(...,
-    attention="ring")``.
+    attention="ring")``. ``segment_ids`` (``[batch, seq]``, 0 = padding): each
+    query attends to its own segment's keys only; blocks no segment spans are skipped.
     """
     mesh = jax.sharding.get_abstract_mesh()
     ring = _Ring(axis, dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis], balanced)
@@ -284,14 +310,47 @@ def ring_attention(
             f"{2 * ring.size}. Pad the sequence, or use attention='all_gather'."
         )
     spec = P(None, axis)
+    segments = _renumbered(query.shape[:2] if segment_ids is None else segment_ids)
 
-    def local(q, k, v):  # type: ignore[no-untyped-def]
+    def local(q, k, v, seg):  # type: ignore[no-untyped-def]
         if ring.balanced:
-            q, k, v = (_to_balanced(ring, x) for x in (q, k, v))
-        out = _ring_local(ring, q, k, v)
+            q, k, v, seg = (_to_balanced(ring, x) for x in (q, k, v, seg))
+        out = _ring_local(ring, q, k, v, seg)
         return _from_balanced(ring, out) if ring.balanced else out
 
     sharded = jax.shard_map(
-        local, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis}, check_vma=False
+        local, in_specs=(spec,) * 4, out_specs=spec, axis_names={axis}, check_vma=False
     )
-    return sharded(query, key, value)
+    return sharded(query, key, value, segments)
+
+
+def _renumbered(segment_ids: jax.Array | tuple[int, ...]) -> jax.Array:
+    """int32 segment ids with padding (0) after every document; one segment for a shape."""
+    if isinstance(segment_ids, tuple):
+        return jnp.ones(segment_ids, jnp.int32)
+    ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    return jnp.where(ids == 0, jnp.iinfo(jnp.int32).max, ids)
+
+
+def ring_schedule(segment_ids: np.ndarray, size: int, balanced: bool = True) -> np.ndarray:
+    """What the ring does with each block for these segment ids (``[batch, seq]``, concrete):
+    ``[device, step, query half, key half]`` of ``SKIP`` (never computed), 1 (diagonal,
+    causal mask) or 2 (full), by the rule the ring itself applies (``_kind``).
+
+    >>> one, two = np.ones((1, 16), int), np.repeat([[1, 2]], 8, axis=1)
+    >>> int((ring_schedule(one, 4) == SKIP).sum()), int((ring_schedule(two, 4) == SKIP).sum())
+    (28, 44)
+    """
+    ring = _Ring("ring", size, balanced)
+    chunks = _renumbered(jnp.asarray(segment_ids))
+    chunks = chunks.reshape(chunks.shape[0], 2 * size, -1)
+    kinds = np.zeros((size, size, 2, 2), np.int32)
+    for device in range(size):
+        q_ids = _chunk_ids(ring, jnp.asarray(device))
+        for step in range(size):
+            k_ids = _chunk_ids(ring, jnp.asarray((device - step) % size))
+            for i in (0, 1):
+                for j in (0, 1):
+                    q_seg, k_seg = chunks[:, int(q_ids[i])], chunks[:, int(k_ids[j])]
+                    kinds[device, step, i, j] = int(_kind(q_ids[i], k_ids[j], q_seg, k_seg))
+    return kinds

@@ -93,6 +93,16 @@ def scan(x: jax.Array, block: nnx.Module) -> jax.Array:
     return block(x)
 
 
+@nnx.scan(
+    in_axes=(nnx.Carry, 0, None),
+    out_axes=nnx.Carry,
+    transform_metadata={nnx.PARTITION_NAME: LAYERS},
+)
+def _scan_with(x: jax.Array, block: nnx.Module, side: tuple[jax.Array, ...]) -> jax.Array:
+    """``scan`` with per-row inputs every layer reads unchanged (packed rows' segment ids)."""
+    return block(x, *side)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """What ``run`` needs to pipeline a stack: the stages, microbatches and their axis.
@@ -136,14 +146,18 @@ def pipelined(pipeline: Pipeline) -> Iterator[Callable[[], bool]]:
         _active.reset(token)
 
 
-def run(block: nnx.Module, x: jax.Array) -> jax.Array:
+def run(block: nnx.Module, x: jax.Array, *side: jax.Array) -> jax.Array:
     """Runs the stack ``block`` (from ``stacked``) on ``x`` (rows first): ``scan``, or
-    ``gpipe`` while a ``Pipeline`` is in force (a step traced under ``PipelineParallel``)."""
+    ``gpipe`` while a ``Pipeline`` is in force (a step traced under ``PipelineParallel``).
+
+    ``side``: arrays of the same rows every layer reads besides ``x`` (``block(x, *side)``),
+    e.g. packed rows' ``segment_ids``; pipelined, they travel with their microbatch.
+    """
     active = _active.get()
     if active is None:
-        return scan(x, block)
+        return _scan_with(x, block, side) if side else scan(x, block)
     active.ran = True
-    return gpipe(block, x, active.pipeline)
+    return gpipe(block, x, active.pipeline, *side)
 
 
 def _constrained(x: jax.Array, pipeline: Pipeline, *leading: Any) -> jax.Array:
@@ -173,7 +187,7 @@ def check_rows(rows: int, micro: int) -> None:
         )
 
 
-def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
+def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline, *side: jax.Array) -> jax.Array:
     """The GPipe schedule: ``x`` cut into microbatches streamed through the stages.
 
     The layer dimension ``[L, ...]`` (split over the stage axis) is read as
@@ -184,8 +198,9 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     stage axis, which the compiler lowers to a collective-permute between
     neighbours), feeding the next microbatch into stage 0 and collecting stage
     ``S-1``'s output. Microbatch ``i`` is rows ``i, i+M, i+2M, ...``, so each one
-    keeps the rows' split over the data axes. ``jax.grad`` of this gives the
-    backward schedule. A shifted buffer rather than ``ppermute`` in
+    keeps the rows' split over the data axes. ``side`` arrays (per-row inputs every
+    layer reads, ``block(h, *side)``) are cut the same way and shifted with ``h``.
+    ``jax.grad`` of this gives the backward schedule. A shifted buffer rather than ``ppermute`` in
     ``shard_map``: the step stays one global program, so the other members'
     layouts (data, FSDP, tensor axes) compose inside each stage unchanged.
     """
@@ -201,26 +216,37 @@ def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline) -> jax.Array:
 
     stage_state = jax.tree.map(staged, state)
     rows = x.shape[0] // micro
-    microbatches = jnp.swapaxes(x.reshape(rows, micro, *x.shape[1:]), 0, 1)
 
-    def layer(h: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, layer_state)(h), None
+    def cut(a: jax.Array) -> jax.Array:
+        return jnp.swapaxes(a.reshape(rows, micro, *a.shape[1:]), 0, 1)
 
-    def stage(one_stage: nnx.State, h: jax.Array) -> jax.Array:
-        return jax.lax.scan(layer, h, one_stage)[0]
+    microbatches = tuple(cut(a) for a in (x, *side))
+
+    def layer(h: jax.Array, layer_state: nnx.State, with_side: tuple[jax.Array, ...]) -> Any:
+        return nnx.merge(graphdef, layer_state)(h, *with_side), None
+
+    def stage(one_stage: nnx.State, h: jax.Array, *with_side: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda a, s: layer(a, s, with_side), h, one_stage)[0]
 
     every_stage = jax.vmap(stage)
-    is_first = (jnp.arange(stages) == 0).reshape(stages, *[1] * x.ndim)
 
-    def tick(buffer: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def tick(buffer: tuple[jax.Array, ...], t: jax.Array) -> tuple[Any, jax.Array]:
         # The last S-1 ticks feed the last microbatch again: filler whose outputs are
         # never collected (real values, so its zero cotangents stay finite).
-        fed = jax.lax.dynamic_index_in_dim(microbatches, jnp.minimum(t, micro - 1), 0, False)
-        inputs = _constrained(jnp.where(is_first, fed[None], jnp.roll(buffer, 1, 0)), pipeline)
-        out = _constrained(every_stage(stage_state, inputs), pipeline)
-        return out, out[stages - 1]
+        index = jnp.minimum(t, micro - 1)
+        inputs = tuple(
+            _constrained(jnp.where(_first(a), m[index][None], jnp.roll(a, 1, 0)), pipeline)
+            for a, m in zip(buffer, microbatches, strict=True)
+        )
+        out = _constrained(every_stage(stage_state, *inputs), pipeline)
+        return (out, *inputs[1:]), out[stages - 1]
 
-    empty = _constrained(jnp.zeros((stages, rows, *x.shape[1:]), x.dtype), pipeline)
+    def _first(a: jax.Array) -> jax.Array:
+        return (jnp.arange(stages) == 0).reshape(stages, *[1] * (a.ndim - 1))
+
+    empty = tuple(
+        _constrained(jnp.zeros((stages, rows, *a.shape[1:]), a.dtype), pipeline) for a in (x, *side)
+    )
     _, last = jax.lax.scan(tick, empty, jnp.arange(micro + stages - 1))
     out = last[stages - 1 :]  # microbatch i leaves the last stage at tick i + S - 1
     return jnp.swapaxes(out, 0, 1).reshape(x.shape[0], *out.shape[2:])

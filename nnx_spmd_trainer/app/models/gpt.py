@@ -19,6 +19,12 @@ Attention is ``nnx_spmd_trainer.nn.attention.causal_attention``:
 GPU computing in bf16/fp16, XLA's everywhere else; exact under
 ``SequenceParallel`` too (keys and values gathered along the split sequence),
 with the position embedding read at global positions.
+
+Packed rows: a batch with ``segment_ids`` (``[batch, seq]``, 0 = padding) and
+``positions`` (restarting at 0 at each document) keeps every document to itself:
+the attention masks other segments (``causal_attention(..., segment_ids=...)``),
+the position embedding is read at ``positions``, and ``loss_fn`` (``target_weights``)
+counts no padding target and no target across a document boundary.
 """
 
 from __future__ import annotations
@@ -134,8 +140,18 @@ class TransformerBlock(nnx.Module):
         )
         self.dropout2 = nnx.Dropout(dropout_rate, rngs=rngs)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        attention_output = self.mha(inputs_q=self.layer_norm1(inputs), decode=False)
+    def attend(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """``self.mha(x)`` with each query kept to its own segment: the module's own
+        projections around ``causal_attention`` (``nnx.MultiHeadAttention`` passes its
+        ``attention_fn`` nothing per call beyond a mask)."""
+        if segment_ids is None:
+            return self.mha(inputs_q=x, decode=False)
+        mha = self.mha
+        q, k, v = mha.query(x), mha.key(x), mha.value(x)
+        return mha.out(causal_attention(q, k, v, segment_ids=segment_ids))
+
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        attention_output = self.attend(self.layer_norm1(inputs), segment_ids)
         x = inputs + self.dropout1(attention_output)
         if hasattr(self, "moe"):
             mlp_output = self.moe(self.layer_norm2(x))
@@ -246,24 +262,44 @@ class GPT(nnx.Module):
             **precision,
         )
 
-    def features(self, tokens: jax.Array) -> jax.Array:
-        """The final layer-normed hidden states ``(batch, seq, embed_dim)``, before the head."""
+    def features(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final layer-normed hidden states ``(batch, seq, embed_dim)``, before the head.
+
+        Args:
+          tokens: ``(batch, seq)`` token ids.
+          segment_ids: packed rows' document of each token (0 = padding); each token
+            attends to its own document only.
+          positions: each token's position in its document, read by the position
+            embedding (default ``0..seq-1``).
+        """
         seq_len = tokens.shape[-1]
         if seq_len > self.seq_len:
             raise ValueError(
                 f"GPT was built for seq_len={self.seq_len}; got tokens of length {seq_len}."
             )
-        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(seq_len))
+        where = jnp.arange(seq_len) if positions is None else positions
+        x = self.token_embed(tokens) + self.pos_embed(where)
         x = self.dropout(x)
+        side = () if segment_ids is None else (segment_ids,)
         if isinstance(self.blocks, TransformerBlock):  # scan_layers: one stacked block
-            x = stack_lib.run(self.blocks, x)  # a scan; a pipeline under PipelineParallel
+            x = stack_lib.run(self.blocks, x, *side)  # a scan; a pipeline under PipelineParallel
         else:
             for block in self.blocks:
-                x = block(x)
+                x = block(x, *side)
         return self.layer_norm(x)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.head(self.features(tokens)).astype(jnp.float32)
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        return self.head(self.features(tokens, segment_ids, positions)).astype(jnp.float32)
 
 
 def stack_blocks(state: Any) -> Any:
@@ -303,20 +339,67 @@ def _is_layer_list(node: Mapping[Any, Any]) -> bool:
     return bool(node) and set(node) == set(range(len(node)))
 
 
+def packed_inputs(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The model's keyword arguments a packed batch carries (``segment_ids``, ``positions``);
+    ``{}`` for a batch of one sequence per row."""
+    return {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
+
+
+def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
+    """Which targets a packed batch trains on (``[batch, seq]`` bool), else ``None``.
+
+    A target counts when its input is a document's token (``segment_ids != 0``) and
+    the target is in the same document: the target of a document's last token is
+    the next document's first token, predicted from nothing of its own, so it is
+    left out. The target's document is ``batch["target_segment_ids"]`` when given
+    (rows cut from a stream of ``seq + 1`` tokens know it); otherwise the next
+    input's, and the row's last target is taken to continue its input's document.
+
+    A document split across rows: its continuation starts the next row at
+    position 0 as a segment of its own; its first token is no target there (no
+    input of its row precedes it), and its other targets are predicted from the
+    continuation alone. So packed rows train on exactly the targets that the same
+    pieces, one per row, would: the one target lost per split is skipped, not
+    predicted from nothing.
+    """
+    if "segment_ids" not in batch:
+        return None
+    segments = batch["segment_ids"]
+    following = batch.get("target_segment_ids")
+    if following is None:
+        following = jnp.concatenate([segments[:, 1:], segments[:, -1:]], axis=1)
+    return (segments != 0) & (following == segments)
+
+
+def _token_mean(losses: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """``masked_mean`` over real rows; over a packed batch, the mean over its trained targets."""
+    weights = target_weights(batch)
+    if weights is None:
+        return masked_mean(losses, batch)
+    return masked_mean(jnp.where(weights, losses, 0.0), batch) / jnp.maximum(
+        masked_mean(weights.astype(jnp.float32), batch), 1e-9
+    )
+
+
 def loss_fn(
     model: nnx.Module, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``,
-    over the real sequences (a padded batch's ``mask``).
+    over the real sequences (a padded batch's ``mask``); over a packed batch
+    (``segment_ids``, ``positions``), the mean over its targets within a document
+    (``target_weights``).
 
     ``aux`` holds each token's correctness, averaged per token by the metrics. A model with
     MoE blocks adds their auxiliary losses and reports their metrics (``moe.moe_losses``).
     """
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    logits = model(batch["inputs"], **packed_inputs(batch)).astype(jnp.float32)
     targets = batch["targets"]
-    loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), batch)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     extra, moe_aux = moe_losses(model)
-    return loss + extra, {"accuracy": jnp.argmax(logits, axis=-1) == targets, **moe_aux}
+    return _token_mean(losses, batch) + extra, {
+        "accuracy": jnp.argmax(logits, axis=-1) == targets,
+        **moe_aux,
+    }
 
 
 def chunked_loss_fn(
@@ -333,7 +416,7 @@ def chunked_loss_fn(
     head = model.head
     targets = batch["targets"]
     losses, predictions = chunked_cross_entropy(
-        model.features(batch["inputs"]),
+        model.features(batch["inputs"], **packed_inputs(batch)),
         head.kernel[...],
         None if head.bias is None else head.bias[...],
         targets,
@@ -341,4 +424,4 @@ def chunked_loss_fn(
         dtype=None if head.dtype is None else jnp.dtype(head.dtype),
     )
     extra, moe_aux = moe_losses(model)
-    return masked_mean(losses, batch) + extra, {"accuracy": predictions == targets, **moe_aux}
+    return _token_mean(losses, batch) + extra, {"accuracy": predictions == targets, **moe_aux}

@@ -21,6 +21,10 @@ file's per-layer tensors.
 Dropout (``dropout``) follows HF's ``resid_pdrop``/``embd_pdrop``; the attention
 weights themselves are not dropped (``attn_pdrop`` is not modelled), which
 changes nothing in eval mode, where the logits equal HF's.
+
+Packed rows: ``segment_ids`` (0 = padding) keep each document's attention to itself
+and ``positions`` (restarting per document) index ``wpe``; ``loss_fn`` (the GPT's)
+reads both from the batch.
 """
 
 from __future__ import annotations
@@ -101,13 +105,14 @@ class GPT2Attention(nnx.Module):
         self.v = _linear(d, d, "out", rngs)
         self.c_proj = _linear(d, d, "in", rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         batch, length, d = x.shape
         heads = [
             p(x).reshape(batch, length, self.n_head, d // self.n_head)
             for p in (self.q, self.k, self.v)
         ]
-        return self.c_proj(causal_attention(*heads).reshape(batch, length, d))
+        out = causal_attention(*heads, segment_ids=segment_ids)
+        return self.c_proj(out.reshape(batch, length, d))
 
 
 class GPT2MLP(nnx.Module):
@@ -131,8 +136,8 @@ class GPT2Block(nnx.Module):
         self.mlp = GPT2MLP(config, rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.dropout(self.attn(self.ln_1(x), segment_ids))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -172,16 +177,24 @@ class GPT2(nnx.Module):
         )
         self.ln_f = _layer_norm(config, rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits for ``tokens``; packed rows pass ``segment_ids`` and ``positions``."""
         length = tokens.shape[-1]
         if length > self.config.n_positions:
             raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
-        x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(length)))
+        where = jnp.arange(length) if positions is None else positions
+        x = self.drop(self.wte(tokens) + self.wpe(where))
+        side = () if segment_ids is None else (segment_ids,)
         if isinstance(self.h, GPT2Block):  # scan_layers: one stacked block
-            x = run_stack(self.h, x)  # a scan; under PipelineParallel, the stages
+            x = run_stack(self.h, x, *side)  # a scan; under PipelineParallel, the stages
         else:
             for block in self.h:
-                x = block(x)
+                x = block(x, *side)
         logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
         padding = jnp.arange(logits.shape[-1]) >= self.config.vocab_size
         return jnp.where(padding, jnp.finfo(logits.dtype).min, logits)
