@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pydoc_data.topics import topics
 
 import grain
 import numpy as np
 import pytest
 
+from nnx_spmd_trainer.data.corpus import Corpus, write_corpus
+from nnx_spmd_trainer.data.mixture import Mixture
 from nnx_spmd_trainer.data.packing import (
     ROW_KEYS,
+    ContiguousRows,
     pack_documents,
     packed_pipeline,
     padding_share,
     split_document,
 )
 from nnx_spmd_trainer.data.position import DataPosition, seek
+from nnx_spmd_trainer.data.tokenizer import train_bpe
 
 SEQ_LEN = 16
 
@@ -109,3 +114,60 @@ def test_processes_pack_their_own_documents() -> None:
         seen.append({int(i) for batch in rows for i in batch["inputs"][batch["segment_ids"] > 0]})
     assert not seen[0] & seen[1]
     assert len(seen[0]) > 0.4 * (len(seen[0]) + len(seen[1]))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    texts = [topics[k] for k in sorted(topics)][:30]
+    folder = tmp_path_factory.mktemp("contiguous")
+    (folder / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": t[: 40 + 37 * i]}) + "\n" for i, t in enumerate(texts))
+    )
+    tokenizer = train_bpe(texts=texts, vocab_size=300)
+    return write_corpus([folder / "docs.jsonl"], folder / "corpus", tokenizer, progress=False)
+
+
+def test_contiguous_rows_hold_the_documents_pairs(corpus: Corpus) -> None:
+    rows = ContiguousRows(corpus, SEQ_LEN)
+    assert len(rows) == (corpus.n_tokens - 1) // SEQ_LEN
+    covered = len(rows) * SEQ_LEN  # pairs j -> j + 1 for j below this
+    want: Counter[tuple[int, int]] = Counter()
+    for i in range(len(corpus)):
+        start, end = corpus.span(i)
+        ids = corpus[i]
+        want.update(
+            (int(a), int(b))
+            for j, (a, b) in enumerate(zip(ids[:-1], ids[1:], strict=True))
+            if start + j < covered
+        )
+    got: Counter[tuple[int, int]] = Counter()
+    for r in range(len(rows)):
+        row = rows[r]
+        for inputs, targets in segments_anywhere(row):
+            got.update(zip(inputs, targets, strict=True))
+    assert got == want  # every pair inside a document once; none across documents
+    # a document continued into the next row starts a segment at position 0 there
+    continued = [
+        r
+        for r in range(1, len(rows))
+        if rows[r]["segment_ids"][0] and rows[r - 1]["segment_ids"][-1]
+    ]
+    assert continued and all(rows[r]["positions"][0] == 0 for r in continued)
+
+
+def segments_anywhere(row: dict[str, np.ndarray]) -> list[tuple[list[int], list[int]]]:
+    """Like ``segments``, where segment 0 (a pair across documents) may sit mid-row."""
+    out = []
+    for segment in range(1, int(row["segment_ids"].max()) + 1):
+        where = np.flatnonzero(row["segment_ids"] == segment)
+        assert len(where) and (np.diff(where) == 1).all()
+        assert (row["positions"][where] == np.arange(len(where))).all()
+        out.append((row["inputs"][where].tolist(), row["targets"][where].tolist()))
+    return out
+
+
+def test_a_mixture_of_contiguous_rows_batches_them(corpus: Corpus) -> None:
+    sources = {"x": ContiguousRows(corpus, SEQ_LEN), "y": ContiguousRows(corpus, SEQ_LEN)}
+    batch = next(iter(Mixture(sources, {"x": 1, "y": 3}, global_batch_size=8, shard=(1, 2))))
+    assert {k: v.shape for k, v in batch.items()} == {k: (4, SEQ_LEN) for k in ROW_KEYS}
+    assert (batch["segment_ids"] > 0).mean() > 0.9  # a boundary pair a document: little lost

@@ -177,3 +177,50 @@ def padding_share(segment_ids: np.ndarray) -> float:
     0.5
     """
     return float(np.mean(np.asarray(segment_ids) == 0))
+
+
+class ContiguousRows:
+    """A corpus cut into rows every ``seq_len`` tokens: the random-access form of
+    concat-then-split, for sources a ``Mixture`` reads by index.
+
+    Row ``r`` holds the pairs ``tokens[j] -> tokens[j+1]`` for ``j`` in
+    ``[r * seq_len, (r + 1) * seq_len)``, with the segments and positions of
+    ``pack_documents``: a segment per document (a document continued from the row
+    before is a new segment, its positions restarting at 0), and ``segment_ids``
+    0 at the pair whose target is the next document's first token. So it holds
+    the pairs ``split_document`` gives, cut at other places, with no padding but
+    those boundary pairs. Grain's ``ConcatThenSplitIterDataset`` gives rows of this
+    kind as an iterator; a mixture resumed on another process count needs row
+    ``r`` without reading rows ``0..r-1``, so this reads it from the corpus by index.
+
+    Args:
+      corpus: a ``Corpus`` (anything with ``n_tokens``, ``ends`` and ``read``).
+      seq_len: pairs per row.
+    """
+
+    def __init__(self, corpus: Any, seq_len: int) -> None:
+        if corpus.n_tokens <= seq_len:
+            raise ValueError(f"{corpus} holds {corpus.n_tokens} tokens: no row of {seq_len}.")
+        self.corpus, self.seq_len = corpus, seq_len
+        self._rows = (corpus.n_tokens - 1) // seq_len  # the last pair needs one token more
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, index: int) -> Row:
+        if not 0 <= index < self._rows:
+            raise IndexError(f"row {index} of {self._rows}")
+        start = index * self.seq_len
+        window = self.corpus.read(start, start + self.seq_len + 1, f"Row {index}")
+        at = start + np.arange(self.seq_len)
+        document = np.searchsorted(self.corpus.ends, at, side="right")  # of each input
+        inside = document == np.searchsorted(self.corpus.ends, at + 1, side="right")
+        first = np.searchsorted(document, document, side="left")  # the segment's first place
+        segment_ids = np.zeros(self.seq_len, np.int32)  # 1, 2, ... for the documents with a pair
+        segment_ids[inside] = 1 + np.searchsorted(np.unique(document[inside]), document[inside])
+        return {
+            "inputs": window[:-1],
+            "targets": window[1:],
+            "segment_ids": segment_ids,
+            "positions": np.where(inside, np.arange(self.seq_len) - first, 0).astype(np.int32),
+        }
