@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer import path_str
+from nnx_spmd_trainer.adapters import grain_private
 
 
 class DamagedCheckpoint(Exception):
@@ -133,7 +134,7 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
     """
     if meta.get("data") != "grain" or int(meta.get("num_processes", 1)) != jax.process_count():
         return  # none saved, or not read (another process count: set from the batches taken)
-    file = path / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    file = grain_private.position_file(path / "data", jax.process_index(), jax.process_count())
     where = f"checkpoint step {step} at {path}"
     try:
         text = file.read_text()
@@ -149,8 +150,8 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
             f"{where} is damaged: its data position {file} holds {text.strip()[:200]!r}, "
             f"not the position recorded with the step ({recorded!r:.200})"
         )
-    if isinstance(state, dict) and state.keys() == {"next_index"}:
-        index, taken = state["next_index"], int(meta.get("batches_in_epoch", 0))
+    if grain_private.is_index_state(state):
+        index, taken = grain_private.next_index(state), int(meta.get("batches_in_epoch", 0))
         if not isinstance(index, int) or isinstance(index, bool) or index < taken:
             raise DamagedCheckpoint(
                 f"{where} is damaged: its data position {file} says next_index {index!r}, "

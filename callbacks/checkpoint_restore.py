@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer import RunState, as_position
+from nnx_spmd_trainer.adapters import orbax_private
 from nnx_spmd_trainer.data import BATCHES_TAKEN
 
 from .checkpoint_checks import (
@@ -46,7 +47,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
         )
     target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
     check_same_model(path, step, target.state)
-    if not (path / "commit_success.txt").exists():
+    if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(
             f"checkpoint step {step} at {path} has no commit marker: it was not finished"
         )

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from nnx_spmd_trainer.adapters import orbax_private
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint step could not be written; the message names the step, the directory,
@@ -32,7 +34,7 @@ def committed_steps(directory: Path) -> list[int]:
         return sorted(
             int(p.name)
             for p in directory.iterdir()
-            if p.name.isdigit() and (p / "commit_success.txt").exists()
+            if p.name.isdigit() and orbax_private.is_committed(p)
         )
     return []
 

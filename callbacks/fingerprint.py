@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from nnx_spmd_trainer import path_str
+from nnx_spmd_trainer.adapters.orbax_private import JsonWrittenLater
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 #: How a record names its leaves: 2 is ``path_str``; a record without the key (written
@@ -134,16 +135,16 @@ class PendingSummary:
         return self._summary
 
 
-class FingerprintHandler(ocp.JsonCheckpointHandler):
+class FingerprintHandler(JsonWrittenLater):
     """Writes a ``summarize`` result as JSON in Orbax's background commit: the device
     computation overlaps training instead of blocking the save."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(filename="fingerprints.json", **kwargs)
 
-    async def _save_fn(self, x: Any, directory: Any) -> None:
-        summary = x.get() if isinstance(x, PendingSummary) else x
-        await super()._save_fn(_resolve(summary), directory)
+    def to_json(self, item: Any) -> Any:
+        summary = item.get() if isinstance(item, PendingSummary) else item
+        return _resolve(summary)
 
 
 @ocp.args.register_with_handler(FingerprintHandler, for_save=True)

@@ -10,8 +10,11 @@ from types import FrameType
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+# Orbax's manager with its preemption checks off: it reaches into Orbax, so it lives with
+# the package's other Orbax adapters (imported from here by checkpoint.py as before).
+from nnx_spmd_trainer.adapters.orbax_private import QuietManager as QuietManager
 
 #: Set by a SIGTERM this process's Python handler caught, until a check acts on it.
 _notice = threading.Event()
@@ -35,22 +38,6 @@ def listen_early() -> None:
 def _remember(signum: int, frame: FrameType | None) -> None:
     del signum, frame
     _notice.set()
-
-
-class QuietManager(ocp.CheckpointManager):
-    """Orbax's ``CheckpointManager``, whose own preemption checks stay away from JAX.
-
-    Orbax asks ``reached_preemption(step)`` inside ``save`` and its background
-    finalize, with the step number: each call sets the count JAX's sync manager
-    compares to ``step``. The sync point is (highest count) + 1, so those calls,
-    from the main thread or not, would move it off ``PreemptionNotice``'s count
-    and the processes would never reach it. Saves for a preemption are forced, so
-    nothing here needs the answer.
-    """
-
-    def reached_preemption(self, step: int) -> bool:
-        del step
-        return False
 
 
 class PreemptionNotice:

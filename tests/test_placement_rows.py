@@ -11,9 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_spmd_trainer.data import placement
-from nnx_spmd_trainer.data.same_rows import batch_fingerprint, leaf_fingerprint, same_rows_error
+from nnx_spmd_trainer.data import same_rows
+from nnx_spmd_trainer.data.same_rows import (
+    batch_fingerprint,
+    check_same_rows,
+    leaf_fingerprint,
+    same_rows_error,
+)
 from nnx_spmd_trainer.data_shard import DataShard
+from nnx_spmd_trainer.distributed.agree import Agreement
 from nnx_spmd_trainer.sharding import ShardingError
 
 
@@ -97,6 +103,7 @@ class _Coordinator:
 
     def __init__(self) -> None:
         self.store: dict[str, str] = {}
+        self.agreement = Agreement(self, 0, 2)  # this process: 0 of 2
 
     def key_value_set(self, key: str, value: str) -> None:
         self.store[key] = value
@@ -110,8 +117,7 @@ class _Coordinator:
 @pytest.fixture
 def as_process_0_of_2(monkeypatch) -> _Coordinator:
     coordinator = _Coordinator()
-    monkeypatch.setattr(placement, "_distributed_client", lambda: coordinator)
-    monkeypatch.setattr(placement, "_checks", {})
+    monkeypatch.setattr(Agreement, "current", lambda: coordinator.agreement)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     return coordinator
@@ -124,51 +130,66 @@ def _process_1_feeds(coordinator: _Coordinator, batch: dict, shard: DataShard) -
         "shapes": [list(np.shape(x)) for x in jax.tree.leaves(batch)],
         "fingerprints": batch_fingerprint(batch),
     }
-    coordinator.store[placement.rows_key(placement._structure(batch), 0, 1)] = json.dumps(value)
+    key = coordinator.agreement.key(same_rows.topic(batch), 0, 1)
+    coordinator.store[key] = json.dumps(value)
 
 
 def test_the_check_passes_equal_batches_and_raises_on_different_ones(as_process_0_of_2):
     batch, shard = _batch(), DataShard(0, 1)
     _process_1_feeds(as_process_0_of_2, batch, shard)
-    placement.check_same_rows(batch, shard)  # agree
+    check_same_rows(batch, shard)  # agree
 
-    placement._checks.clear()
+    as_process_0_of_2.agreement = Agreement(as_process_0_of_2, 0, 2)  # a fresh runtime
     as_process_0_of_2.store.clear()
     _process_1_feeds(as_process_0_of_2, _batch(1), shard)
     with pytest.raises(ShardingError, match=r"process 1 fed a batch unlike process 0's"):
-        placement.check_same_rows(batch, shard)
+        check_same_rows(batch, shard)
 
 
 def test_a_process_feeding_another_number_of_rows_is_named_not_waited_for(as_process_0_of_2):
     batch = _batch()
     _process_1_feeds(as_process_0_of_2, {k: v[:4] for k, v in batch.items()}, DataShard(0, 1))
     with pytest.raises(ShardingError, match=r"shapes \[\(4, 5\), \(4,\)\] against \[\(8, 5\)"):
-        placement.check_same_rows(batch, DataShard(0, 1))
+        check_same_rows(batch, DataShard(0, 1))
 
 
 def test_each_structure_and_thread_counts_its_own_checks(as_process_0_of_2):
     """A check's key is the batch's structure, the thread and how many such checks came
     before: never the shapes (compared instead), never another thread's checks."""
     batch = _batch()
-    first = placement.rows_key(placement._structure(batch), 0, 0)
+    agreement = as_process_0_of_2.agreement
+    first = agreement.key(same_rows.topic(batch), 0, 0)
     _process_1_feeds(as_process_0_of_2, batch, DataShard(0, 1))
-    placement.check_same_rows(batch, DataShard(0, 1))
+    check_same_rows(batch, DataShard(0, 1))
     assert first in as_process_0_of_2.store
-    assert placement._checks == {placement._structure(batch): 0}
-    assert placement._structure(batch) == "{['x'], ['y']} placed by the main thread"
+    assert agreement.rounds(same_rows.topic(batch)) == 1
+    assert agreement.rounds(same_rows.topic({"x": batch["x"]})) == 0
+    assert same_rows.structure(batch) == "{['x'], ['y']} placed by the main thread"
     seen: list[str] = []
-    thread = threading.Thread(target=lambda: seen.append(placement._structure(batch)))
+    thread = threading.Thread(target=lambda: seen.append(same_rows.structure(batch)))
     thread.start()
     thread.join()
     assert seen == ["{['x'], ['y']} placed by the other thread"]
 
 
+def test_a_second_placement_takes_the_next_round_not_the_first_ones_values(as_process_0_of_2):
+    """The rounds belong to the joined runtime, not to a Placement: a second check of the
+    same kind of batch in this process (another trainer, another of auto's candidates)
+    meets process 1's second check, not the values of its first."""
+    batch = _batch()
+    _process_1_feeds(as_process_0_of_2, batch, DataShard(0, 1))
+    check_same_rows(batch, DataShard(0, 1))
+    with pytest.raises(RuntimeError, match=r"process 1 did not place a batch like"):
+        check_same_rows(batch, DataShard(0, 1))  # process 1's round 1 never comes
+    assert as_process_0_of_2.agreement.key(same_rows.topic(batch), 1, 0) in as_process_0_of_2.store
+
+
 def test_a_process_that_never_places_this_kind_is_named(as_process_0_of_2):
     batch = _batch()
-    with pytest.raises(RuntimeError, match=r"process 1 did not place a batch like"):
-        placement.check_same_rows(batch, DataShard(0, 1))
+    with pytest.raises(RuntimeError, match=r"process 1 did not place a batch like \{\['x'\]"):
+        check_same_rows(batch, DataShard(0, 1))
 
 
 def test_one_process_checks_nothing(monkeypatch):
-    monkeypatch.setattr(placement, "_distributed_client", lambda: pytest.fail("asked"))
-    placement.check_same_rows(_batch(), DataShard(0, 1))
+    monkeypatch.setattr(Agreement, "current", lambda: pytest.fail("asked"))
+    check_same_rows(_batch(), DataShard(0, 1))

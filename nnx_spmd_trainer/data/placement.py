@@ -4,10 +4,6 @@ and ``InFlight``, the bound on the steps dispatched ahead of the host."""
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
-import threading
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +11,6 @@ import jax
 import numpy as np
 
 from nnx_spmd_trainer.data import batches, same_rows
-from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.sharding import ShardingError
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.planner.plan import Plan
@@ -25,102 +19,6 @@ if TYPE_CHECKING:
 def _batch_key(batch: Any, *extra: Any) -> Any:
     leaves, treedef = jax.tree.flatten(batch)
     return (treedef, tuple(np.shape(x) for x in leaves), *extra)
-
-
-def _structure(batch: Any) -> str:
-    """A batch's leaf paths as the same text on every process (not the treedef's text: a
-    custom node's may hold an object's address), and which thread places it: each thread
-    places its batches in the same order on every process, two threads need not."""
-    paths = ", ".join(
-        jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_leaves_with_path(batch)
-    )
-    thread = "main" if threading.current_thread() is threading.main_thread() else "other"
-    return f"{{{paths}}} placed by the {thread} thread"
-
-
-#: How long a process waits for the others at a check of the rows they feed.
-ROWS_CHECK_TIMEOUT_S = 300
-_checks_lock = threading.Lock()
-_checks: dict[str, int] = {}  # batch structure -> how many times this process checked one
-
-
-def _distributed_client() -> Any:
-    """JAX's coordination-service client (its key-value store), or None if not found."""
-    try:
-        from jax._src import distributed  # what jax.distributed.initialize() set up
-    except ImportError:  # pragma: no cover - moved in a future JAX
-        return None
-    client = getattr(distributed.global_state, "client", None)
-    needed = ("key_value_set", "blocking_key_value_get")
-    return client if all(hasattr(client, m) for m in needed) else None
-
-
-def rows_key(structure: str, occurrence: int, process: int) -> str:
-    """Where ``process`` publishes its ``occurrence``-th check of batches of ``structure``."""
-    digest = hashlib.sha1(structure.encode()).hexdigest()[:16]
-    return f"nnx_spmd_trainer/same_rows/{digest}/{occurrence}/{process}"
-
-
-def check_same_rows(batch: Any, data_shard: DataShard) -> None:
-    """Raises on every process if processes that ``data_shard`` says feed the same rows
-    fed different batches (multi-process runs only; ``Placement.place`` calls it for
-    the first batch of each kind).
-
-    Each process publishes its ``DataShard``, its batch's shapes and
-    ``same_rows.batch_fingerprint(batch)`` under the batch's structure and how many
-    times it has checked one of that structure, then reads every process's: all
-    see the same values, so all reach the same verdict and raise together. The
-    exchange goes through JAX's coordination service, not the devices: it may run
-    in the prefetch thread while steps run, and it does not depend on the order of
-    device programs. Shapes are compared, not keyed on, so a process feeding
-    another number of rows is named too instead of waiting for the others.
-    """
-    if jax.process_count() == 1:
-        return
-    client = _distributed_client()
-    if client is None:  # pragma: no cover - JAX moved its client
-        warnings.warn(
-            "nnx_spmd_trainer: JAX's distributed client was not found, so the processes "
-            "cannot check that those feeding the same rows (trainer.placement.data_shard) "
-            "agree.",
-            stacklevel=3,
-        )
-        return
-    structure = _structure(batch)
-    with _checks_lock:
-        occurrence = _checks[structure] = _checks.get(structure, -1) + 1
-    mine = {
-        "shard": list(data_shard),
-        "shapes": [list(np.shape(x)) for x in jax.tree.leaves(batch)],
-        "fingerprints": same_rows.batch_fingerprint(batch),
-    }
-    client.key_value_set(rows_key(structure, occurrence, jax.process_index()), json.dumps(mine))
-    reports = []
-    for process in range(jax.process_count()):
-        try:
-            value = client.blocking_key_value_get(
-                rows_key(structure, occurrence, process), ROWS_CHECK_TIMEOUT_S * 1000
-            )
-        except Exception as error:  # DEADLINE_EXCEEDED (a JaxRuntimeError)
-            raise RuntimeError(
-                f"nnx_spmd_trainer: process {process} did not place a batch like "
-                f"{structure[:200]} within {ROWS_CHECK_TIMEOUT_S} s of process "
-                f"{jax.process_index()}, to check that processes with the same "
-                "trainer.placement.data_shard feed equal batches. Every process must place "
-                "the same kinds of batches (structure and shapes), in the same order."
-            ) from error
-        reports.append(json.loads(value))
-    names = [
-        jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_leaves_with_path(batch)
-    ]
-    problem = same_rows.same_rows_error(
-        [r["shard"] for r in reports],
-        [r["fingerprints"] for r in reports],
-        names,
-        shapes=[[tuple(s) for s in r["shapes"]] for r in reports],
-    )
-    if problem:
-        raise ShardingError(problem)
 
 
 class InFlight:
@@ -157,7 +55,7 @@ class Placement:
     (``Plan.batch_shardings``), and a batch is checked once per kind; later
     batches of the same kind go straight to the devices. With
     several processes that check also compares the batch with those of the
-    processes ``data_shard`` says feed the same rows (``check_same_rows``).
+    processes ``data_shard`` says feed the same rows (``same_rows.check_same_rows``).
 
     Attributes:
       plan: the layout the batches are placed in.
@@ -189,7 +87,7 @@ class Placement:
             batches.check_batch(
                 batch, shardings, divisor=divisor, data_shards=self.data_shard.count
             )
-            check_same_rows(batch, self.data_shard)
+            same_rows.check_same_rows(batch, self.data_shard)
             self._checked.add(key)
         return batches.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import grain
 
+from nnx_spmd_trainer.adapters import grain_private
+
 
 def has_position(iterator: Any) -> bool:
     """Grain iterators (and anything like them) can save and set their position."""
@@ -111,9 +113,9 @@ def _set_position(iterator: Any, position: DataPosition) -> bool:
     if position.state is BATCHES_TAKEN:
         # Every process of a per-process pipeline (rows[i::n], batched to global/n) has
         # taken the same batches at a step, whatever n: its index follows from them.
-        if set(iterator.get_state()) != {"next_index"}:
+        if not grain_private.is_index_state(iterator.get_state()):
             return False  # another kind of pipeline
-        iterator.set_state({"next_index": position.batches * _index_per_batch(iterator)})
+        iterator.set_state(grain_private.state_at(position.batches * _index_per_batch(iterator)))
         return True
     state = position.state
     if isinstance(state, bytes) and isinstance(iterator, grain.DatasetIterator):
@@ -127,9 +129,9 @@ def _index_per_batch(iterator: Any) -> int:
     (``MapDataset.batch(...).to_iter_dataset()``), a batch's rows where it counts rows
     (``to_iter_dataset().batch(...)``). Found by taking one batch, so the caller sets the
     position afterwards."""
-    start = int(iterator.get_state()["next_index"])
+    start = int(grain_private.next_index(iterator.get_state()))
     next(iterator)
-    return int(iterator.get_state()["next_index"]) - start
+    return int(grain_private.next_index(iterator.get_state())) - start
 
 
 def seek(iterator: Iterator[Any], position: DataPosition) -> int:

@@ -1,18 +1,28 @@
-"""Processes that feed the same rows: batch fingerprints, and the verdict when they differ.
+"""Processes that feed the same rows: batch fingerprints, the check, and the verdict.
 
-``Placement`` (placement.py) gathers every process's ``batch_fingerprint`` of the
-first batch of each kind through the coordination service; ``same_rows_error``
-turns them into the message every process raises.
+``Placement`` (placement.py) calls ``check_same_rows`` for the first batch of each
+kind: every process's ``DataShard``, shapes and ``batch_fingerprint`` are gathered
+through ``distributed.agree`` (the one place processes exchange host values), and
+``same_rows_error`` turns them into the message every process raises.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+
+from nnx_spmd_trainer.data_shard import DataShard
+from nnx_spmd_trainer.distributed import agree
+from nnx_spmd_trainer.sharding import ShardingError
+
+#: How long a process waits for the others at a check of the rows they feed.
+ROWS_CHECK_TIMEOUT_S = 300
 
 _CHUNK = 1 << 20  # bytes weighted at a time: bounds the temporary arrays
 
@@ -115,3 +125,69 @@ def same_rows_error(
         "count equal slices of each global batch (rows[index::count], ds.shard(count, index), "
         "or grain_pipeline), not a slice per process."
     )
+
+
+def _leaf_names(batch: Any) -> list[str]:
+    return [
+        jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_leaves_with_path(batch)
+    ]
+
+
+def structure(batch: Any) -> str:
+    """A batch's leaf paths as the same text on every process (not the treedef's text: a
+    custom node's may hold an object's address), and which thread places it: each thread
+    places its batches in the same order on every process, two threads need not."""
+    thread = "main" if threading.current_thread() is threading.main_thread() else "other"
+    return f"{{{', '.join(_leaf_names(batch))}}} placed by the {thread} thread"
+
+
+def topic(batch: Any) -> str:
+    """What a check of batches like ``batch`` agrees on (``agree``'s topic): its
+    ``structure``. Shapes are compared, not part of the topic, so a process feeding
+    another number of rows is named instead of waited for."""
+    return f"same rows of {structure(batch)}"
+
+
+def check_same_rows(batch: Any, data_shard: DataShard) -> None:
+    """Raises on every process if processes that ``data_shard`` says feed the same rows
+    fed different batches (multi-process runs only; ``Placement.place`` calls it for
+    the first batch of each kind).
+
+    Each process's ``DataShard``, its batch's shapes and ``batch_fingerprint(batch)``
+    are agreed on (``agree.all_values``) under the batch's ``topic``: all processes see
+    the same values, so all reach the same verdict and raise together.
+    """
+    if jax.process_count() == 1:
+        return
+    agreement = agree.Agreement.current()
+    if agreement is None:  # pragma: no cover - JAX moved its client
+        warnings.warn(
+            "nnx_spmd_trainer: JAX's distributed client was not found, so the processes "
+            "cannot check that those feeding the same rows (trainer.placement.data_shard) "
+            "agree.",
+            stacklevel=3,
+        )
+        return
+    mine = {
+        "shard": list(data_shard),
+        "shapes": [list(np.shape(x)) for x in jax.tree.leaves(batch)],
+        "fingerprints": batch_fingerprint(batch),
+    }
+    try:
+        reports = agreement.all_values(topic(batch), mine, timeout_s=ROWS_CHECK_TIMEOUT_S)
+    except agree.PeerMissing as error:
+        raise RuntimeError(
+            f"nnx_spmd_trainer: process {error.process} did not place a batch like "
+            f"{structure(batch)[:200]} within {ROWS_CHECK_TIMEOUT_S} s of process "
+            f"{jax.process_index()}, to check that processes with the same "
+            "trainer.placement.data_shard feed equal batches. Every process must place "
+            "the same kinds of batches (structure and shapes), in the same order."
+        ) from error
+    problem = same_rows_error(
+        [r["shard"] for r in reports],
+        [r["fingerprints"] for r in reports],
+        _leaf_names(batch),
+        shapes=[[tuple(s) for s in r["shapes"]] for r in reports],
+    )
+    if problem:
+        raise ShardingError(problem)

@@ -97,7 +97,8 @@ class Agreement:
 
     def _next_round(self, topic: str) -> int:
         with self._lock:
-            round_ = self._rounds[topic] = self._rounds.get(topic, -1) + 1
+            round_ = self._rounds.get(topic, 0)
+            self._rounds[topic] = round_ + 1
             return round_
 
     def _read(self, topic: str, round_: int, process: int, timeout_s: float) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from nnx_spmd_trainer.adapters import jax_private
 from nnx_spmd_trainer.distributed.gloo_notes import QUIET_STDOUT
 
 #: Exit status of a process that stops because another one of its job died.
@@ -55,9 +56,7 @@ class PeerWatch:
 
     @classmethod
     def start_for_this_job(cls, timeout_s: float) -> PeerWatch | None:
-        from jax._src import distributed as jax_distributed  # the client, not in the public API
-
-        client = jax_distributed.global_state.client
+        client = jax_private.coordination_client()
         if client is None or jax.process_count() == 1:
             return None
         watch = cls(client, jax.process_index(), jax.process_count(), timeout_s)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
 import jax
 
+from nnx_spmd_trainer.adapters import jax_private
 from nnx_spmd_trainer.distributed.gloo_notes import QUIET_STDOUT
 from nnx_spmd_trainer.distributed.peers import PeerWatch
 
@@ -50,16 +50,9 @@ def jax_timeouts(coordinator_address: str | None) -> dict[str, int]:
 
 
 def _cluster_processes() -> int:
-    """How many processes JAX's cluster detection finds (1 when it finds no cluster)."""
-    try:
-        from jax._src import clusters  # the detection jax.distributed.initialize() runs
-    except ImportError:  # pragma: no cover - moved in a future JAX
-        return 1
-    for cluster in clusters.ClusterEnv._cluster_types:
-        with contextlib.suppress(Exception):
-            if cluster.is_env_present():
-                return int(cluster.get_process_count())
-    return 1
+    """How many processes JAX's cluster detection finds (1 when it finds no cluster), as
+    ``jax.distributed.initialize`` finds them: opt-in-only environments (mpi4py's) skipped."""
+    return jax_private.cluster_process_count()
 
 
 def expected_processes(num_processes: int | None = None) -> int:
