@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_gpu import HAS_GPU, on_gpu
 
 from nnx_spmd_trainer import (
     FSDP,
@@ -290,3 +291,23 @@ def test_ring_skips_the_blocks_two_documents_never_share():
     # and padding (segment 0, renumbered last) meets only itself.
     padded = np.concatenate([np.ones((1, 24), np.int32), np.zeros((1, 8), np.int32)], axis=1)
     assert (ring_schedule(padded, 4) == SKIP).sum() == causal_only + 6 * 2
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine")
+def test_cudnn_attention_with_segments_agrees_with_xla():
+    on_gpu(
+        """
+import jax, jax.numpy as jnp, numpy as np
+from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
+q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, 4, 32), jnp.bfloat16) for i in range(3))
+segments = np.repeat(np.array([[1, 2, 3, 0], [1, 1, 2, 2]], np.int32), 32, axis=1)
+assert attention_implementation(jnp.bfloat16) == "cudnn"
+fused = jax.jit(lambda q, k, v: causal_attention(q, k, v, segment_ids=segments))
+assert "cudnn" in fused.lower(q, k, v).compile().as_text().lower()
+reference = causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)), segment_ids=segments)
+out = fused(q, k, v).astype(jnp.float32)
+assert bool(jnp.isfinite(out).all())
+error = float(jnp.abs(out - reference).max())
+assert error < 3e-2, error
+"""
+    )

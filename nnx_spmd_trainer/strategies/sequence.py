@@ -64,6 +64,11 @@ class SequenceParallel(AxisStrategy):
     needs the sequence divisible by ``2n`` and takes effect only in
     ``causal_attention`` (a model's own attention stays as the compiler lays it out).
 
+    Packed rows: a batch's ``segment_ids`` and ``positions`` are ``(rows, sequence)``
+    leaves, split along the sequence like the tokens; ``causal_attention(...,
+    segment_ids=...)`` gathers the keys' ids with the keys (all-gather form) or passes
+    them round the ring with them, skipping blocks no segment spans (docs/topics/packing.md).
+
     >>> SequenceParallel(4).mesh_axes(), SequenceParallel(4).batch_axes()
     ((('seq', 4),), ())
     >>> SequenceParallel(4, attention="ring")

@@ -43,6 +43,7 @@ from nnx_spmd_trainer.nn import stack as stack_lib
 from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.nn.moe import MoE, moe_losses
+from nnx_spmd_trainer.nn.packed import packed_inputs, target_weights
 from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
 
@@ -54,7 +55,9 @@ __all__ = [
     "causal_attention",
     "chunked_loss_fn",
     "loss_fn",
+    "packed_inputs",
     "stack_blocks",
+    "target_weights",
     "stacked_blocks",
     "unstack_blocks",
 ]
@@ -337,38 +340,6 @@ def unstack_blocks(state: Any, num_layers: int) -> Any:
 
 def _is_layer_list(node: Mapping[Any, Any]) -> bool:
     return bool(node) and set(node) == set(range(len(node)))
-
-
-def packed_inputs(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The model's keyword arguments a packed batch carries (``segment_ids``, ``positions``);
-    ``{}`` for a batch of one sequence per row."""
-    return {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
-
-
-def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
-    """Which targets a packed batch trains on (``[batch, seq]`` bool), else ``None``.
-
-    A target counts when its input is a document's token (``segment_ids != 0``) and
-    the target is in the same document: the target of a document's last token is
-    the next document's first token, predicted from nothing of its own, so it is
-    left out. The target's document is ``batch["target_segment_ids"]`` when given
-    (rows cut from a stream of ``seq + 1`` tokens know it); otherwise the next
-    input's, and the row's last target is taken to continue its input's document.
-
-    A document split across rows: its continuation starts the next row at
-    position 0 as a segment of its own; its first token is no target there (no
-    input of its row precedes it), and its other targets are predicted from the
-    continuation alone. So packed rows train on exactly the targets that the same
-    pieces, one per row, would: the one target lost per split is skipped, not
-    predicted from nothing.
-    """
-    if "segment_ids" not in batch:
-        return None
-    segments = batch["segment_ids"]
-    following = batch.get("target_segment_ids")
-    if following is None:
-        following = jnp.concatenate([segments[:, 1:], segments[:, -1:]], axis=1)
-    return (segments != 0) & (following == segments)
 
 
 def _token_mean(losses: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:

@@ -1,0 +1,57 @@
+"""Packed rows: what a batch of documents packed into rows tells the model and its loss.
+
+A packed batch holds, beside ``inputs`` and ``targets`` (the next token of each
+input), ``segment_ids`` (``[rows, seq]``: ``1..k`` for the documents of a row, ``0``
+for padding) and ``positions`` (each token's position in its document, restarting
+at 0). The attention reads the first (``attention.causal_attention(...,
+segment_ids=...)``), the position embedding the second; the loss counts the
+targets ``target_weights`` keeps. docs/topics/packing.md shows a model of one's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["packed_inputs", "target_weights"]
+
+
+def packed_inputs(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The model's keyword arguments a packed batch carries (``segment_ids``, ``positions``);
+    ``{}`` for a batch of one sequence per row."""
+    return {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
+
+
+def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
+    """Which targets a packed batch trains on (``[batch, seq]`` bool), else ``None``.
+
+    A target counts when its input is a document's token (``segment_ids != 0``) and
+    the target is in the same document. The target of a document's last token is
+    the next document's first token, which nothing of its own document precedes, so
+    it is left out. The target's document is ``batch["target_segment_ids"]`` when
+    given (rows cut from a stream of ``seq + 1`` tokens know it); otherwise the next
+    input's, and the row's last target is taken to continue its input's document.
+
+    >>> batch = {"segment_ids": jnp.array([[1, 1, 1, 2, 2, 0]])}
+    >>> target_weights(batch).astype(int)
+    Array([[1, 1, 0, 1, 0, 0]], dtype=int32)
+    >>> batch = {"segment_ids": jnp.array([[1, 1]]), "target_segment_ids": jnp.array([[1, 2]])}
+    >>> target_weights(batch).astype(int)
+    Array([[1, 0]], dtype=int32)
+
+    A document split across rows: its continuation starts the next row at
+    position 0 as a segment of its own; its first token is no target there (no
+    input of its row precedes it), and its other targets are predicted from the
+    continuation alone. So packed rows train on exactly the targets that the same
+    pieces, one per row, would: the one target lost per split is skipped, not
+    predicted from nothing.
+    """
+    if "segment_ids" not in batch:
+        return None
+    segments = batch["segment_ids"]
+    following = batch.get("target_segment_ids")
+    if following is None:
+        following = jnp.concatenate([segments[:, 1:], segments[:, -1:]], axis=1)
+    return (segments != 0) & (following == segments)
