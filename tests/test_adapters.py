@@ -66,7 +66,7 @@ def test_jax_keeps_its_coordination_client_where_the_adapter_reads_it():
 def test_agreement_runs_on_jaxs_own_key_value_store(real_store):
     """The calls distributed.agree and peers make, on JAX's store: a value set is read back,
     a key set twice is refused unless overwritten, a missing one times out."""
-    agreement = Agreement(real_store, 0, 1)  # type: ignore[arg-type]
+    agreement = Agreement(real_store, 0, 1)
     why = f"JAX's key-value store no longer behaves as distributed.agree assumes, {JAX}"
     assert agreement.all_values("t", {"a": [1, 2]}) == [{"a": [1, 2]}], why
     assert agreement.all_values("t", "again") == ["again"], why  # the next round, its own key

@@ -20,7 +20,7 @@ notes, dropped) and ``launch`` (the local launcher).
 """
 
 from nnx_spmd_trainer.distributed import agree, peers, runtime
-from nnx_spmd_trainer.distributed.agree import Agreement, PeerMissing
+from nnx_spmd_trainer.distributed.agree import Agreement, KeyValueStore, PeerMissing
 from nnx_spmd_trainer.distributed.gloo_notes import (
     GLOO_PIECES,
     QUIET_STDOUT,
@@ -75,4 +75,5 @@ __all__ = [
     "agree",
     "Agreement",
     "PeerMissing",
+    "KeyValueStore",
 ]

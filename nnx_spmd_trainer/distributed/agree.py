@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
@@ -34,6 +34,17 @@ from nnx_spmd_trainer.adapters import jax_private
 
 #: Seconds a process waits for the others at one round, by default.
 ROUND_TIMEOUT_S = 300
+
+
+class KeyValueStore(Protocol):
+    """What an ``Agreement`` exchanges values through: the calls it makes of JAX's
+    coordination-service client (``adapters.jax_private.coordination_client``)."""
+
+    def key_value_set(self, key: str, value: str, /) -> None:
+        """Publishes ``value`` under ``key`` (once: a key is never set twice)."""
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int, /) -> str:
+        """``key``'s value, waiting up to ``timeout_in_ms`` for it to be set (then raises)."""
 
 
 class PeerMissing(RuntimeError):
@@ -66,7 +77,7 @@ class Agreement:
     _current: Agreement | None = None
     _current_lock = threading.Lock()
 
-    def __init__(self, store: jax_private.KeyValueStore, process: int, processes: int) -> None:
+    def __init__(self, store: KeyValueStore, process: int, processes: int) -> None:
         self.store, self.process, self.processes = store, process, processes
         self._lock = threading.Lock()
         self._rounds: dict[str, int] = {}  # topic -> rounds taken by this process
