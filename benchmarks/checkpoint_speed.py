@@ -136,8 +136,8 @@ class Saves:
     def settle(self) -> None:
         """Nothing of the trainer's in flight: a save then times the save alone."""
         jax.block_until_ready(self.trainer.state)
-        loss = self.trainer.metric_log.last_loss
-        assert loss is None or np.isfinite(np.asarray(jax.device_get(loss))), loss
+        record = self.trainer.last_step
+        assert record is None or np.isfinite(record.loss_value()), record
 
 
 def time_async_save(saves: Saves, data: list[dict]) -> tuple[float, float]:

@@ -56,7 +56,7 @@ class StepTimes(Callback):
         self.ends: list[float] = []
 
     def on_train_batch_end(self, step: int, logs: dict) -> None:
-        float(self.trainer.metric_log.last_loss)
+        self.trainer.last_step.loss_value()
         self.ends.append(time.perf_counter())
 
 

@@ -200,8 +200,8 @@ class OrbaxCheckpoint(CheckpointResume):
         trainer = self.trainer
         if trainer.progress.nonfinite_step is not None or step in self.manager.all_steps():
             return False
-        loss = trainer.metric_log.last_loss
-        return loss is None or math.isfinite(float(np.asarray(jax.device_get(loss))))
+        record = trainer.last_step  # the step saved: saving waits for it anyway
+        return record is None or math.isfinite(record.loss_value())
 
     def save(self, step: int, *, force: bool = False) -> bool:
         """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved).

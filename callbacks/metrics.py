@@ -34,4 +34,4 @@ class MetricsLogger(Callback):
     @override
     def set_trainer(self, trainer: Trainer) -> None:
         super().set_trainer(trainer)
-        trainer.metric_log.request_log_every(self.log_every_n_steps)
+        trainer.log_schedule.request_log_every(self.log_every_n_steps)

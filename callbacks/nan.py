@@ -14,11 +14,11 @@ from nnx_spmd_trainer import Callback, Logs
 class TerminateOnNaN(Callback):
     """Stops training when the loss becomes NaN or infinite, and names the step.
 
-    Every step it keeps a reference to ``trainer.metric_log.last_loss`` (still on device:
-    no copy). Every ``check_every_n_steps`` steps it copies to the host, in one
-    transfer, only the kept losses of steps the trainer has already waited for
-    (those at least ``trainer.placement.max_steps_in_flight`` steps old), so checking
-    never stalls the pipeline; at log points, epoch ends and the end of fit,
+    Every step it keeps a reference to the step's loss (``trainer.last_step.loss``, a
+    ``StepRecord``'s: still on device, no copy). Every ``check_every_n_steps`` steps it
+    copies to the host, in one transfer, only the kept losses of steps the trainer has
+    already waited for (those at least ``trainer.placement.max_steps_in_flight`` steps
+    old), so checking never stalls the pipeline; at log points, epoch ends and the end of fit,
     where the devices are synced anyway, it checks them all. The step it
     reports is the *first* non-finite one, exactly; training stops a few
     steps after it.
@@ -27,7 +27,7 @@ class TerminateOnNaN(Callback):
     diverged state): on detection it calls
     ``trainer.request_stop(nonfinite_step=<first bad step>)``. A checkpoint callback must
     skip saving while ``trainer.progress.nonfinite_step is not None``, and must check
-    that the loss of the step it saves is finite (``trainer.metric_log.last_loss``: saving
+    that the loss of the step it saves is finite (``trainer.last_step.loss``: saving
     waits for that step anyway), which covers the few steps not yet checked
     here. Losses of a diverged model stay non-finite, so no NaN state is saved.
 
@@ -108,8 +108,9 @@ class TerminateOnNaN(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self.stopped_step is not None:
             return
-        assert self.trainer.metric_log.last_loss is not None
-        self._pending.append((step, self.trainer.metric_log.last_loss))
+        record = self.trainer.last_step
+        assert record is not None and record.step == step
+        self._pending.append((step, record.loss))
         if "train/loss" in logs:  # a log point: the devices were just synced for the metrics
             self.check()
         elif step % self.check_every_n_steps == 0:

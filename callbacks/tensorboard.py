@@ -83,7 +83,7 @@ class TensorBoard(Callback):
       metrics: host wall time between log points, evaluation and compile time
       excluded, never a per-step sync.
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
-      or ``trainer.metric_log.last_batch`` (shapes only);
+      or the last step's batch shapes (``trainer.last_step.batch_shapes``);
       without either, only the step rates are written;
     * at the start: the run config (``trainer.config``) and the sharding
       table of the whole state, parameters and optimizer state (path, shape,
@@ -159,18 +159,17 @@ class TensorBoard(Callback):
     def _write_throughput(self, logs: Logs, step: int) -> None:
         if not any(key.startswith("train/") for key in logs):
             return
-        compiled = self.trainer.metric_log.perf.compile_seconds
-        self._timer.exclude(compiled - self._compile_seconds)  # a compile is not a step
-        self._compile_seconds = compiled
+        self._timer.exclude(self._compile_seconds)  # a compile is not a step
+        self._compile_seconds = 0.0
         seconds = self._timer.seconds_per_step(step)
         if seconds is None or seconds <= 0 or (writer := self.writer) is None:
             return
         writer.add_scalar("perf/step_time_s", seconds, step)
         writer.add_scalar("perf/steps_per_s", 1.0 / seconds, step)
         examples, tokens = self.examples_per_step, self.tokens_per_step
-        batch = self.trainer.metric_log.last_batch
-        if examples is None and batch is not None:
-            examples, tokens = batch_size_and_tokens(batch)
+        record = self.trainer.last_step
+        if examples is None and record is not None:
+            examples, tokens = batch_size_and_tokens(record.batch_shapes)
         if examples is not None:
             writer.add_scalar("perf/examples_per_s", examples / seconds, step)
         if tokens is not None:
@@ -200,11 +199,13 @@ class TensorBoard(Callback):
 
     def _write_plan_report(self, step: int) -> None:
         self._plan_due = False
-        batch = self.trainer.metric_log.last_batch
-        if batch is None or (writer := self.writer) is None:
+        record = self.trainer.last_step
+        if record is None or (writer := self.writer) is None:
             return
         try:  # a cache hit of the step just compiled; a text must never stop the run
-            report = self.trainer.plan.report(batch, train_step=self.trainer.train_step)
+            report = self.trainer.plan.report(
+                record.batch_shapes, train_step=self.trainer.train_step
+            )
         except Exception as error:  # noqa: BLE001
             warnings.warn(f"TensorBoard: no plan report ({error!r}).", stacklevel=2)
             return
@@ -238,7 +239,7 @@ class TensorBoard(Callback):
     @override
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
-        self._compile_seconds = self.trainer.metric_log.perf.compile_seconds
+        self._compile_seconds = 0.0  # compiling in the steps since the last log point
         self._purge_step = self.trainer.step + 1 if self.trainer.step else None
         if (writer := self.writer) is None:
             return
@@ -253,6 +254,8 @@ class TensorBoard(Callback):
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        if (record := self.trainer.last_step) is not None:
+            self._compile_seconds += record.compile_s
         if self._plan_due:
             self._write_plan_report(step)
         if self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0:

@@ -8,7 +8,9 @@ from nnx_spmd_trainer.data.grain_input import grain_pipeline
 from nnx_spmd_trainer.data.position import as_position
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.engine.callback import HOOKS, Callback, CallbackList, History, Logs
+from nnx_spmd_trainer.engine.metric_log import LogSchedule
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.engine.step_record import StepRecord
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.nn import moe, remat, stack
@@ -55,10 +57,12 @@ __all__ = [
     "ExplicitModeError",
     "History",
     "Logs",
+    "LogSchedule",
     "Plan",
     "Progress",
     "RunLock",
     "RunState",
+    "StepRecord",
     "Hybrid",
     "PipelineParallel",
     "SequenceParallel",

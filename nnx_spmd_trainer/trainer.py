@@ -18,12 +18,12 @@ from nnx_spmd_trainer.engine import layout, predict
 from nnx_spmd_trainer.engine.callback import Callback, CallbackList, History
 from nnx_spmd_trainer.engine.layout import LayoutAccess
 from nnx_spmd_trainer.engine.loop import Loop
-from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.metric_log import LogSchedule
 from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
-from nnx_spmd_trainer.planner.plan import DefaultMetrics, Plan, tracing_plan
+from nnx_spmd_trainer.planner.plan import Plan, tracing_plan
 from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
@@ -105,9 +105,12 @@ class Trainer(LayoutAccess, RunAccess):
       progress: where the running (or last) ``fit`` is (``Progress``: epoch,
         batches, the train iterator and its position, preemption). Read-only
         for callbacks: they ask with ``request_stop``.
-      metric_log: the on-device metrics and the log schedule (``MetricLog``;
-        ``metric_log.request_log_every(n)``, ``metric_log.last_loss``). ``report``
+      metric_log: the plan's on-device metric accumulators (``MetricLog``). ``report``
         is its deprecated name (``report`` is a ``PlanReport``: ``plan.report``).
+      log_schedule: when training metrics reach ``logs`` (``LogSchedule``:
+        ``log_schedule.request_log_every(n)``, ``track_norms``).
+      last_step: the last training step (``StepRecord``: step, loss on device, batch
+        shapes, host timings): what a hook reads after a step.
       placement: batch placement (``Placement``: ``place``, ``data_shard``,
         ``prefetch``, the in-flight bound).
       stop_requested: whether ``fit`` ends after the current step (``request_stop``;
@@ -168,17 +171,13 @@ class Trainer(LayoutAccess, RunAccess):
         if self._loss_fn is None and type(self).loss_fn is Trainer.loss_fn:
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
-        # strategy="auto": until the choice, a metric log that keeps the log schedule asked.
-        metrics_class = metrics if metrics is not None else DefaultMetrics
-        self.run = Run(MetricLog(metrics_class.empty, jax.local_devices()))
+        self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
         self.run.initial_state = init_from.state if init_from is not None else None
         self._layout = layout.Layout(
             self.run,
             pending,
             prefetch=prefetch,
             max_steps_in_flight=max_steps_in_flight,
-            track_norms=track_norms,
-            log_every_n_steps=log_every_n_steps,
         )
         if plan is not None:
             self._layout.adopt(plan)

@@ -114,7 +114,7 @@ class RecordBatches(Callback):
     def on_train_batch_end(self, step: int, logs: dict) -> None:
         x = multihost_utils.process_allgather(self.trainer.metric_log.last_batch["x"], tiled=True)
         self.rows.append(np.sort(np.asarray(x), axis=0))
-        self.losses.append(float(np.asarray(self.trainer.metric_log.last_loss.addressable_data(0))))
+        self.losses.append(self.trainer.last_step.loss_value())
 
 
 def rows_counted_pipeline(index: int, count: int) -> grain.IterDataset:

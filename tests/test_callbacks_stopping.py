@@ -69,7 +69,7 @@ class CheckpointProbe(Callback):
 
     def on_train_batch_end(self, step, logs):
         if self.trainer.progress.nonfinite_step is None and np.isfinite(
-            self.trainer.metric_log.last_loss
+            self.trainer.last_step.loss_value()
         ):
             self.saved[step] = np.asarray(self.trainer.model.l.kernel[...])
 

@@ -16,7 +16,7 @@ def trainer_for(**kwargs) -> Trainer:
 
 
 def parts(trainer: Trainer) -> dict[str, float]:
-    goodput = trainer.metric_log.perf.goodput()
+    goodput = trainer.run.timings.goodput()
     return {part: goodput[f"goodput/{part}_s"] for part in GOODPUT} | {
         "wall": goodput["goodput/wall_s"]
     }

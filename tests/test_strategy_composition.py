@@ -127,7 +127,7 @@ def test_member_compile_step_wraps_the_trainers_step():
     trainer = build(Hybrid(FSDP(4, min_size=64), CountCompiles(2)))
     trainer.fit(make_batches(3), max_steps=3)
     assert len(CountCompiles.compiles) == 1  # the train step, compiled once
-    trainer.metric_log.request_log_every(2)  # a log point: the variant with norms, compiled once
+    trainer.log_schedule.request_log_every(2)  # a log point: the variant with norms, compiled once
     trainer.fit(make_batches(3), max_steps=6)
     assert len(CountCompiles.compiles) == 2
     assert CountCompiles.traces == CountCompiles.compiles  # traced once, not per step

@@ -112,7 +112,7 @@ class RecordLosses(Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, step: int, logs: dict) -> None:
-        self.losses.append(float(self.trainer.metric_log.last_loss))
+        self.losses.append(self.trainer.last_step.loss_value())
 
 
 def flat_params(state: nnx.State) -> dict[str, np.ndarray]:

@@ -234,7 +234,7 @@ class CallbackList:
         return next((layout for layout in answers if layout is not None), None)
 
     def _call(self, hook: str, *args: Any) -> None:
-        timing = self.trainer.metric_log.perf.timing
+        timing = self.trainer.run.timings.timing
         for method, part in self._bound[hook]:
             with timing(part):
                 method(*args)

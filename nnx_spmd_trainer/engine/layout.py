@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 from nnx_spmd_trainer.data.placement import Placement
 from nnx_spmd_trainer.engine import timing
 from nnx_spmd_trainer.engine.callback import CallbackList
-from nnx_spmd_trainer.engine.metric_log import MetricLog
 from nnx_spmd_trainer.engine.run import Run, not_chosen
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import auto
@@ -107,31 +106,23 @@ class Layout:
         *,
         prefetch: int | None,
         max_steps_in_flight: int,
-        track_norms: bool,
-        log_every_n_steps: int | None,
     ) -> None:
         self.run, self.pending = run, pending
         self.placement: Placement | None = None
         self.choice: auto.Choice | None = None
         self.first_logs: dict[str, float] = {}
-        self._settings = (prefetch, max_steps_in_flight, track_norms, log_every_n_steps)
+        self._settings = (prefetch, max_steps_in_flight)
 
     def adopt(self, plan: Plan) -> None:
-        """Makes ``plan`` the run's, with its placement and a metric log for it (the
-        log schedule asked so far kept)."""
-        prefetch, max_steps_in_flight, track_norms, log_every_n_steps = self._settings
+        """Makes ``plan`` the run's (which gives it the plan's metric accumulators), with
+        its placement."""
+        prefetch, max_steps_in_flight = self._settings
         self.run.plan = plan
         self.placement = Placement(
             plan,
             prefetch=backend_default("prefetch", plan.mesh) if prefetch is None else prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
-        asked = self.run.metric_log.log_every
-        self.run.metric_log = MetricLog(
-            plan.empty_metrics, plan.mesh.local_devices, track_norms=track_norms
-        )
-        for n in (*asked, *([log_every_n_steps] if log_every_n_steps is not None else [])):
-            self.run.metric_log.request_log_every(n)
 
     def choose(
         self,

@@ -23,6 +23,7 @@ from nnx_spmd_trainer.data.position import has_position
 from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
 from nnx_spmd_trainer.engine.callback import Logs
+from nnx_spmd_trainer.engine.step_record import StepRecord, batch_shapes
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.placement import InFlight
@@ -37,24 +38,26 @@ def _any_deleted(leaves: Sequence[Any]) -> bool:
     return any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
 
 
-def take_step(run: Run, outputs: StepOutputs, batch: Any, in_flight: InFlight) -> None:
+def take_step(run: Run, outputs: StepOutputs, in_flight: InFlight) -> jax.Array:
     """A dispatched train step's ``outputs`` taken into ``run`` as ``fit`` takes them: the
-    new state written into the live objects, the metrics and norms kept, the loss and
-    ``batch`` kept on the devices, and the step joined to ``in_flight`` (which waits for
-    the oldest step when more are unfinished than its bound)."""
+    new state written into the live objects, the metrics and norms kept, and the step
+    joined to ``in_flight`` (which waits for the oldest step when more are unfinished
+    than its bound). Returns the step's loss, still on the devices."""
     metric_log = run.metric_log
-    arrays, metric_log.train, loss, metric_log.perf.norms = outputs
+    arrays, metric_log.train, loss, metric_log.norms = outputs
     run.objects().write(arrays)
-    metric_log.last_loss, metric_log.last_batch = loss, batch
     in_flight.add(loss)
     metric_log.train_steps += 1
+    return loss
 
 
-def train_one(run: Run, step: Callable[..., StepOutputs], batch: Any, in_flight: InFlight) -> None:
+def train_one(
+    run: Run, step: Callable[..., StepOutputs], batch: Any, in_flight: InFlight
+) -> jax.Array:
     """One compiled train ``step`` on ``run``'s live state and metrics, taken as ``fit``
     takes it (``take_step``): ``strategy="auto"`` times a candidate layout with it on a
-    ``Run`` of its own, so a layout is timed as it trains."""
-    take_step(run, step(run.objects().arrays(), run.metric_log.train, batch), batch, in_flight)
+    ``Run`` of its own, so a layout is timed as it trains. Returns the loss (on device)."""
+    return take_step(run, step(run.objects().arrays(), run.metric_log.train, batch), in_flight)
 
 
 class Loop:
@@ -62,7 +65,9 @@ class Loop:
 
     It keeps only what the order of things needs between calls: the compiled
     train steps of the running ``fit`` (by whether they compute norms), and the
-    last host batch a step took (what a changed batch is compared with).
+    last host batch a step took (what a changed batch is compared with). After each
+    step it hands the hooks a ``StepRecord`` (``run.last_step``). When training
+    metrics are logged is the run's ``LogSchedule``; where the time goes, its timings.
     """
 
     def __init__(self, trainer: Trainer, *, overrides_train_step: bool) -> None:
@@ -104,7 +109,7 @@ class Loop:
         run.begin_fit(max_steps, eval_every_n_steps)
         self._train_steps, self._train_structure = {}, None  # looked up again in each fit
         self._last_eval_step = -1
-        run.metric_log.perf.restart()
+        run.timings.restart()
         try:
             callbacks.on_fit_start({})  # may restore a run state (Run.load)
             callbacks.on_train_begin({})
@@ -128,7 +133,7 @@ class Loop:
                 run.hold_resume_point(keep=True)
                 if eval_data is not None and self._last_eval_step != run.step:
                     self.evaluate(eval_data)
-                callbacks.on_train_end(run.metric_log.flush(run.progress.epoch))
+                callbacks.on_train_end(run.metric_log.flush(run.progress.epoch, run.timings))
             callbacks.on_fit_end({})
         except BaseException as error:
             self.abort(error)
@@ -168,7 +173,7 @@ class Loop:
             if run.done(max_steps):  # fit's final log point begins: a resumed run skips it
                 run.hold_resume_point()
             self.trainer.placement.in_flight.drain()
-            callbacks.on_epoch_end(epoch, run.metric_log.flush(epoch))
+            callbacks.on_epoch_end(epoch, run.metric_log.flush(epoch, run.timings))
 
     def abort(self, error: BaseException) -> None:
         """The exception path of ``fit``: settle the devices, tell the callbacks.
@@ -216,7 +221,7 @@ class Loop:
             iterator,
             lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
             ahead,
-            waiting=lambda: run.metric_log.perf.timing("data_wait"),
+            waiting=lambda: run.timings.timing("data_wait"),
             explain=lambda host, error: batch_mismatch(
                 error, f"step {run.step + 1}", self._last_host_batch, host
             ),
@@ -237,15 +242,30 @@ class Loop:
         max_steps: int | None,
         eval_every_n_steps: int | None,
     ) -> None:
-        run, metric_log, callbacks = self.run, self.run.metric_log, self.trainer.callbacks
+        run, timings, callbacks = self.run, self.run.timings, self.trainer.callbacks
+        schedule, seconds = run.schedule, timings.seconds
+        before = dict(seconds)  # each record's timings: the parts' growth since then
         for host, batch in batches:
             run.progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             callbacks.on_train_batch_begin(run.step, {})
-            with metric_log.perf.timing("step"):
-                norms = metric_log.track_norms and metric_log.is_log_step(run.step + 1)
-                self._train_one(batch, host, norms=norms)
-            logs = metric_log.flush(run.progress.epoch) if metric_log.is_log_step(run.step) else {}
+            with timings.timing("step"):
+                loss = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
+            run.last_batch = batch
+            run.last_step = StepRecord(
+                run.step,
+                loss,
+                batch_shapes(batch),
+                data_wait_s=seconds["data_wait"] - before["data_wait"],
+                compile_s=seconds["compile"] - before["compile"],
+                step_s=seconds["step"] - before["step"],
+            )
+            before = dict(seconds)
+            logs = (
+                run.metric_log.flush(run.progress.epoch, timings)
+                if schedule.is_log_step(run.step)
+                else {}
+            )
             callbacks.on_train_batch_end(run.step, logs)
             if eval_every_n_steps and run.step % eval_every_n_steps == 0:
                 assert eval_data is not None
@@ -255,7 +275,7 @@ class Loop:
             if run.done(max_steps):
                 break
 
-    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> None:
+    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> jax.Array:
         run, metric_log, plan = self.run, self.run.metric_log, self.trainer.plan
         structure = jax.tree.structure(batch)
         known = plan.steps.count
@@ -270,7 +290,7 @@ class Loop:
                 self._train_steps[norms] = self.compile("train", batch, norms=norms)
             # A new step traces and compiles in its first call (dispatch is asynchronous).
             timing = (
-                metric_log.perf.timing("compile")
+                run.timings.timing("compile")
                 if plan.steps.count > known
                 else contextlib.nullcontext()
             )
@@ -281,18 +301,19 @@ class Loop:
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         self._last_host_batch = host
-        take_step(run, outputs, batch, self.trainer.placement.in_flight)
+        loss = take_step(run, outputs, self.trainer.placement.in_flight)
         if first and self.overrides_train_step:
             # An override may update any number of times: one read, in the step that
             # compiled, says how many (the default updates once and reads nothing).
             run.host_step = None
             self._updates_per_step[norms] = run.step - count
         run.host_step = count + self._updates_per_step.get(norms, 1)
+        return loss
 
     # -- evaluate --------------------------------------------------------------------------
     def evaluate(self, eval_data: Iterable[Any]) -> Logs:
         """``eval_fn`` over all of ``eval_data``: ``{"eval/loss": ..., ...}``."""
-        with self.run.metric_log.perf.timing("eval"):
+        with self.run.timings.timing("eval"):
             return self._evaluate(eval_data)
 
     def _evaluate(self, eval_data: Iterable[Any]) -> Logs:

@@ -1,23 +1,29 @@
-"""MetricLog: the run's metrics on the devices, and what a log point writes into ``logs``.
+"""What a log point writes into ``logs``, from three owners.
 
-Metric values on the host, step norms, compile time, device memory. Everything
-here reads arrays the step left on the devices only when a log point asks, so a
-run pays one small device-to-host read per log point. (``report`` is a
-``PlanReport`` elsewhere: what a step costs, before it runs.)
+``LogSchedule`` (a trainer setting: when training metrics leave the devices),
+``MetricLog`` (a plan's on-device accumulators and the last step's norms: the
+``Run`` builds one for each plan it is given) and ``StepPerf`` (where the host's
+time went: the run's, whatever the plan). Everything here reads arrays the step
+left on the devices only when a log point asks, so a run pays one small
+device-to-host read per log point. (``report`` is a ``PlanReport`` elsewhere:
+what a step costs, before it runs.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from clu import metrics as clu_metrics
 
+from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.engine.callback import Logs
+from nnx_spmd_trainer.engine.step_record import StepRecord
 
 #: A 1-D metric of at most this many values is logged one scalar per index.
 MAX_INDEXED = 64
@@ -69,8 +75,46 @@ def device_memory_gb(devices: Sequence[jax.Device]) -> float | None:
 GOODPUT = ("compile", "data_wait", "step", "eval", "checkpoint", "callbacks", "other")
 
 
+class LogSchedule:
+    """When training metrics leave the devices: a trainer setting (``trainer.log_schedule``).
+
+    ``Trainer(log_every_n_steps=n, track_norms=...)`` sets it; a callback that writes
+    metrics adds its interval (``MetricsLogger``: ``request_log_every``). It belongs to
+    the trainer, not to a plan: ``strategy="auto"`` choosing a layout leaves it alone.
+
+    Attributes:
+      track_norms: whether log points carry the global norms (a step that ends at one
+        computes them).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, *, track_norms: bool = True) -> None:
+        self.track_norms = track_norms
+        self._log_every: tuple[int, ...] = ()
+        if log_every_n_steps is not None:
+            self.request_log_every(log_every_n_steps)
+
+    def request_log_every(self, n: int) -> None:
+        """Training metrics reach ``logs`` every ``n`` steps (each request adds its steps)."""
+        if n < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
+        self._log_every = tuple(sorted({*self._log_every, n}))
+
+    @property
+    def log_every(self) -> tuple[int, ...]:
+        """The intervals asked for (``request_log_every``)."""
+        return self._log_every
+
+    def is_log_step(self, step: int) -> bool:
+        """Whether training metrics are flushed into ``logs`` after ``step``."""
+        return any(step % n == 0 for n in self._log_every)
+
+    def norms_at(self, step: int) -> bool:
+        """Whether the step that ends at ``step`` computes the global norms."""
+        return self.track_norms and self.is_log_step(step)
+
+
 class StepPerf:
-    """The last step's norms (left on the devices), and where the host's time went.
+    """Where the host's time went over the run (``trainer.run.timings``).
 
     Time is split without overlap (``timing`` blocks nest; an inner block's time is
     its own, not its outer block's) into ``GOODPUT``: tracing and compiling,
@@ -79,9 +123,9 @@ class StepPerf:
     callbacks, and the rest. The parts add up to the wall time of ``fit``.
     """
 
-    def __init__(self, devices: Sequence[jax.Device]) -> None:
-        self.devices = list(devices)
-        self.norms: dict[str, jax.Array] = {}
+    def __init__(self, devices: Sequence[jax.Device] | None = None) -> None:
+        #: Where ``perf/device_memory_gb`` is read (default: this process's devices).
+        self.devices = list(jax.local_devices() if devices is None else devices)
         #: Seconds over the trainer's life, by ``GOODPUT`` part.
         self.seconds = dict.fromkeys(GOODPUT, 0.0)
         self._stack = ["other"]  # the part the time now goes to is the last
@@ -104,7 +148,7 @@ class StepPerf:
         self._since = now
         return now
 
-    def timing(self, what: str) -> _Timer:
+    def timing(self, what: str) -> contextlib.AbstractContextManager[None]:
         """``with perf.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
         return _Timer(self, what)
 
@@ -116,12 +160,11 @@ class StepPerf:
         return {**parts, "goodput/wall_s": now - self._fit_start}
 
     def read(self) -> Logs:
-        """``train/{grad,update,param}_norm`` of the last step; ``perf/compile_time_s`` when
-        a step was compiled since the last read; ``perf/data_wait_fraction``, the share
-        of the training time since then (compiling and evaluating left out) spent
-        waiting for batches; ``perf/device_memory_gb``; and the ``goodput``."""
-        logs = {f"train/{k}": float(v) for k, v in jax.device_get(self.norms).items()}
-        logs.update(self.goodput())
+        """``perf/compile_time_s`` when a step was compiled since the last read;
+        ``perf/data_wait_fraction``, the share of the training time since then
+        (compiling and evaluating left out) spent waiting for batches;
+        ``perf/device_memory_gb``; and the ``goodput``."""
+        logs = self.goodput()
         now = self._since
         spent = {k: v - self._seconds_read[k] for k, v in self.seconds.items()}
         if spent["compile"] > 0:
@@ -148,54 +191,46 @@ class _Timer:
         self.perf._stack.pop()
 
 
-class MetricLog:
-    """The training and evaluation metrics on the devices, and when they are logged
-    (``trainer.metric_log``).
+class _Owner(Protocol):
+    """The run a ``MetricLog`` belongs to (a ``Run``), for the deprecated names only."""
 
-    The accumulators stay on the devices between log points; ``flush`` is the
-    single device-to-host read of a log point, with what ``perf`` (the step
-    norms and host timings) adds.
+    schedule: LogSchedule
+    timings: StepPerf
+    last_step: StepRecord | None
+    last_batch: Any
+
+
+def _run_of(log: MetricLog) -> _Owner:
+    if log._run is None:
+        raise AttributeError("This MetricLog belongs to no trainer's run.")
+    return log._run
+
+
+class MetricLog:
+    """A plan's training and evaluation metrics on the devices (``trainer.metric_log``).
+
+    The ``Run`` builds one for each plan it is given. The accumulators stay on the
+    devices between log points; ``flush`` is the single device-to-host read of a log
+    point, with the last step's norms and what the run's timings (``StepPerf``) add.
 
     Attributes:
       train, eval: the on-device ``clu.metrics.Collection`` accumulators.
       train_steps: steps accumulated in ``train`` since the last flush.
-      last_loss, last_batch: the last step's loss and global batch, still on
-        device (read them only when needed).
-      perf: norms and timings (``StepPerf``).
-      track_norms: whether log points carry the global norms.
+      norms: the global norms of the last step that computed them, still on device.
     """
 
     def __init__(
         self,
         empty: Callable[[], clu_metrics.Collection],
-        devices: Sequence[jax.Device],
         *,
-        track_norms: bool = True,
+        run: Any = None,
     ) -> None:
         self.empty = empty
-        self.perf = StepPerf(devices)
-        self.track_norms = track_norms
         self.train, self.eval = empty(), empty()
         self.train_steps = 0
-        self.last_loss: jax.Array | None = None
-        self.last_batch: Any = None
-        self._log_every: tuple[int, ...] = ()
+        self.norms: dict[str, jax.Array] = {}
+        self._run: _Owner | None = run  # the Run: only for the deprecated names below
         self._warned: set[str] = set()
-
-    def request_log_every(self, n: int) -> None:
-        """Training metrics reach ``logs`` every ``n`` steps (each request adds its steps)."""
-        if n < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1, got {n}.")
-        self._log_every = tuple(sorted({*self._log_every, n}))
-
-    @property
-    def log_every(self) -> tuple[int, ...]:
-        """The intervals asked for (``request_log_every``)."""
-        return self._log_every
-
-    def is_log_step(self, step: int) -> bool:
-        """Whether training metrics are flushed into ``logs`` after ``step``."""
-        return any(step % n == 0 for n in self._log_every)
 
     def compute(self, split: str = "train") -> Logs:
         """Host floats of the ``split`` metrics accumulated since the last reset.
@@ -212,11 +247,51 @@ class MetricLog:
         else:
             self.eval = self.empty()
 
-    def flush(self, epoch: int) -> Logs:
+    def flush(self, epoch: int, perf: StepPerf) -> Logs:
         """Computes and resets the training metrics: ``{"train/loss": ...}``, with the
-        last step's norms, compile time and device memory (``perf``) and the epoch."""
+        last step's norms (``train/{grad,update,param}_norm``), what ``perf`` reads
+        (compile time, data wait, device memory, goodput) and the epoch."""
         logs = self.compute("train")
         if logs:
-            logs.update(self.perf.read(), epoch=float(epoch))
+            logs.update({f"train/{k}": float(v) for k, v in jax.device_get(self.norms).items()})
+            logs.update(perf.read(), epoch=float(epoch))
         self.reset("train")
         return logs
+
+    # -- the 0.1 names of what is now the run's or the trainer's setting -------------------
+    perf = deprecation.renamed_property(
+        "MetricLog.perf", "trainer.run.timings", lambda log: _run_of(log).timings
+    )
+    last_loss = deprecation.renamed_property(
+        "MetricLog.last_loss",
+        "trainer.last_step.loss (a StepRecord)",
+        lambda log: (step := _run_of(log).last_step) and step.loss,
+    )
+    last_batch = deprecation.renamed_property(
+        "MetricLog.last_batch",
+        "trainer.last_step.batch_shapes (a StepRecord: the shapes a hook needs)",
+        lambda log: _run_of(log).last_batch,
+    )
+    track_norms = deprecation.renamed_property(
+        "MetricLog.track_norms",
+        "trainer.log_schedule.track_norms",
+        lambda log: _run_of(log).schedule.track_norms,
+        lambda log, value: setattr(_run_of(log).schedule, "track_norms", value),
+    )
+    log_every = deprecation.renamed_property(
+        "MetricLog.log_every",
+        "trainer.log_schedule.log_every",
+        lambda log: _run_of(log).schedule.log_every,
+    )
+
+    def request_log_every(self, n: int) -> None:
+        """Deprecated: ``trainer.log_schedule.request_log_every(n)``."""
+        deprecation.warn_renamed(
+            "MetricLog.request_log_every", "trainer.log_schedule.request_log_every"
+        )
+        _run_of(self).schedule.request_log_every(n)
+
+    def is_log_step(self, step: int) -> bool:
+        """Deprecated: ``trainer.log_schedule.is_log_step(step)``."""
+        deprecation.warn_renamed("MetricLog.is_log_step", "trainer.log_schedule.is_log_step")
+        return _run_of(self).schedule.is_log_step(step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,8 +19,9 @@ from flax import nnx
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.data.position import DataPosition, has_position
 from nnx_spmd_trainer.engine.callback import CallbackList
-from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.metric_log import LogSchedule, MetricLog, StepPerf
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.engine.step_record import StepRecord
 from nnx_spmd_trainer.planner.auto import LayoutNotChosen as LayoutNotChosen
 from nnx_spmd_trainer.planner.auto import not_chosen
 from nnx_spmd_trainer.planner.plan import Plan
@@ -31,9 +33,14 @@ class Run:
 
     Attributes:
       plan: the layout the state lives in; ``None`` with ``strategy="auto"`` until
-        the layout is chosen.
-      metric_log: the on-device metric accumulators, the last step's loss and batch, the
-        log schedule and the timings (``MetricLog``).
+        the layout is chosen. Setting it gives the run a ``metric_log`` for it.
+      metric_log: the plan's on-device metric accumulators and last norms (``MetricLog``);
+        ``LayoutNotChosen`` while there is no plan.
+      schedule: when training metrics leave the devices (``LogSchedule``, a trainer
+        setting, whatever the plan).
+      timings: where the host's time went, over the run (``StepPerf``: goodput).
+      last_step: the last training step (``StepRecord``: step, loss on device, batch
+        shapes, timings), what hooks read; ``None`` before the first.
       progress: the epoch, the batches taken of it, the epoch's iterator and the
         position of its next batch, preemption, the first non-finite step (``Progress``).
       live: the live model and optimizer (``LiveState``), once built (``objects()``).
@@ -47,9 +54,14 @@ class Run:
       callbacks: the callbacks whose states a snapshot holds.
     """
 
-    def __init__(self, metric_log: MetricLog) -> None:
-        self.plan: Plan | None = None
-        self.metric_log = metric_log
+    def __init__(self, schedule: LogSchedule | None = None) -> None:
+        self._plan: Plan | None = None
+        self._metric_log: MetricLog | None = None
+        self.schedule: LogSchedule = schedule if schedule is not None else LogSchedule()
+        self.timings: StepPerf = StepPerf()
+        self.last_step: StepRecord | None = None
+        #: The last step's global batch, for the deprecated ``MetricLog.last_batch`` only.
+        self.last_batch: Any = None
         self.progress = Progress()
         self.live: LiveState | None = None  # built when first needed
         self.initial_state: Callable[[Plan], nnx.State] | None = None
@@ -65,6 +77,28 @@ class Run:
         lambda run: run.metric_log,
         lambda run, value: setattr(run, "metric_log", value),
     )
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        """A new plan comes with empty accumulators of its own (its metrics, its mesh)."""
+        if plan is not self._plan:
+            self._metric_log = None if plan is None else MetricLog(plan.empty_metrics, run=self)
+        self._plan = plan
+
+    @property
+    def metric_log(self) -> MetricLog:
+        """The plan's ``MetricLog``; ``LayoutNotChosen`` while there is no plan."""
+        if self._metric_log is None:
+            raise not_chosen("metric_log")
+        return self._metric_log
+
+    @metric_log.setter
+    def metric_log(self, metric_log: MetricLog) -> None:
+        self._metric_log = metric_log
 
     def layout(self) -> Plan:
         """The plan; ``LayoutNotChosen`` while ``strategy="auto"`` has not chosen."""

@@ -1,7 +1,8 @@
 """RunAccess: the ``Trainer``'s members that read and write its ``Run``.
 
-The live model, optimizer and state, the step, the run state a checkpoint saves
-and restores, the metric log, the progress and the stop request: each is the
+The live model, optimizer and state, the step, the last step's record, the run state
+a checkpoint saves and restores, the metric log and its schedule, the progress and the
+stop request: each is the
 ``Run``'s (``trainer.run``), reached through the trainer under the names
 callbacks and users know.
 """
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.engine.metric_log import MetricLog
+from nnx_spmd_trainer.engine.metric_log import LogSchedule, MetricLog
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
+from nnx_spmd_trainer.engine.step_record import StepRecord
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.engine.run import Run
@@ -29,9 +31,22 @@ class RunAccess:
 
     @property
     def metric_log(self) -> MetricLog:
-        """The on-device metrics and the log schedule (``MetricLog``; with
-        ``strategy="auto"``, until the layout is chosen, the log schedule only)."""
+        """The plan's on-device metric accumulators (``MetricLog``); with
+        ``strategy="auto"``, ``LayoutNotChosen`` until the layout is chosen."""
         return self.run.metric_log
+
+    @property
+    def log_schedule(self) -> LogSchedule:
+        """When training metrics reach ``logs`` (``LogSchedule``: ``request_log_every(n)``,
+        ``track_norms``): a setting of the trainer, whatever its layout."""
+        return self.run.schedule
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The last training step (``StepRecord``: ``step``, ``loss`` still on the
+        devices, ``batch_shapes``, host timings); ``None`` before the first. What a hook
+        reads after a step: keeping it or its loss costs no device sync."""
+        return self.run.last_step
 
     report = deprecation.renamed_property(
         "Trainer.report", "trainer.metric_log", lambda trainer: trainer.metric_log

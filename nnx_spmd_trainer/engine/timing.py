@@ -18,7 +18,6 @@ import jax
 from nnx_spmd_trainer.data.placement import InFlight
 from nnx_spmd_trainer.data.to_host import delete_arrays
 from nnx_spmd_trainer.engine.loop import train_one
-from nnx_spmd_trainer.engine.metric_log import MetricLog
 from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.planner.plan import Plan
 
@@ -27,7 +26,7 @@ def time_steps(plan: Plan, compiled: Any, batches: Sequence[Any], in_flight: int
     """Seconds per step of ``compiled`` over ``batches`` (placed on ``plan``'s mesh) from a
     fresh state of ``plan``, at most ``in_flight`` steps unfinished; then every array the
     run made is deleted (the batches are the caller's)."""
-    run = Run(MetricLog(plan.empty_metrics, plan.mesh.local_devices, track_norms=False))
+    run = Run()  # its plan brings its own metric accumulators
     run.plan = plan
     bound = InFlight(in_flight)
     try:
@@ -43,4 +42,4 @@ def time_steps(plan: Plan, compiled: Any, batches: Sequence[Any], in_flight: int
         bound.clear()
         log = run.metric_log
         arrays = run.live.arrays() if run.live is not None else []
-        delete_arrays((arrays, log.train, log.eval, log.last_loss, log.perf.norms))
+        delete_arrays((arrays, log.train, log.eval, log.norms))
