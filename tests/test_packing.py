@@ -147,6 +147,17 @@ def test_contiguous_rows_hold_the_documents_pairs(corpus: Corpus) -> None:
             got.update(zip(inputs, targets, strict=True))
     assert got == want  # every pair inside a document once; none across documents
     # a document continued into the next row starts a segment at position 0 there
+    # a range of documents: its rows are the same cuts from its first token on
+    part = ContiguousRows(corpus, SEQ_LEN, (3, 9))
+    first, end = corpus.span(3)[0], corpus.span(8)[1]
+    assert len(part) == (end - first - 1) // SEQ_LEN
+    assert np.array_equal(part[0]["inputs"], corpus.read(first, first + SEQ_LEN))
+    assert np.array_equal(
+        part[len(part) - 1]["targets"][-1:],
+        corpus.read(first + len(part) * SEQ_LEN, first + len(part) * SEQ_LEN + 1),
+    )
+    with pytest.raises(ValueError, match="documents 5:5"):
+        ContiguousRows(corpus, SEQ_LEN, (5, 5))
     continued = [
         r
         for r in range(1, len(rows))

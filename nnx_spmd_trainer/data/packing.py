@@ -195,7 +195,7 @@ class ContiguousRows:
     concat-then-split, for sources a ``Mixture`` reads by index.
 
     Row ``r`` holds the pairs ``tokens[j] -> tokens[j+1]`` for ``j`` in
-    ``[r * seq_len, (r + 1) * seq_len)``, with the segments and positions of
+    ``[first + r * seq_len, first + (r + 1) * seq_len)``, with the segments and positions of
     ``pack_documents``: a segment per document (a document continued from the row
     before is a new segment, its positions restarting at 0), and ``segment_ids``
     0 at the pair whose target is the next document's first token. So it holds
@@ -205,15 +205,21 @@ class ContiguousRows:
     ``r`` without reading rows ``0..r-1``, so this reads it from the corpus by index.
 
     Args:
-      corpus: a ``Corpus`` (anything with ``n_tokens``, ``ends`` and ``read``).
+      corpus: a ``Corpus`` (anything with ``span``, ``ends`` and ``read``).
       seq_len: pairs per row.
+      documents: the ``(start, stop)`` documents cut into rows (default: all; e.g. all
+        but those held out for evaluation).
     """
 
-    def __init__(self, corpus: Any, seq_len: int) -> None:
-        if corpus.n_tokens <= seq_len:
-            raise ValueError(f"{corpus} holds {corpus.n_tokens} tokens: no row of {seq_len}.")
+    def __init__(self, corpus: Any, seq_len: int, documents: tuple[int, int] | None = None) -> None:
+        start, stop = documents if documents is not None else (0, len(corpus))
+        if not 0 <= start < stop <= len(corpus):
+            raise ValueError(f"documents {start}:{stop} of a corpus of {len(corpus)}.")
         self.corpus, self.seq_len = corpus, seq_len
-        self._rows = (corpus.n_tokens - 1) // seq_len  # the last pair needs one token more
+        self.first, self.end = corpus.span(start)[0], corpus.span(stop - 1)[1]
+        self._rows = (self.end - self.first - 1) // seq_len  # the last pair needs one more
+        if self._rows < 1:
+            raise ValueError(f"{corpus} documents {start}:{stop} hold no row of {seq_len}.")
 
     def __len__(self) -> int:
         return self._rows
@@ -221,7 +227,7 @@ class ContiguousRows:
     def __getitem__(self, index: int) -> Row:
         if not 0 <= index < self._rows:
             raise IndexError(f"row {index} of {self._rows}")
-        start = index * self.seq_len
+        start = self.first + index * self.seq_len
         window = self.corpus.read(start, start + self.seq_len + 1, f"Row {index}")
         at = start + np.arange(self.seq_len)
         document = np.searchsorted(self.corpus.ends, at, side="right")  # of each input
