@@ -75,3 +75,14 @@ def test_bad_training_arguments() -> None:
         train_bpe()
     with pytest.raises(ValueError, match="256 byte tokens"):
         train_bpe(texts=["x"], vocab_size=100)
+
+
+def test_training_on_files_and_folders(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    keys = sorted(topics)
+    (tmp_path / "texts").mkdir()
+    for i, key in enumerate(keys):
+        (tmp_path / "texts" / f"{i:03d}.txt").write_text(topics[key])
+    from_folder = train_bpe([tmp_path / "texts"], vocab_size=512)
+    text = topics["for"]
+    assert from_folder.decode(from_folder.encode(text)) == text
+    assert len(from_folder.encode(text)) < 0.6 * len(text.encode())

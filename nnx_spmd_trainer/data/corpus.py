@@ -285,7 +285,8 @@ class Corpus:
             if actual < size:
                 raise CorpusError(
                     f"{path} is truncated: it ends at byte offset {actual}, but the header "
-                    f"records {size} bytes. Write the corpus again (write_corpus)."
+                    f"records {size} bytes. Copy the corpus again from where it was "
+                    "written, or delete the folder and write it again (write_corpus)."
                 )
 
     def _mapped(self, name: str, dtype: np.dtype[Any] | str, count: int) -> np.ndarray:

@@ -108,13 +108,18 @@ def train_bpe(
     trained on ``files`` or on ``texts``.
 
     Args:
-      files: text files to train on (read by the Rust trainer).
+      files: text files to train on, read as plain text by the Rust trainer (a folder
+        stands for its files); for the documents of a JSONL file, give ``texts``.
       texts: or the texts themselves.
       vocab_size: ids in all: the 256 bytes, the merges, and ``special_tokens``.
       min_frequency: a pair seen fewer times is not merged.
       special_tokens: tokens never split or merged; the first ends a document.
     """
-    paths: list[str] = [os.fspath(f) for f in files]
+    paths = [
+        os.fspath(p)
+        for f in map(Path, files)
+        for p in (sorted(q for q in f.rglob("*") if q.is_file()) if f.is_dir() else [f])
+    ]
     if not paths and texts is None:
         raise ValueError("train_bpe needs files or texts to learn its merges from.")
     if vocab_size < 256 + len(special_tokens):
