@@ -1,7 +1,12 @@
-"""The default run: a small character-level GPT learning ``pydoc_data.topics``.
+"""The default run: a small GPT learning ``pydoc_data.topics`` as BPE tokens, packed.
 
+One topic a document; a byte-level BPE of 1024 ids trained on the topics (about a
+second, the same merges every time; saved as ``<workdir>/tokenizer.json`` and reused
+on resume); documents packed into rows of 64 tokens with segment ids and positions.
+The held-out loss is reported in bits per byte too, beside the unigram baseline's.
 Hybrid FSDP(4) x TensorParallel(2) on 8 devices; a few minutes on 2 CPU cores
 with 8 simulated devices, ending well below the unigram baseline.
+``configs/char.py`` is the same model on the text's characters.
 """
 
 import ml_collections
@@ -19,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.gpt.num_heads = 8  # split over the model axis: divisible by 2, 4 and 8
     config.gpt.ff_dim = 512
     config.gpt.num_layers = 2
-    config.gpt.vocab_size = 0  # 0: the text's characters (padded to a multiple of 8)
+    config.gpt.vocab_size = 0  # 0: the tokenizer's ids (padded to a multiple of 8)
     config.gpt.dropout_rate = 0.0
     # The layers as one stacked block run by nnx.scan: compiles once, not per layer
     config.gpt.scan_layers = False
@@ -31,5 +36,24 @@ def get_config() -> ml_collections.ConfigDict:
     config.gpt.moe_experts = 0
     config.gpt.moe_top_k = 2
     config.gpt.moe_every = 1
-    config.eval_fraction = 0.1  # the end of the text is held out
+    config.eval_fraction = 0.1  # the end of the text (or each corpus's last documents) held out
+    config.data = data_config()
     return config
+
+
+def data_config() -> ml_collections.ConfigDict:
+    """``config.data``: what the GPT reads (``app/datasets/from_config.py``)."""
+    data = ml_collections.ConfigDict()
+    # "": a byte-level BPE trained on the text (a corpus: the corpus's own tokenizer.json);
+    # "char": one id a character; else the path of a tokenizer.json (or of its folder)
+    data.tokenizer = ""
+    data.vocab_size = 1024  # of the BPE trained when data.tokenizer is ""
+    # Corpus folders written by `nnx-spmd-train corpus`: "DIR" or "name=DIR,name=DIR";
+    # "": the pydoc topics, one a document
+    data.corpus = ""
+    data.weights = ""  # the corpora's mixture, "name=weight,..." ("": equal)
+    data.stages = ""  # weights from given steps on: "1000:a=1,b=3;5000:a=1,b=1"
+    data.packed = True  # documents packed into rows; False: one document's piece a row
+    data.seq_len = 0  # tokens a row; 0: the model's positions (config.gpt.seq_len)
+    data.verify = False  # every chunk's checksum checked first (reads the whole corpus)
+    return data

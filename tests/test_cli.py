@@ -246,7 +246,7 @@ def test_a_config_name_resolves_to_a_file_never_to_a_folder(monkeypatch, tmp_pat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--config=nope"], "neither a config file nor a shipped config (cnn, default"),
+        (["--config=nope"], "neither a config file nor a shipped config (char, cnn, default"),
         (["--config.strategy=fsdp=3"], "does not fit the 8 available devices"),
         (["--config.strategy=pipeline=2"], "Unknown strategy member 'pipeline'"),
     ],

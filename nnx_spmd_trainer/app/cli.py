@@ -2,6 +2,8 @@
 
     nnx-spmd-train                                    # the default: GPT on pydoc topics
     nnx-spmd-train --config=configs/tp.py --config.max_steps=20 --workdir=/tmp/tp
+    nnx-spmd-train corpus texts/ --out corpora/mine   # tokenize files into a corpus
+    nnx-spmd-train --config.data.corpus=corpora/mine  # ... and train on it
     python -m nnx_spmd_trainer --config=mlp          # an embedded config, by name
 
 ``--config`` takes a config file path, or the name of a config shipped in
@@ -46,7 +48,7 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.app import corpus, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -159,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     Call it once per process (absl parses flags once).
     """
-    argv = normalize_argv(sys.argv if argv is None else argv)
+    argv = list(sys.argv if argv is None else argv)
+    if argv[1:2] == ["corpus"]:  # nnx-spmd-train corpus IN... --out DIR: app/corpus.py
+        sys.exit(corpus.main(argv[2:]))
+    argv = normalize_argv(argv)
     if "--help" in argv or "-h" in argv:
         print(usage(argv))
         sys.exit(0)

@@ -147,6 +147,9 @@ def usage(argv: Sequence[str]) -> str:
             "                      and --process_id, or JAX's cluster detection)",
             "  --helpfull          every flag, the libraries' too",
             "",
+            "  nnx-spmd-train corpus IN... --out DIR [--tokenizer PATH | --vocab_size N]",
+            "                      tokenize text files into a corpus for --config.data.corpus",
+            "",
             f"Keys of {Path(config_file).name}, with their values (override any with "
             "--config.KEY=VALUE):",
             *_config_keys(config_file),

@@ -118,15 +118,17 @@ def _text_options(
 
 @register("gpt")
 def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
-    """A character-level GPT learning the pydoc topics text (``config.gpt``)."""
+    """A GPT learning text (``config.gpt``): BPE tokens of the pydoc topics or of corpora,
+    packed, or characters (``config.data``: ``datasets.from_config.text_splits``)."""
     sizes = config.gpt
-    tokenizer, splits = datasets.char_lm_splits(**_text_options(config, shard, sizes.seq_len))
+    options = _text_options(config, shard, sizes.seq_len)
+    text_vocab, splits = datasets.from_config.text_splits(config, options, sizes.seq_len)
     kwargs = {k: sizes[k] for k in ("seq_len", "embed_dim", "num_heads", "ff_dim", "num_layers")}
-    vocab_size = sizes.get("vocab_size") or tokenizer.vocab_size  # larger: unused rows
-    if vocab_size < tokenizer.vocab_size:
+    vocab_size = sizes.get("vocab_size") or -(-text_vocab // 8) * 8  # larger: unused rows
+    if vocab_size < text_vocab:
         raise ConfigError(
-            f"config.gpt.vocab_size={vocab_size} is smaller than the text's "
-            f"{tokenizer.vocab_size} characters; use 0 (the text's) or more."
+            f"config.gpt.vocab_size={vocab_size} is smaller than the text's {text_vocab} "
+            "token ids; use 0 (the text's, padded to a multiple of 8) or more."
         )
     dtype = compute_dtype(config)
     scan_layers, remat = gpt_layers(config)

@@ -1,5 +1,7 @@
-"""Example data as Grain pipelines: pydoc text for the GPT, synthetic tasks for MLP and CNN."""
+"""Example data as Grain pipelines: pydoc text (BPE tokens packed, or characters) and
+corpora for the GPT, synthetic tasks for MLP and CNN."""
 
+from nnx_spmd_trainer.app.datasets import corpora, documents, from_config
 from nnx_spmd_trainer.app.datasets.base import Splits, index_batches
 from nnx_spmd_trainer.app.datasets.synthetic import classification_splits, image_splits
 from nnx_spmd_trainer.app.datasets.text import (
@@ -23,6 +25,9 @@ __all__ = [
     "byte_lm_splits",
     "char_lm_splits",
     "classification_splits",
+    "corpora",
+    "documents",
+    "from_config",
     "eval_batches",
     "image_splits",
     "index_batches",

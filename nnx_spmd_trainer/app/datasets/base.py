@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,12 +28,43 @@ class Splits:
       baseline: cross entropy (nats) of ``eval`` under a model-free predictor
         fitted on ``train`` (character or label frequencies).
       baseline_name: what ``baseline`` is, for messages.
+      bytes_per_target: UTF-8 bytes the evaluated targets decode to, per target, for a
+        text task (``None``: not text): a loss in nats per token is
+        ``nats / ln 2 / bytes_per_target`` bits per byte, comparable across tokenizers.
+      tokenizer: what the text was tokenized with, saved with the run
+        (``Tokenizer.save``); ``None``: nothing to save.
+      summary: lines a dry run prints about the data (corpus sizes, the mixture, the
+        epochs of each source in ``config.max_steps``).
     """
 
     train: Iterable[Batch]
     eval: Iterable[Batch]
     baseline: float
     baseline_name: str
+    bytes_per_target: float | None = None
+    tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
+    summary: tuple[str, ...] = ()
+
+    def bits_per_byte(self, nats_per_target: float) -> float | None:
+        """A held-out loss (nats per target token) in bits per UTF-8 byte; ``None`` when
+        the task is not text.
+
+        >>> Splits([], [], 1.0, "", bytes_per_target=2.0).bits_per_byte(math.log(4))
+        1.0
+        """
+        if not self.bytes_per_target:
+            return None
+        return nats_per_target / math.log(2) / self.bytes_per_target
+
+    def bits_per_byte_line(self, eval_loss: float) -> str | None:
+        """``eval_loss`` and the baseline in bits per byte, as the run's last lines say it."""
+        bits, baseline = self.bits_per_byte(eval_loss), self.bits_per_byte(self.baseline)
+        if bits is None or baseline is None:
+            return None
+        return (
+            f"held-out bits per byte {bits:.4f} ({self.baseline_name} {baseline:.4f} bits per "
+            f"byte; {self.bytes_per_target:.3f} UTF-8 bytes per token)"
+        )
 
 
 def index_batches(

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, Unpack
 
 import grain
@@ -244,7 +244,9 @@ def char_lm_splits(
     token a character of it; ``options``: ``SplitOptions``."""
     text = load_text() if text is None else text
     tokenizer = CharTokenizer(text)
-    return tokenizer, _lm_splits(tokenizer.encode(text), tokenizer.vocab_size, **options)
+    utf8_bytes = lambda ids: len(tokenizer.decode(ids).encode("utf-8"))
+    splits = _lm_splits(tokenizer.encode(text), tokenizer.vocab_size, utf8_bytes, **options)
+    return tokenizer, splits
 
 
 def byte_lm_splits(
@@ -257,12 +259,13 @@ def byte_lm_splits(
     """
     text = load_text() if text is None else text
     tokenizer = GPT2ByteTokenizer()
-    return tokenizer, _lm_splits(tokenizer.encode(text), 256, **options)
+    return tokenizer, _lm_splits(tokenizer.encode(text), 256, len, **options)
 
 
 def _lm_splits(
     tokens: np.ndarray,
     baseline_vocab: int,
+    utf8_bytes: Callable[[np.ndarray], int],
     *,
     seq_len: int,
     batch_size: int,
@@ -271,7 +274,8 @@ def _lm_splits(
     max_eval_batches: int | None = None,
     shard: tuple[int, int] = (0, 1),
 ) -> Splits:
-    """Train/eval batches of ``tokens`` and the unigram baseline over ``baseline_vocab`` ids."""
+    """Train/eval batches of ``tokens`` and the unigram baseline over ``baseline_vocab`` ids;
+    ``utf8_bytes(ids)``: the UTF-8 bytes ids decode to (for bits per byte)."""
     train_tokens, eval_tokens = split_tokens(tokens, eval_fraction)
     train = train_batches(
         train_tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, shard=shard
@@ -287,4 +291,5 @@ def _lm_splits(
     num_windows = len(held_out) * batch_size * shard[1]
     evaluated = eval_tokens[1 : num_windows * seq_len + 1]
     baseline = unigram_baseline(train_tokens, evaluated, vocab_size=baseline_vocab)
-    return Splits(train, held_out, baseline, "unigram baseline")
+    bytes_per_target = utf8_bytes(evaluated) / max(len(evaluated), 1)
+    return Splits(train, held_out, baseline, "unigram baseline", bytes_per_target)
