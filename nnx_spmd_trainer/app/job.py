@@ -3,15 +3,12 @@ trained, evaluated and reported (``run``: ``nnx-spmd-train`` without the flags).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import grain
 import jax
 import ml_collections
 import numpy as np
@@ -22,17 +19,23 @@ from nnx_spmd_trainer import (  # type: ignore[attr-defined]
     History,
     Trainer,
     callbacks,
-    data,
     weights,
 )
 from nnx_spmd_trainer.app import datasets, tasks
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks
+from nnx_spmd_trainer.app.job_checks import (
+    blamed_on,
+    check_checkpoints_are_of_this_model,
+    check_first_batch,
+    refused_or_noted,
+)
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
     set_old_checkpoints_aside,
     workdir_lock,
 )
+from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner.auto import Auto
 from nnx_spmd_trainer.sharding import ShardingError
@@ -57,43 +60,6 @@ class RunResult:
     @property
     def beats_baseline(self) -> bool:
         return self.eval_loss < self.baseline
-
-
-@contextlib.contextmanager
-def blamed_on(key: str, *errors: type[BaseException]) -> Iterator[None]:
-    """Re-raises ``errors`` (default ``ValueError``, ``TypeError``) raised inside as a
-    ``ConfigError`` whose message starts with ``key``; a ``ConfigError`` names its own key."""
-    caught = errors or (ValueError, TypeError)
-    try:
-        yield
-    except tasks.ConfigError:
-        raise
-    except caught as error:
-        raise tasks.ConfigError(f"{key}: {error}") from error
-
-
-@contextlib.contextmanager
-def refused_or_noted(notes: list[str] | None, *errors: type[Exception]) -> Iterator[None]:
-    """``errors`` raised inside propagate (they refuse the run), or, with ``notes`` (a dry
-    run, which writes nothing and need not be refused), are kept there as messages."""
-    try:
-        yield
-    except errors as error:
-        if notes is None:
-            raise
-        notes.append(str(error))
-
-
-def _first_batch(data: Any) -> Any:
-    """The first batch of ``data`` without consuming it (``None``: none, or a one-pass
-    iterator); a Grain ``MapDataset`` or a sequence is indexed, starting no workers."""
-    if isinstance(data, grain.MapDataset | Sequence):
-        try:
-            return data[0]
-        except IndexError:
-            return None
-    iterator = iter(data)
-    return None if iterator is data else next(iterator, None)
 
 
 def run(
@@ -122,14 +88,48 @@ def run(
     """
     tasks.check_config(config)
     workdir = Path(workdir)
-    notes: list[str] | None = [] if dry_run else None
+    notes: list[str] | None = [] if dry_run else None  # a dry run notes, not refuses
     with refused_or_noted(notes, tasks.ConfigError):
         check_workdir_writable(workdir)
+    layout = _layout_asked(config)
+    with blamed_on(f"config.{config.model}"):
+        task = tasks.build_task(config, shard=layout.shard)
+    splits = task.splits
+    init_from = pretrained(config, task)
+    check_export_format(config, task, export_format)
+    with blamed_on("--workdir", OSError):
+        run_callbacks = make_callbacks(config, workdir)
+    trainer = _build_trainer(config, task, layout, run_callbacks, init_from)
+    strategy = _choose_layout(trainer, layout.strategy, splits)
+    batch = check_first_batch(config, layout.spec, trainer, splits)
+    if config.resume:
+        check_checkpoints_are_of_this_model(run_callbacks, notes)
+    if notes is not None:
+        return _dry_run(trainer, batch, splits, notes)
+    started = _started_line(config, workdir, trainer, strategy, layout.why, splits)
+    # Checked: from here on the run writes, and no other run may write here too.
+    with workdir_lock(workdir):
+        result = _train(config, workdir, trainer, splits, started)
+    return dataclasses.replace(result, weight_map=task.weight_map)
+
+
+class _LayoutAsked(NamedTuple):
+    """``config.strategy`` read: the spec fitted to the devices (and ``why``, when it was
+    changed to fit), the strategy (or ``Auto``) and the rows this process reads."""
+
+    spec: str
+    why: str
+    strategy: Strategy | Auto
+    shard: DataShard
+
+
+def _layout_asked(config: ml_collections.ConfigDict) -> _LayoutAsked:
+    """``config.strategy`` as the job runs it; a ``ConfigError`` naming it if it cannot."""
     with blamed_on(f"config.strategy={config.strategy!r}"):
         # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
         spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
         strategy: Strategy | Auto
-        if spec == "auto":  # chosen below, holding each process to DataParallel's rows
+        if spec == "auto":  # chosen later, holding each process to DataParallel's rows
             strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
             shard = DataParallel().data_shard(DataParallel().make_mesh())
         else:
@@ -141,18 +141,23 @@ def run(
             # strategy answers on the mesh the trainer's plan will build from the same
             # devices; from the trainer on, trainer.placement is asked.
             shard = strategy.data_shard(strategy.make_mesh())
-    with blamed_on(f"config.{config.model}"):
-        task = tasks.build_task(config, shard=shard)
+    return _LayoutAsked(spec, why, strategy, shard)
+
+
+def _build_trainer(
+    config: ml_collections.ConfigDict,
+    task: tasks.Task,
+    layout: _LayoutAsked,
+    run_callbacks: list[Any],
+    init_from: weights.Pretrained | None,
+) -> Trainer:
+    """The job's ``Trainer``; what it refuses is a ``ConfigError`` naming the key."""
     splits = task.splits
-    init_from = pretrained(config, task)
-    check_export_format(config, task, export_format)
-    with blamed_on("--workdir", OSError):
-        run_callbacks = make_callbacks(config, workdir)
     try:  # the state is built lazily: this traces the model, allocates nothing
-        trainer = Trainer(
+        return Trainer(
             task.model,
             tasks.make_optimizer(config),
-            strategy=strategy,
+            strategy=layout.strategy,
             loss_fn=task.loss_fn,
             metrics=task.metrics,
             callbacks=[*run_callbacks, BaselineReport(splits.baseline, splits.baseline_name)],
@@ -164,66 +169,50 @@ def run(
         )
     except ShardingError as error:  # a parameter the layout cannot split
         raise tasks.ConfigError(
-            f"config.strategy={spec!r} (or config.{config.model}): {error}"
+            f"config.strategy={layout.spec!r} (or config.{config.model}): {error}"
         ) from error
     except (ValueError, TypeError) as error:
         raise tasks.ConfigError(f"config.{config.model}: {error}") from error
-    if isinstance(strategy, Auto):  # planned and timed on the first batches, as fit would
-        with blamed_on(
-            f"config.strategy='auto' (config.memory_budget_bytes={strategy.memory_budget_bytes})"
-        ):
-            strategy = trainer.choose_layout(
-                itertools.islice(iter(splits.train), strategy.steps)
-            ).strategy
-    accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
-    batch_key = (
-        f"config.batch_size={config.batch_size}"
-        f"{accumulation if config.grad_accum_steps > 1 else ''}"
-    )
-    with blamed_on(batch_key):
-        batch = _first_batch(splits.train)
-    # The layout's answer for the batch: a sequence SequenceParallel cannot split is the
-    # sequence length's fault (or the layout's), not the batch size's.
-    seq_len = config.get(config.model, {}).get("seq_len")
+
+
+def _choose_layout(
+    trainer: Trainer, strategy: Strategy | Auto, splits: datasets.Splits
+) -> Strategy:
+    """The strategy the run trains in: ``strategy``, or with ``Auto`` the one chosen now,
+    planned and timed on the first batches as ``fit`` would."""
+    if not isinstance(strategy, Auto):
+        return strategy
     with blamed_on(
-        f"config.strategy={spec!r}"
-        + (f" with config.{config.model}.seq_len={seq_len}" if seq_len else "")
+        f"config.strategy='auto' (config.memory_budget_bytes={strategy.memory_budget_bytes})"
     ):
-        shardings = trainer.placement.shardings(batch) if batch is not None else None
-    with blamed_on(batch_key):
-        if batch is not None:  # as fit will place it
-            data.check_batch(
-                batch,
-                shardings,
-                divisor=config.grad_accum_steps,
-                data_shards=trainer.placement.data_shard.count,
-            )
-    if config.resume:  # the checkpoints to resume must be of this model
-        with refused_or_noted(notes, callbacks.checkpoint_checks.CheckpointOfAnotherModel):
-            for callback in run_callbacks:
-                if isinstance(callback, callbacks.OrbaxCheckpoint):
-                    callback.check_model()
-        if jax.process_count() > 1:
-            # Every process has looked before any creates the directory: they all saw the
-            # same files, so all opened the same Orbax managers (whose barriers count).
-            multihost_utils.sync_global_devices("checkpoints checked against the model")
-    if notes is not None:  # a dry run
-        first = batch if batch is not None else next(iter(splits.train))
-        say(str(plan_of(trainer, first)))
-        for note in notes:
-            say(f"note: the run itself would be refused: {note}")
-        return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
-    started = (
+        return trainer.choose_layout(itertools.islice(iter(splits.train), strategy.steps)).strategy
+
+
+def _started_line(
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    trainer: Trainer,
+    strategy: Strategy,
+    why: str,
+    splits: datasets.Splits,
+) -> str:
+    """What the run is, said as it starts: model, devices, mesh, layout, steps, baseline."""
+    return (
         f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
         f"{': ' + why if why else ''}), {config.max_steps} steps of "
         f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
         f"workdir {workdir}"
     )
-    # Checked: from here on the run writes, and no other run may write here too.
-    with workdir_lock(workdir):
-        result = _train(config, workdir, trainer, splits, started)
-    return dataclasses.replace(result, weight_map=task.weight_map)
+
+
+def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[str]) -> RunResult:
+    """Prints the plan of the train step and what would refuse the run; trains nothing."""
+    first = batch if batch is not None else next(iter(splits.train))
+    say(str(plan_of(trainer, first)))
+    for note in notes:
+        say(f"note: the run itself would be refused: {note}")
+    return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
 
 
 def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:

@@ -1,0 +1,97 @@
+"""What refuses a job before anything is written: each refusal a ``ConfigError`` naming
+the config key at fault (``blamed_on``), or, in a dry run, a note (``refused_or_noted``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+from jax.experimental import multihost_utils
+
+# callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
+from nnx_spmd_trainer import Trainer, callbacks, data  # type: ignore[attr-defined]
+from nnx_spmd_trainer.app import datasets, tasks
+
+
+@contextlib.contextmanager
+def blamed_on(key: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Re-raises ``errors`` (default ``ValueError``, ``TypeError``) raised inside as a
+    ``ConfigError`` whose message starts with ``key``; a ``ConfigError`` names its own key."""
+    caught = errors or (ValueError, TypeError)
+    try:
+        yield
+    except tasks.ConfigError:
+        raise
+    except caught as error:
+        raise tasks.ConfigError(f"{key}: {error}") from error
+
+
+@contextlib.contextmanager
+def refused_or_noted(notes: list[str] | None, *errors: type[Exception]) -> Iterator[None]:
+    """``errors`` raised inside propagate (they refuse the run), or, with ``notes`` (a dry
+    run, which writes nothing and need not be refused), are kept there as messages."""
+    try:
+        yield
+    except errors as error:
+        if notes is None:
+            raise
+        notes.append(str(error))
+
+
+def first_batch(data: Any) -> Any:
+    """The first batch of ``data`` without consuming it (``None``: none, or a one-pass
+    iterator); a Grain ``MapDataset`` or a sequence is indexed, starting no workers."""
+    if isinstance(data, grain.MapDataset | Sequence):
+        try:
+            return data[0]
+        except IndexError:
+            return None
+    iterator = iter(data)
+    return None if iterator is data else next(iterator, None)
+
+
+def check_first_batch(
+    config: ml_collections.ConfigDict, spec: str, trainer: Trainer, splits: datasets.Splits
+) -> Any:
+    """The first training batch (``None``: not to be had without taking it), checked as
+    ``fit`` will place it; each refusal names the key at fault."""
+    accumulation = f" with config.grad_accum_steps={config.grad_accum_steps}"
+    batch_key = (
+        f"config.batch_size={config.batch_size}"
+        f"{accumulation if config.grad_accum_steps > 1 else ''}"
+    )
+    with blamed_on(batch_key):
+        batch = first_batch(splits.train)
+    # The layout's answer for the batch: a sequence SequenceParallel cannot split is the
+    # sequence length's fault (or the layout's), not the batch size's.
+    seq_len = config.get(config.model, {}).get("seq_len")
+    with blamed_on(
+        f"config.strategy={spec!r}"
+        + (f" with config.{config.model}.seq_len={seq_len}" if seq_len else "")
+    ):
+        shardings = trainer.placement.shardings(batch) if batch is not None else None
+    with blamed_on(batch_key):
+        if batch is not None:
+            data.check_batch(
+                batch,
+                shardings,
+                divisor=config.grad_accum_steps,
+                data_shards=trainer.placement.data_shard.count,
+            )
+    return batch
+
+
+def check_checkpoints_are_of_this_model(run_callbacks: list[Any], notes: list[str] | None) -> None:
+    """The checkpoints to resume must be of this model (``CheckpointOfAnotherModel``)."""
+    with refused_or_noted(notes, callbacks.checkpoint_checks.CheckpointOfAnotherModel):
+        for callback in run_callbacks:
+            if isinstance(callback, callbacks.OrbaxCheckpoint):
+                callback.check_model()
+    if jax.process_count() > 1:
+        # Every process has looked before any creates the directory: they all saw the
+        # same files, so all opened the same Orbax managers (whose barriers count).
+        multihost_utils.sync_global_devices("checkpoints checked against the model")
