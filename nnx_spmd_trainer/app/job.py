@@ -310,7 +310,7 @@ def _train(
     )
     if waits := history.history.get("perf/data_wait_fraction"):
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
-    say(goodput_line(trainer.metric_log.perf.goodput()))
+    say(goodput_line(trainer.run.timings.goodput()))
     return result
 
 
