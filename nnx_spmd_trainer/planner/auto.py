@@ -10,7 +10,8 @@ then built afresh (the initial state, as if the layout had been given).
 
 This module enumerates and ranks; timing a candidate is the engine's, handed to
 ``choose`` (``TimeSteps``: ``engine.timing.time_steps``). The rows are
-``auto_choice``'s, the tables ``auto_table``'s, the data read ahead is set back by
+``auto_choice``'s, the tables ``auto_table``'s; process 0's answers reach every
+process through ``distributed.agree``; the data read ahead is set back by
 ``data.position.look_ahead``.
 
 >>> candidates(8, tp_sizes=[2])  # doctest: +NORMALIZE_WHITESPACE
@@ -23,13 +24,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 
@@ -38,6 +37,7 @@ from nnx_spmd_trainer.data.placement import Placement
 from nnx_spmd_trainer.data.position import look_ahead
 from nnx_spmd_trainer.data.to_host import delete_arrays
 from nnx_spmd_trainer.data_shard import DataShard
+from nnx_spmd_trainer.distributed import agree
 from nnx_spmd_trainer.planner import plan_report
 from nnx_spmd_trainer.planner.auto_choice import Candidate, Choice
 from nnx_spmd_trainer.planner.auto_table import HEADER as HEADER
@@ -190,27 +190,9 @@ class _Timed:
             delete_arrays(placed)
 
 
-def _from_process_0(topic: str, value: Any) -> Any:
-    """Process 0's ``value`` (JSON) on every process: a choice all must make alike.
-
-    The one cross-process exchange of ``auto`` (the same contract as
-    ``distributed.agree.broadcast_from_first``), over the devices, so every process
-    calls it at the same point; ``topic`` names what is agreed on."""
-    if jax.process_count() == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    del topic  # the devices' collective needs no name: its order is the program's
-    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    length = int(multihost_utils.broadcast_one_to_all(np.int32(len(encoded))))
-    padded = np.zeros(max(length, 1), np.uint8)
-    padded[: min(length, len(encoded))] = encoded[:length]
-    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:length]))
-
-
 def agreed_text(text: str | None) -> str | None:
     """Process 0's ``text`` on every process: a choice all processes must make alike."""
-    return _from_process_0("auto: the layout to resume", text) or None
+    return agree.broadcast_from_first("auto: the layout to resume", text) or None
 
 
 def _plan_candidates(
@@ -377,7 +359,7 @@ def _median_step_times(
         for candidate in timed:
             candidate.row.times.append(candidate.run(batches, time_steps))
     medians = [statistics.median(c.row.times[1:]) for c in timed]
-    return [float(t) for t in _from_process_0("auto: step times", medians)]
+    return [float(t) for t in agree.broadcast_from_first("auto: step times", medians)]
 
 
 def _rank(rows: list[Candidate], timed: list[_Timed], medians: list[float]) -> Plan:
