@@ -7,6 +7,7 @@ from collections import Counter
 from pydoc_data.topics import topics
 
 import grain
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,6 +23,7 @@ from nnx_spmd_trainer.data.packing import (
 )
 from nnx_spmd_trainer.data.position import DataPosition, seek
 from nnx_spmd_trainer.data.tokenizer import train_bpe
+from nnx_spmd_trainer.nn.packed import target_weights
 
 SEQ_LEN = 16
 
@@ -79,6 +81,13 @@ def test_rows_hold_every_pair_once_with_segments_and_positions(best_fit: bool) -
         real = row["segment_ids"] > 0
         assert (row["targets"][real] == row["inputs"][real] + 1).all()
     assert any(int(row["segment_ids"].max()) >= 3 for row in rows)  # rows do hold several
+    # the library's loss trains every real pair of these rows: none across documents to skip
+    weights = np.asarray(
+        target_weights({k: jnp.asarray(np.stack([r[k] for r in rows])) for k in ROW_KEYS})
+    )
+    assert weights.sum() == sum(
+        len(c["inputs"]) for doc in docs for c in split_document(doc, SEQ_LEN)
+    )
 
 
 def test_packing_pads_less_than_one_document_a_row() -> None:
@@ -146,6 +155,8 @@ def test_contiguous_rows_hold_the_documents_pairs(corpus: Corpus) -> None:
         for inputs, targets in segments_anywhere(row):
             got.update(zip(inputs, targets, strict=True))
     assert got == want  # every pair inside a document once; none across documents
+    batch = {k: jnp.asarray(np.stack([rows[r][k] for r in range(len(rows))])) for k in ROW_KEYS}
+    assert int(np.asarray(target_weights(batch)).sum()) == sum(want.values())
     # a document continued into the next row starts a segment at position 0 there
     # a range of documents: its rows are the same cuts from its first token on
     part = ContiguousRows(corpus, SEQ_LEN, (3, 9))

@@ -9,7 +9,13 @@ stay small. The core imports from the homes:
   ``rows_multiple``, ``pad_batch``;
 - ``batch_errors.py``: ``BatchMismatch`` (also ``nnx_spmd_trainer.BatchMismatch``);
 - ``data_position.py``: ``BATCHES_TAKEN``, the ``RunState.data`` of a Grain
-  position saved under another process count.
+  position saved under another process count;
+- ``tokenizer.py``: ``Tokenizer``, ``train_bpe``, ``load_tokenizer``, ``TokenizerError``;
+- ``corpus.py``: ``write_corpus``, ``Corpus``, ``CorpusError``;
+- ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
+  ``ContiguousRows``;
+- ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
+  (docs/topics/corpora.md: from text files to packed, mixed rows).
 
 The rest of what data.py once held is internal: ``data_position.seek`` and
 ``DataPosition`` (a resumed run's data), ``same_rows.py`` (processes feeding the
@@ -24,14 +30,42 @@ from nnx_spmd_trainer.data.batches import (
     rows_multiple,
     transfer_batch,
 )
+from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, write_corpus
+from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
+from nnx_spmd_trainer.data.packing import (
+    ContiguousRows,
+    pack_documents,
+    packed_pipeline,
+    padding_share,
+)
 from nnx_spmd_trainer.data.position import BATCHES_TAKEN
+from nnx_spmd_trainer.data.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+    train_bpe,
+)
 
 __all__ = [
     "BATCHES_TAKEN",
     "BatchMismatch",
+    "ContiguousRows",
+    "Corpus",
+    "CorpusError",
+    "Mixture",
+    "MixtureError",
+    "Stage",
+    "Tokenizer",
+    "TokenizerError",
     "check_batch",
+    "load_tokenizer",
+    "pack_documents",
+    "packed_pipeline",
     "pad_batch",
+    "padding_share",
     "place_batch",
     "rows_multiple",
+    "train_bpe",
     "transfer_batch",
+    "write_corpus",
 ]

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from nnx_spmd_trainer.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -201,6 +200,8 @@ def _write_chunks(
     chunk_docs: int,
     progress: bool,
 ) -> None:
+    from tqdm import tqdm  # the writer's alone: not imported with the library
+
     dtype = np.dtype(header["dtype"])
     bar = tqdm(
         desc=f"tokenizing into {out}", unit="doc", initial=header["n_docs"], disable=not progress
@@ -250,6 +251,13 @@ class Corpus:
     Opening checks the header against the files: a missing or truncated file raises
     ``CorpusError`` naming its path and the byte offset where it ends. ``check_vocab``
     refuses a corpus with ids beyond the model's vocabulary.
+
+    Attributes:
+      directory: the corpus folder.
+      header: ``header.json``: dtype, vocab_size, n_docs, n_tokens, max_id, ...
+      dtype: the ids' type on disk (``uint16`` or ``uint32``).
+      bytes_read: token bytes this object has read (``read``): a process's share.
+      vocab_limit: the vocabulary every read is checked against (``check_vocab``).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:

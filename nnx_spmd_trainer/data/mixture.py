@@ -181,7 +181,7 @@ class Mixture(grain.IterDataset):  # type: ignore[type-arg]
         """How many times each source is read through in ``steps`` steps (for a dry run)."""
         return {name: n / len(self.sources[name]) for name, n in self.positions(steps).items()}
 
-    def rows(self, step: int, counts: np.ndarray) -> tuple[list[Any], np.ndarray]:
+    def _step_rows(self, step: int, counts: np.ndarray) -> tuple[list[Any], np.ndarray]:
         """This process's rows of ``step`` given the sources' positions ``counts`` before it,
         and the positions after it."""
         ids = self.source_ids(step)
@@ -215,7 +215,7 @@ class MixtureIterator(grain.DatasetIterator):  # type: ignore[type-arg]
         self._counts = np.zeros(len(mixture.names), dtype=np.int64)
 
     def __next__(self) -> Any:
-        rows, self._counts = self._mixture.rows(self._step, self._counts)
+        rows, self._counts = self._mixture._step_rows(self._step, self._counts)
         self._step += 1
         return _stack(rows)
 

@@ -7,6 +7,9 @@ Rows are ``{"inputs", "targets", "segment_ids", "positions"}``, each ``int32
 - ``segment_ids``: ``1, 2, ...`` for the documents of a row in order, ``0`` for padding.
   The loss skips ``segment_ids == 0``; attention lets a token see only its own segment.
 - ``positions``: ``0, 1, ...`` restarting at every segment.
+- ``target_segment_ids``: the segment of each target, the same as ``segment_ids``
+  (a row's targets never leave their input's document), so
+  ``nn.packed.target_weights`` trains every pair, a segment's last one included.
 
 How a document becomes segments (``split_document``): a document of ``n`` ids
 gives the ``n - 1`` (input, target) pairs ``ids[j] -> ids[j+1]``, so no target is
@@ -39,7 +42,7 @@ from nnx_spmd_trainer.data_shard import DataShard
 Row = dict[str, np.ndarray]
 
 #: The keys of a packed row (and of a batch of them).
-ROW_KEYS = ("inputs", "targets", "segment_ids", "positions")
+ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "target_segment_ids")
 
 #: Documents read in the packing thread itself. Grain's default (16 reader threads)
 #: costs more in bookkeeping than a memory-map read saves: packing a corpus ran 4x
@@ -77,11 +80,13 @@ class _SplitDocuments(grain.experimental.FlatMapTransform):
 
 def _row(packed: dict[str, np.ndarray]) -> Row:
     """Grain's packed element (``inputs_segment_ids``, ...) under the row's names."""
+    segment_ids = packed["inputs_segment_ids"].astype(np.int32)
     return {
         "inputs": packed["inputs"].astype(np.int32),
         "targets": packed["targets"].astype(np.int32),
-        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+        "segment_ids": segment_ids,
         "positions": packed["inputs_positions"].astype(np.int32),
+        "target_segment_ids": segment_ids.copy(),
     }
 
 
@@ -240,4 +245,5 @@ class ContiguousRows:
             "targets": window[1:],
             "segment_ids": segment_ids,
             "positions": np.where(inside, np.arange(self.seq_len) - first, 0).astype(np.int32),
+            "target_segment_ids": segment_ids.copy(),  # a pair across documents: 0 in both
         }
