@@ -27,8 +27,8 @@ from nnx_spmd_trainer.engine.step_record import StepRecord, batch_shapes
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.placement import InFlight
+    from nnx_spmd_trainer.engine.loop_host import LoopHost
     from nnx_spmd_trainer.engine.run import Run
-    from nnx_spmd_trainer.trainer import Trainer
 
 #: What a compiled train step returns: ``(state arrays, train metrics, loss, norms)``.
 StepOutputs = tuple[list[jax.Array], Any, jax.Array, dict[str, jax.Array]]
@@ -70,7 +70,7 @@ class Loop:
     metrics are logged is the run's ``LogSchedule``; where the time goes, its timings.
     """
 
-    def __init__(self, trainer: Trainer, *, overrides_train_step: bool) -> None:
+    def __init__(self, trainer: LoopHost, *, overrides_train_step: bool) -> None:
         self.trainer = trainer
         self.run = trainer.run
         #: An overriding ``train_step`` may update any number of times (read once).
