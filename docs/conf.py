@@ -77,7 +77,7 @@ ALIASES = {
     "sh.Rules": "nnx_spmd_trainer.sharding.Rules",
     "Rules": "nnx_spmd_trainer.sharding.Rules",
     "auto.Auto": "nnx_spmd_trainer.Auto",
-    "Candidate": "nnx_spmd_trainer.planner.auto.Candidate",
+    "Candidate": "nnx_spmd_trainer.planner.auto_choice.Candidate",
     "Lower": "nnx_spmd_trainer.planner.auto.Lower",
     "modes.AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
     "AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
