@@ -5,6 +5,7 @@ nothing written to the workdir."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import shutil
@@ -125,15 +126,28 @@ def test_a_mixture_of_corpora_with_stages_and_the_dry_run_lines(written):
 
 
 @pytest.mark.slow
-def test_one_corpus_is_packed_by_grain_and_trains_two_steps(written, tmp_path):
+def test_one_corpus_dry_run_then_two_steps(written, tmp_path, capsys):
     config = small(load("default"), corpus=str(written / "b"))  # paragraphs: short documents
-    result = job.run(config, tmp_path)
+    job.run(config, tmp_path / "run", dry_run=True)
+    dry = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+    b = Corpus(written / "b")
+    assert f"data: corpus b ({written / 'b'}): {len(b)} documents, {b.n_tokens} tokens" in dry
+    trained = b.span(corpora.held_out_range(b, 0.1)[0] - 1)[1]  # tokens before the held out
+    epochs = 2 * 16 * 16 / trained
+    assert f"data: packed; 2 steps of 16 rows x 16 tokens read corpus b ~{epochs:.2f} times" in dry
+    assert dry.index("data: corpus b") < dry.index("plan: ")
+    result = job.run(config, tmp_path / "run")
     assert result.history.steps["train/loss"][-1] == 2 and math.isfinite(result.eval_loss)
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("held-out bits per byte")]
     _, splits = from_config.text_splits(config, _options(config), 16)
-    batch = next(iter(splits.train))
-    assert batch["segment_ids"].max() > 1  # several documents a row
-    np.testing.assert_array_equal(batch["target_segment_ids"], batch["segment_ids"])
-    assert "read corpus b ~" in splits.summary[-1]
+    assert f"{splits.bits_per_byte(result.eval_loss):.4f}" in line
+    assert load_tokenizer(tmp_path / "run").sha256 == b.tokenizer().sha256  # saved with the run
+    batches = list(itertools.islice(iter(splits.train), 8))
+    assert any(batch["segment_ids"].max() > 1 for batch in batches)  # documents packed
+    for batch in batches:  # a packed row's targets never leave their document
+        np.testing.assert_array_equal(batch["target_segment_ids"], batch["segment_ids"])
 
 
 def _options(config):

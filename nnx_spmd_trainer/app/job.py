@@ -93,7 +93,9 @@ def run(
         check_workdir_writable(workdir)
     layout = _layout_asked(config)
     with blamed_on(f"config.{config.model}"):
-        task = tasks.build_task(config, shard=layout.shard)
+        # a resumed run tokenizes with the tokenizer.json it saved (app/datasets/from_config)
+        task_config = datasets.from_config.run_tokenizer_config(config, workdir)
+        task = tasks.build_task(task_config, shard=layout.shard)
     splits = task.splits
     init_from = pretrained(config, task)
     check_export_format(config, task, export_format)
@@ -209,6 +211,8 @@ def _started_line(
 def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[str]) -> RunResult:
     """Prints the plan of the train step and what would refuse the run; trains nothing."""
     first = batch if batch is not None else next(iter(splits.train))
+    for line in splits.summary:  # corpus sizes, the mixture, epochs per source
+        say(line)
     say(str(plan_of(trainer, first)))
     for note in notes:
         say(f"note: the run itself would be refused: {note}")
@@ -285,6 +289,7 @@ def _train(
         with blamed_on(f"--workdir={workdir} is not writable", OSError):
             workdir.mkdir(parents=True, exist_ok=True)
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+            datasets.from_config.save_run_tokenizer(splits, workdir)  # predict decodes with it
     if not config.resume:
         set_old_checkpoints_aside(workdir)
         if jax.process_count() > 1:  # the others look for checkpoints only after the move
@@ -308,6 +313,8 @@ def _train(
         f"{accuracy:.3f}); {verdict} the {splits.baseline_name} {splits.baseline:.4f} "
         f"by {splits.baseline - result.eval_loss:+.4f} nats"
     )
+    if bits := splits.bits_per_byte_line(result.eval_loss):
+        say(bits)
     if waits := history.history.get("perf/data_wait_fraction"):
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
     say(goodput_line(trainer.run.timings.goodput()))
