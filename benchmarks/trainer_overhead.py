@@ -135,7 +135,7 @@ def main() -> None:
     )
     # The trainer's own cost, apart from which of the four ways the noise favoured:
     # against the hand-written loop that donates and places as the trainer does.
-    same = f"{PREFIX} ({'donating' if trainer.plan.steps.donate else 'copying'}, " + (
+    same = f"{PREFIX} ({'donating' if trainer.plan.donate else 'copying'}, " + (
         "placed by a thread)" if trainer.placement.prefetch else "placed inline)"
     )
     print(f"ratio trainer/same-settings hand-written = {paired_ratio(ours, times[same]):.3f}")

@@ -23,7 +23,8 @@ from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
-from nnx_spmd_trainer.planner.plan import Plan, tracing_plan
+from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
@@ -133,37 +134,41 @@ class Trainer(LayoutAccess, RunAccess):
         loss_fn: step.LossFn | None = None,
         eval_fn: step.LossFn | None = None,
         predict_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        metrics: type[clu_metrics.Collection] | None = None,
+        metrics: type[clu_metrics.Collection] | None = DEFAULTS.metrics,
         callbacks: Sequence[Callback] = (),
-        seed: int = 0,
-        grad_accum_steps: int = 1,
+        seed: int = DEFAULTS.seed,
+        grad_accum_steps: int = DEFAULTS.grad_accum_steps,
         max_steps_in_flight: int = 2,
         log_every_n_steps: int | None = None,
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        devices: Sequence[jax.Device] | None = None,
+        wrt: nnx.filterlib.Filter = DEFAULTS.wrt,
+        devices: Sequence[jax.Device] | None = DEFAULTS.devices,
         track_norms: bool = True,
         prefetch: int | None = None,
-        donate: bool | None = None,
-        remat: str = "none",
-        skip_nonfinite_updates: bool = False,
+        donate: bool | None = DEFAULTS.donate,
+        remat: str = DEFAULTS.remat,
+        skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
         memory_budget_bytes: int | None = None,
         init_from: Pretrained | None = None,
         config: Any = None,
     ) -> None:
-        settings: dict[str, Any] = {
-            "loss_fn": loss_fn,
-            "eval_fn": eval_fn,
-            "metrics": metrics,
-            "seed": seed,
-            "grad_accum_steps": grad_accum_steps,
-            "wrt": wrt,
-            "devices": devices,
-            "donate": donate,
-            "remat": remat,
-            "skip_nonfinite_updates": skip_nonfinite_updates,
-        }
+        settings = PlanSettings(
+            optimizer=optimizer,
+            strategy=strategy,
+            metrics=metrics,
+            seed=seed,
+            grad_accum_steps=grad_accum_steps,
+            wrt=wrt,
+            devices=devices,
+            donate=donate,
+            remat=remat,
+            skip_nonfinite_updates=skip_nonfinite_updates,
+        )
         plan, pending = layout.plan_or_chooser(
-            model, optimizer, strategy, memory_budget_bytes, settings
+            model,
+            settings,
+            loss_fn=loss_fn,
+            eval_fn=eval_fn,
+            memory_budget_bytes=memory_budget_bytes,
         )
         self._loss_fn = loss_fn or (plan.loss_fn if plan else None)
         self._eval_fn = eval_fn or (plan.eval_fn if plan else None)
@@ -173,14 +178,14 @@ class Trainer(LayoutAccess, RunAccess):
         self.config = config
         self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
         self.run.initial_state = init_from.state if init_from is not None else None
-        self._layout = layout.Layout(
+        self._plan_holder = layout.PlanHolder(
             self.run,
             pending,
             prefetch=prefetch,
             max_steps_in_flight=max_steps_in_flight,
         )
         if plan is not None:
-            self._layout.adopt(plan)
+            self._plan_holder.adopt(plan)
         self._loop = Loop(
             self, overrides_train_step=type(self).train_step is not Trainer.train_step
         )
@@ -219,10 +224,10 @@ class Trainer(LayoutAccess, RunAccess):
     ) -> tuple[jax.Array, dict[str, jax.Array], nnx.State]:
         """``(loss, aux, grads)`` of ``loss_fn`` (default ``self.loss_fn``) on ``batch``,
         with respect to the ``wrt`` parameters, over ``grad_accum_steps`` microbatches,
-        checkpointed with the ``remat`` policy. Inside a step, the plan it is traced
-        for lays the batch out (``tracing_plan``); else ``self.plan``."""
-        plan = tracing_plan() or self.plan
-        return plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
+        checkpointed with the ``remat`` policy, the batch laid out as ``self.plan`` lays
+        it out: inside a step, the plan the step is compiled for (a step for another
+        plan runs on ``for_plan(plan)``, whose ``plan`` is that one)."""
+        return self.plan.compute_gradients(model, batch, loss_fn or self.loss_fn)
 
     def eval_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Evaluation loss and metrics inputs; defaults to ``loss_fn``."""
@@ -272,10 +277,10 @@ class Trainer(LayoutAccess, RunAccess):
             raise ValueError("fit needs max_steps=... or epochs=... to know when to stop.")
         if eval_every_n_steps is not None and eval_data is None:
             raise ValueError("eval_every_n_steps was given without eval_data.")
-        if self._layout.pending is not None:
-            steps = self._layout.pending[0].steps
-            train_data = auto.choose_on(train_data, steps, self.choose_layout)
-        first_logs, self._layout.first_logs = self._layout.first_logs, {}
+        holder = self._plan_holder
+        if holder.pending is not None:
+            train_data = auto.choose_on(train_data, holder.pending.auto.steps, self.choose_layout)
+        first_logs, holder.first_logs = holder.first_logs, {}
         self._loop.fit(train_data, eval_data, max_steps, epochs, eval_every_n_steps, first_logs)
         return self.history
 

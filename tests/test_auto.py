@@ -415,13 +415,11 @@ def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
 
 
 def test_a_candidate_is_traced_with_its_own_plan_and_the_trainers_run_is_untouched():
-    from nnx_spmd_trainer.planner.plan import tracing_plan
-
     seen = []
 
     class Recording(Trainer):
         def train_step(self, model, optimizer, batch):
-            seen.append((self.run.plan, tracing_plan()))
+            seen.append((self.run.plan, self.plan))  # the step is handed its plan
             return super().train_step(model, optimizer, batch)
 
     strategies = [DataParallel(), FSDP(min_size=64)]
@@ -434,4 +432,4 @@ def test_a_candidate_is_traced_with_its_own_plan_and_the_trainers_run_is_untouch
     trainer.choose_layout(make_batches(1))
     assert [plan.strategy for _, plan in seen] == strategies  # each traced once, as itself
     assert all(run_plan is None for run_plan, _ in seen)  # the trainer's run: never swapped
-    assert trainer.run.plan is not None and tracing_plan() is None
+    assert trainer.run.plan is not None and trainer.plan is trainer.run.plan

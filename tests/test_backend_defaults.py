@@ -19,10 +19,10 @@ def test_the_defaults_are_the_ones_measured_for_the_backend_and_overridable():
     measured = MEASURED.get(jax.devices()[0].platform, ON_ACCELERATORS)
     default = trainer()
     assert default.placement.prefetch == measured["prefetch"]
-    assert default.plan.steps.donate == measured["donate"]
+    assert default.plan.donate == measured["donate"]
     chosen = trainer(prefetch=3, donate=not measured["donate"])
     assert chosen.placement.prefetch == 3
-    assert chosen.plan.steps.donate == (not measured["donate"])
+    assert chosen.plan.donate == (not measured["donate"])
 
 
 @pytest.mark.parametrize("donate", [True, False])
@@ -40,6 +40,6 @@ def test_every_setting_trains_to_the_plain_optax_numbers(prefetch, donate):
 
 def test_donation_belongs_to_the_plan():
     plan = Plan(lambda r: Net(r), optax.adam(1e-2), loss_fn=classification_loss, donate=True)
-    assert Trainer(plan).plan.steps.donate
+    assert Trainer(plan).plan.donate
     with pytest.raises(TypeError, match="donate belong to Plan"):
         Trainer(plan, donate=False)

@@ -79,8 +79,9 @@ def test_a_plan_lowers_from_shapes_with_no_state_array_and_its_trainer_runs_that
     trainer = Trainer(plan)
     batch = make_batches(1, batch_size=16, din=WIDE["din"], classes=WIDE["dout"])[0]
     trainer.fit([batch], max_steps=1)
-    ran = trainer._loop._train_steps[False]  # the jitted step the trainer just ran
     placed = trainer.placement.place(batch)
+    ran, new = trainer._loop.cached_step("train", placed)
+    assert not new  # the jitted step the trainer ran, from the plan's cache
     running = ran.lower(trainer.run.objects().arrays(), trainer.metric_log.train, placed).compile()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
     for field in fields:

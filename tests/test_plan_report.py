@@ -87,8 +87,9 @@ def test_the_plan_equals_the_arrays_and_the_step_of_the_run(model, layout):
         )
         assert planned == held, kind
     # memory: that of the step the trainer runs, lowered on its live arrays
-    ran = trainer._loop._train_steps[False]
     placed = trainer.placement.place(batch)
+    ran, new = trainer._loop.cached_step("train", placed)
+    assert not new  # the jitted step the trainer ran, from the plan's cache
     compiled = ran.lower(trainer.run.objects().arrays(), trainer.metric_log.train, placed).compile()
     analysis = compiled.memory_analysis()
     assert report.memory["arguments"] == analysis.argument_size_in_bytes

@@ -46,8 +46,9 @@ def ring(n):
 def compiled_step(trainer, batch):
     """The HLO text of the train step the trainer ran (as tests/test_plan_report.py), lowered
     under the trainer's mesh as the trainer runs it (``length_axes`` reads the mesh)."""
-    ran = trainer._loop._train_steps[False]
     placed = trainer.placement.place(batch)
+    ran, new = trainer._loop.cached_step("train", placed)
+    assert not new  # the jitted step the trainer ran, from the plan's cache
     args = (trainer.run.objects().arrays(), trainer.metric_log.train, placed)
     with jax.set_mesh(trainer.mesh):
         return ran.lower(*args).compile().as_text()

@@ -1,17 +1,25 @@
-"""Layout: a trainer's plan and batch placement, given, or chosen by ``strategy="auto"``;
-and ``LayoutAccess``, the ``Trainer``'s members that reach them."""
+"""The trainer's layout: ``PlanHolder``, which holds a trainer's plan and batch
+placement, given or chosen by ``strategy="auto"``; and ``LayoutAccess``, the ``Trainer``'s
+members that reach them.
+
+"Layout" is the public concept: how the state and the batches are laid out on the
+devices (a strategy on a mesh, what a ``Plan`` binds; ``choose_layout``,
+``layout_choice``, ``LayoutNotChosen``). No class here is called a layout: the holder holds
+a plan, which has one.
+"""
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Self, TypeVar
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.data.placement import Placement
 from nnx_spmd_trainer.engine import timing
 from nnx_spmd_trainer.engine.callback import CallbackList
@@ -20,61 +28,60 @@ from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import auto
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
 from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.settings import PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory
+from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
 
 _T = TypeVar("_T")
 
-#: ``Plan`` settings a ``Trainer`` takes, with the value meaning "not given".
-PLAN_SETTINGS: dict[str, Any] = {
-    "optimizer": None,
-    "strategy": None,
-    "metrics": None,
-    "seed": 0,
-    "grad_accum_steps": 1,
-    "wrt": nnx.Param,
-    "devices": None,
-    "donate": None,
-    "remat": "none",
-    "skip_nonfinite_updates": False,
-}
 
-#: ``strategy="auto"`` until the layout is chosen: its settings and the chooser.
-Pending = tuple[auto.Auto, Callable[..., auto.Choice]]
+class PendingChoice(NamedTuple):
+    """``strategy="auto"`` until the layout is chosen.
 
+    Attributes:
+      auto: what was asked (``auto.Auto``: the candidates, the steps timed, ``print_fn``).
+      choose: ``auto.choose`` bound to the trainer's model and settings:
+        ``choose(batches, lower=..., resume=...) -> auto.Choice``.
+    """
 
-def _given(name: str, value: Any) -> bool:
-    default = PLAN_SETTINGS[name]
-    return value is not default if default is None or name == "wrt" else value != default
+    auto: auto.Auto
+    choose: Callable[..., auto.Choice]
 
 
 def plan_or_chooser(
     model: ModelFactory | nnx.Module | Plan,
-    optimizer: optax.GradientTransformation | None,
-    strategy: Any,
+    settings: PlanSettings,
+    *,
+    loss_fn: LossFn | None,
+    eval_fn: LossFn | None,
     memory_budget_bytes: int | None,
-    settings: dict[str, Any],
-) -> tuple[Plan | None, Pending | None]:
-    """The plan a ``Trainer``'s arguments describe, or, for ``strategy="auto"``, the
-    chooser that makes one on real batches. ``settings``: the other ``Plan`` arguments."""
+) -> tuple[Plan | None, PendingChoice | None]:
+    """The plan a ``Trainer``'s arguments describe, or, for ``strategy="auto"``
+    (``settings.strategy``), the chooser that makes one on real batches."""
     if isinstance(model, Plan):
-        given = {"optimizer": optimizer, "strategy": strategy, **settings}
-        names = [k for k in PLAN_SETTINGS if _given(k, given[k])]
+        names = settings.given()
         if names:
             raise TypeError(
                 f"Trainer(plan, ...) takes the layout from the plan; {', '.join(names)} "
                 "belong to Plan(...). Give them there."
             )
         return model, None
+    optimizer, strategy = settings.optimizer, settings.strategy
     if optimizer is None:
         raise TypeError("Trainer needs an optimizer: Trainer(model, optax.adam(1e-3)).")
+    kwargs = {
+        **settings.as_kwargs(without=("optimizer", "strategy")),
+        "loss_fn": loss_fn,
+        "eval_fn": eval_fn,
+    }
     auto_layout = auto.as_auto(strategy, memory_budget_bytes)
     if auto_layout is None:
         assert not isinstance(strategy, str | auto.Auto)
-        return Plan(model, optimizer, strategy=strategy, **settings), None
+        return Plan(model, optimizer, strategy=strategy, **kwargs), None
     # Checked now, not as every candidate's failure in fit.
-    platform = (settings["devices"] or jax.devices())[0].platform
-    remat_lib.checkpoint_policy(settings["remat"], platform=platform)
+    platform = (settings.devices or jax.devices())[0].platform
+    remat_lib.checkpoint_policy(settings.remat, platform=platform)
     choose = functools.partial(
         auto.choose,
         model,
@@ -84,16 +91,20 @@ def plan_or_chooser(
         steps=auto_layout.steps,
         rounds=auto_layout.rounds,
         time_steps=timing.time_steps,  # auto ranks; the engine times
-        **settings,
+        **kwargs,
     )
-    return None, (auto_layout, choose)
+    return None, PendingChoice(auto_layout, choose)
 
 
-class Layout:
-    """Where a trainer's run lives: the plan (the ``Run``'s), the batch placement, and,
-    with ``strategy="auto"``, the choice still to make or the one made.
+class PlanHolder:
+    """Holds a trainer's plan (set on the ``Run``) and the batch placement made for it:
+    the plan given to the ``Trainer``, or, with ``strategy="auto"``, the choice still to
+    make (``pending``) and then the one made. (It was ``Layout``; it holds a plan, whose
+    strategy and mesh are the layout.)
 
     Attributes:
+      pending: with ``strategy="auto"`` until the choice, what is to be chosen
+        (``PendingChoice``); else ``None``.
       placement: batch placement on the plan's mesh; ``None`` until there is a plan.
       choice: with ``strategy="auto"``, the ranking and the layout chosen (``auto.Choice``).
       first_logs: the choice as logs, for the next ``fit``'s first ``on_logs``.
@@ -102,7 +113,7 @@ class Layout:
     def __init__(
         self,
         run: Run,
-        pending: Pending | None,
+        pending: PendingChoice | None,
         *,
         prefetch: int | None,
         max_steps_in_flight: int,
@@ -133,13 +144,20 @@ class Layout:
         """Times the pending candidates on ``batches`` and adopts the fastest
         (``resume``: the layout a resumed run keeps, untimed)."""
         assert self.pending is not None
-        settings, choose = self.pending
-        choice = choose(batches, lower=lower, resume=resume)
+        choice = self.pending.choose(batches, lower=lower, resume=resume)
+        print_fn = self.pending.auto.print_fn
         self.adopt(choice.plan)
         self.pending, self.choice, self.first_logs = None, choice, choice.logs()
-        if settings.print_fn is not None:
-            settings.print_fn(choice.table())
+        if print_fn is not None:
+            print_fn(choice.table())
         return choice
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Layout":  # its 0.1 name
+        deprecation.warn_renamed("engine.layout.Layout", "engine.layout.PlanHolder")
+        return PlanHolder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LayoutAccess:
@@ -149,12 +167,15 @@ class LayoutAccess:
 
     if TYPE_CHECKING:  # the Trainer's; not annotations of the documented class
         run: Run
-        _layout: Layout
+        _plan_holder: PlanHolder
         callbacks: CallbackList
 
         def train_step(
             self, model: nnx.Module, optimizer: nnx.Optimizer[nnx.Module], batch: Any
         ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+    #: The plan of a trainer bound to one (``for_plan``); ``None``: the run's plan.
+    _bound_plan: Plan | None = None
 
     def _chosen(self, value: _T | None, name: str) -> _T:
         if value is None:
@@ -164,12 +185,29 @@ class LayoutAccess:
     @property
     def plan(self) -> Plan:
         """The layout and the compiled steps (``Plan``)."""
+        if self._bound_plan is not None:
+            return self._bound_plan
         return self._chosen(self.run.plan, "plan")
+
+    def for_plan(self, plan: Plan) -> Self:
+        """This trainer as a step compiled for ``plan`` sees it: a shallow copy whose
+        ``plan`` (so ``mesh``, ``strategy`` and the layout ``compute_gradients`` lays the
+        batch out with) is ``plan``, sharing the run and everything else.
+
+        A step is handed its plan this way: ``strategy="auto"`` lowers each candidate's
+        step with ``trainer.for_plan(candidate).train_step``, and the trainer's run is
+        untouched. Lowering another plan's step with this trainer's overrides::
+
+            plan.lower(shapes, train_step=trainer.for_plan(plan).train_step)
+        """
+        bound = copy.copy(self)
+        bound._bound_plan = plan
+        return bound
 
     @property
     def placement(self) -> Placement:
         """Batch placement (``Placement``)."""
-        return self._chosen(self._layout.placement, "placement")
+        return self._chosen(self._plan_holder.placement, "placement")
 
     def choose_layout(self, batches: Iterable[Any]) -> auto.Choice:
         """``strategy="auto"``: plans every layout the devices allow, times those that fit
@@ -183,7 +221,7 @@ class LayoutAccess:
         ``OrbaxCheckpoint`` holding steps) keeps the layout it ran in, untimed, where
         that layout is a candidate and still fits.
         """
-        if self._layout.pending is None:
+        if self._plan_holder.pending is None:
             if self.layout_choice is not None:
                 return self.layout_choice
             raise TypeError(
@@ -192,16 +230,16 @@ class LayoutAccess:
             )
         # A resumed run keeps its layout; every process takes process 0's answer.
         resume = auto.agreed_text(self.callbacks.layout_to_resume())
-        return self._layout.choose(batches, self._lower_candidate, resume)
+        return self._plan_holder.choose(batches, self._lower_candidate, resume)
 
     @property
     def layout_choice(self) -> auto.Choice | None:
         """With ``strategy="auto"``, the ranking and the layout chosen (``auto.Choice``)."""
-        return self._layout.choice
+        return self._plan_holder.choice
 
     def _lower_candidate(self, plan: Plan, shapes: Any) -> jax.stages.Lowered:
-        # compute_gradients reads the plan being traced (tracing_plan): the candidate's.
-        return plan.lower(shapes, train_step=self.train_step)
+        # The candidate's step is handed the candidate's plan, not the run's.
+        return plan.lower(shapes, train_step=self.for_plan(plan).train_step)
 
     @property
     def mesh(self) -> Mesh:

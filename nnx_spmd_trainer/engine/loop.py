@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from nnx_spmd_trainer.data.placement import InFlight
     from nnx_spmd_trainer.engine.loop_host import LoopHost
     from nnx_spmd_trainer.engine.run import Run
+    from nnx_spmd_trainer.planner.step_compiler import CachedStep
 
 #: What a compiled train step returns: ``(state arrays, train metrics, loss, norms)``.
 StepOutputs = tuple[list[jax.Array], Any, jax.Array, dict[str, jax.Array]]
@@ -63,8 +64,8 @@ def train_one(
 class Loop:
     """Runs a trainer's epochs and evaluations on its ``Run``.
 
-    It keeps only what the order of things needs between calls: the compiled
-    train steps of the running ``fit`` (by whether they compute norms), and the
+    It keeps only what the order of things needs between calls: how many updates each
+    compiled train step of the running ``fit`` makes (an override's, read once), and the
     last host batch a step took (what a changed batch is compared with). After each
     step it hands the hooks a ``StepRecord`` (``run.last_step``). When training
     metrics are logged is the run's ``LogSchedule``; where the time goes, its timings.
@@ -75,22 +76,25 @@ class Loop:
         self.run = trainer.run
         #: An overriding ``train_step`` may update any number of times (read once).
         self.overrides_train_step = overrides_train_step
-        self._train_steps: dict[bool, Any] = {}  # by whether the step computes norms
-        self._train_structure: Any = None
-        self._updates_per_step: dict[bool, int] = {}  # optimizer updates a compiled step makes
+        # Optimizer updates each compiled train step makes (an override's: read once per fit).
+        self._updates_per_step: dict[Callable[..., Any], int] = {}
         self._last_host_batch: Any = None  # what a changed batch is compared with (BatchMismatch)
         self._last_eval_step = -1
 
     def compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
         """The plan's compiled ``kind`` step ("train", "eval", "predict") for ``batch``,
         running the trainer's override of that kind."""
+        return self.cached_step(kind, batch, norms=norms).fn
+
+    def cached_step(self, kind: str, batch: Any, *, norms: bool = False) -> CachedStep:
+        """``compile``'s step from the plan's cache, and whether this call compiled it."""
         trainer, live = self.trainer, self.run.objects()
         fns: dict[str, Callable[..., Any]] = {
             "train": trainer.train_step,
             "eval": trainer.eval_fn,
             "predict": trainer.predict_fn,
         }
-        return trainer.plan.compiled(
+        return trainer.plan.cached_step(
             kind, batch, fn=fns[kind], norms=norms, graphdef=live.graphdef, treedef=live.treedef
         )
 
@@ -107,7 +111,7 @@ class Loop:
         """``Trainer.fit``'s epochs, once its arguments are checked and the layout chosen."""
         run, callbacks = self.run, self.trainer.callbacks
         run.begin_fit(max_steps, eval_every_n_steps)
-        self._train_steps, self._train_structure = {}, None  # looked up again in each fit
+        self._updates_per_step = {}  # an override's updates: read again in each fit
         self._last_eval_step = -1
         run.timings.restart()
         try:
@@ -276,38 +280,27 @@ class Loop:
                 break
 
     def _train_one(self, batch: Any, host: Any, *, norms: bool) -> jax.Array:
-        run, metric_log, plan = self.run, self.run.metric_log, self.trainer.plan
-        structure = jax.tree.structure(batch)
-        known = plan.steps.count
-        if self._train_structure is None or structure != self._train_structure:
-            self._train_steps, self._train_structure = {}, structure
-            self._updates_per_step = {}
+        run, metric_log = self.run, self.run.metric_log
         count = run.step  # before dispatch: afterwards the counter is a future array
         live = run.objects()
-        first = norms not in self._train_steps
         try:
-            if first:
-                self._train_steps[norms] = self.compile("train", batch, norms=norms)
+            step = self.cached_step("train", batch, norms=norms)
             # A new step traces and compiles in its first call (dispatch is asynchronous).
-            timing = (
-                run.timings.timing("compile")
-                if plan.steps.count > known
-                else contextlib.nullcontext()
-            )
+            timing = run.timings.timing("compile") if step.new else contextlib.nullcontext()
             with timing:
-                outputs = self._train_steps[norms](live.arrays(), metric_log.train, batch)
+                outputs = step.fn(live.arrays(), metric_log.train, batch)
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         self._last_host_batch = host
         loss = take_step(run, outputs, self.trainer.placement.in_flight)
-        if first and self.overrides_train_step:
-            # An override may update any number of times: one read, in the step that
-            # compiled, says how many (the default updates once and reads nothing).
+        if self.overrides_train_step and step.fn not in self._updates_per_step:
+            # An override may update any number of times: one read, in the first step of
+            # each compiled step, says how many (the default updates once and reads nothing).
             run.host_step = None
-            self._updates_per_step[norms] = run.step - count
-        run.host_step = count + self._updates_per_step.get(norms, 1)
+            self._updates_per_step[step.fn] = run.step - count
+        run.host_step = count + self._updates_per_step.get(step.fn, 1)
         return loss
 
     # -- evaluate --------------------------------------------------------------------------

@@ -100,18 +100,24 @@ class Run:
     def metric_log(self, metric_log: MetricLog) -> None:
         self._metric_log = metric_log
 
-    def layout(self) -> Plan:
-        """The plan; ``LayoutNotChosen`` while ``strategy="auto"`` has not chosen."""
+    def chosen_plan(self, asked: str) -> Plan:
+        """The plan; ``LayoutNotChosen`` naming ``trainer.<asked>`` (what the caller
+        asked for) while ``strategy="auto"`` has not chosen."""
         if self.plan is None:
-            raise not_chosen("state")
+            raise not_chosen(asked)
         return self.plan
 
+    def layout(self) -> Plan:
+        """Deprecated: ``chosen_plan`` (it returns the plan, not a layout)."""
+        deprecation.warn_renamed("Run.layout()", "Run.chosen_plan(asked)")
+        return self.chosen_plan("plan")
+
     # -- the state: one authority, the live objects ----------------------------------
-    def objects(self) -> LiveState:
+    def objects(self, asked: str = "state") -> LiveState:
         """The live objects, built the first time from ``initial_state`` (pretrained
-        weights), else from the plan's initialiser."""
+        weights), else from the plan's initialiser (``asked``: what an error names)."""
         if self.live is None:
-            plan = self.layout()
+            plan = self.chosen_plan(asked)
             state = plan.materialize() if self.initial_state is None else self.initial_state(plan)
             self.live = LiveState(nnx.merge(plan.graphdef, state))
         return self.live
@@ -119,7 +125,7 @@ class Run:
     def set_state(self, state: nnx.State) -> None:
         """Places ``state`` with the plan's shardings into the live objects (built from
         it when they were not yet: the initial state is then never built)."""
-        plan = self.layout()
+        plan = self.chosen_plan("state")
         try:
             placed = jax.device_put(state, plan.shardings)
         except ValueError as error:
@@ -186,7 +192,7 @@ class Run:
         run = self._resume_point or self._now()
         if not abstract:
             return dataclasses.replace(run, state=self.objects().as_state())
-        plan = self.layout()
+        plan = self.chosen_plan("run_state")
         metrics = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             run.train_metrics,
@@ -214,7 +220,8 @@ class Run:
         assert self.callbacks is not None
         self._resume_point = None
         self.set_state(run.state)
-        self.metric_log.train = jax.device_put(run.train_metrics, self.layout().replicated)
+        replicated = self.chosen_plan("load_run_state").replicated
+        self.metric_log.train = jax.device_put(run.train_metrics, replicated)
         self.metric_log.train_steps = int(run.train_metric_steps)
         self.callbacks.load_state_dict(dict(run.callbacks))
         self.start = DataPosition(int(run.epoch), int(run.batches_in_epoch), run.data)

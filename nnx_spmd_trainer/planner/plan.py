@@ -8,14 +8,16 @@ abstract targets, without ever building the initial state.
 The plan binds a strategy to its mesh and is the one object that asks the
 strategy: the initialiser, the step compiler and the batch placement ask the
 plan (``state_shardings``, ``batch_shardings``, ``data_shard``,
-``trace_context``, ``compile_step``).
+``trace_context``, ``compile_step``). It holds the one cache of its compiled steps
+(``cached_step``); a step is handed the plan it is compiled for (a ``Trainer``'s step, the
+trainer bound to that plan: ``Trainer.for_plan``), so no plan is published while tracing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,23 +32,24 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
+from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
-from nnx_spmd_trainer.planner.step_compiler import StepCompiler
+from nnx_spmd_trainer.planner.step_compiler import CachedStep, StepCache, step_spec
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
 
 
-_tracing: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("tracing", default=None)
-
-
 def tracing_plan() -> Plan | None:
-    """The plan whose step is being traced (inside its ``trace_context``), else ``None``.
-
-    A trainer's ``compute_gradients`` reads it, so a step traced for another plan
-    (a ``strategy="auto"`` candidate) uses that plan's layout, with nothing swapped.
-    """
-    return _tracing.get()
+    """Deprecated: always ``None``. A step is handed its plan (``Trainer.for_plan``); no
+    plan is published while a step is traced."""
+    warnings.warn(
+        "tracing_plan() is deprecated and returns None: a step is handed the plan it is "
+        "compiled for (a Trainer's step reads self.plan; see Trainer.for_plan).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return None
 
 
 def abstract_batch(batch: Any) -> Any:
@@ -93,6 +96,7 @@ class Plan:
         ``trace_context``, ``compile_step``); ``data_shard``: the rows this process feeds.
       graphdef, abstract_state, shardings: the ``{"model", "optimizer"}`` state's
         structure, shapes (no arrays) and one ``NamedSharding`` per leaf.
+      settings: the settings it was made with, as given (``PlanSettings``).
 
     Example::
 
@@ -108,18 +112,30 @@ class Plan:
         model: ModelFactory | nnx.Module,
         optimizer: optax.GradientTransformation,
         *,
-        strategy: Strategy | None = None,
+        strategy: Strategy | None = DEFAULTS.strategy,
         loss_fn: step.LossFn | None = None,
         eval_fn: step.LossFn | None = None,
-        metrics: type[clu_metrics.Collection] | None = None,
-        seed: int = 0,
-        grad_accum_steps: int = 1,
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        devices: Sequence[jax.Device] | None = None,
-        donate: bool | None = None,
-        remat: str = "none",
-        skip_nonfinite_updates: bool = False,
+        metrics: type[clu_metrics.Collection] | None = DEFAULTS.metrics,
+        seed: int = DEFAULTS.seed,
+        grad_accum_steps: int = DEFAULTS.grad_accum_steps,
+        wrt: nnx.filterlib.Filter = DEFAULTS.wrt,
+        devices: Sequence[jax.Device] | None = DEFAULTS.devices,
+        donate: bool | None = DEFAULTS.donate,
+        remat: str = DEFAULTS.remat,
+        skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
     ) -> None:
+        self.settings = PlanSettings(
+            optimizer=optimizer,
+            strategy=strategy,
+            metrics=metrics,
+            seed=seed,
+            grad_accum_steps=grad_accum_steps,
+            wrt=wrt,
+            devices=devices,
+            donate=donate,
+            remat=remat,
+            skip_nonfinite_updates=skip_nonfinite_updates,
+        )
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()
@@ -138,10 +154,11 @@ class Plan:
         self.abstract_state = self._init.abstract_state
         self.shardings = self._init.shardings
         self.treedef = jax.tree.structure(self.abstract_state)
-        if donate is None:
-            donate = backend_default("donate", self.mesh)
+        #: The train step's state and metrics buffers given to its outputs.
+        self.donate = backend_default("donate", self.mesh) if donate is None else donate
         self.skip_nonfinite_updates = skip_nonfinite_updates
-        self.steps = StepCompiler(self, donate=donate, skip_nonfinite=skip_nonfinite_updates)
+        #: The one cache of this plan's compiled steps (``cached_step``).
+        self.steps = StepCache()
 
     # -- the strategy's answers, on this plan's mesh ------------------------------------
     def state_shardings(self, abstract_state: nnx.State) -> Any:
@@ -160,14 +177,9 @@ class Plan:
 
     @contextlib.contextmanager
     def trace_context(self) -> Iterator[None]:
-        """What is in force while a step is traced: the strategy's ``trace_context``, and
-        this plan as ``tracing_plan()``."""
-        token = _tracing.set(self)
-        try:
-            with self.strategy.trace_context(self.mesh):
-                yield
-        finally:
-            _tracing.reset(token)
+        """What is in force while a step is traced: the strategy's ``trace_context``."""
+        with self.strategy.trace_context(self.mesh):
+            yield
 
     def compile_step(
         self,
@@ -269,20 +281,52 @@ class Plan:
         (default ``eval_fn``, else ``loss_fn``); ``graphdef``/``treedef`` those of
         the live objects when they were edited since (default the plan's).
         """
+        return self.cached_step(
+            kind, batch, fn=fn, norms=norms, graphdef=graphdef, treedef=treedef
+        ).fn
+
+    def cached_step(
+        self,
+        kind: str,
+        batch: Any,
+        *,
+        fn: Callable[..., Any] | None = None,
+        norms: bool = False,
+        graphdef: nnx.GraphDef[Any] | None = None,
+        treedef: Any = None,
+    ) -> CachedStep:
+        """``compiled``'s step from the plan's one cache (``steps``), and whether this
+        call compiled it (``CachedStep.new``: its first call traces and compiles)."""
         if fn is None:
             fn = self.train_step if kind == "train" else (self.eval_fn or self.loss_fn)
         if fn is None:
             raise TypeError("This plan has no loss: give Plan(..., loss_fn=...).")
-        return self.steps.get(
-            kind,
-            batch,
-            graphdef=self.graphdef if graphdef is None else graphdef,
-            treedef=self.treedef if treedef is None else treedef,
-            fn=fn,
-            wrt=self.wrt,
-            norms=norms,
-            key=self.grad_accum_steps,
-        )
+        graphdef = self.graphdef if graphdef is None else graphdef
+        structure = jax.tree.structure(batch)
+        # grad_accum_steps: read by ``fn`` at trace time.
+        key = (kind, norms, self.steps.graph_id(graphdef), structure, fn, self.grad_accum_steps)
+
+        def build() -> Callable[..., Any]:
+            spec = step_spec(
+                kind,
+                graphdef=graphdef,
+                treedef=self.treedef if treedef is None else treedef,
+                fn=fn,
+                wrt=self.wrt,
+                norms=norms,
+                skip_nonfinite=self.skip_nonfinite_updates,
+                donate=self.donate,
+                state_shardings=self.leaf_shardings,
+                replicated=self.replicated,
+            )
+            return self.compile_step(
+                spec.fn,
+                batch=batch,
+                out_shardings=spec.out_shardings,
+                donate_argnums=spec.donate_argnums,
+            )
+
+        return self.steps.get(key, build)
 
     def lower(
         self, batch: Any, *, train_step: Callable[..., Any] | None = None, norms: bool = False

@@ -378,8 +378,7 @@ def traced_within(
     step_fn: Callable[..., Any], context: Callable[[], contextlib.AbstractContextManager[Any]]
 ) -> Callable[..., Any]:
     """``step_fn`` that runs inside ``context()``: entered while jax traces it
-    (``Plan.trace_context``: the strategy's logical rules for activation constraints,
-    and the plan as ``tracing_plan()``)."""
+    (``Plan.trace_context``: the strategy's logical rules for activation constraints)."""
 
     @functools.wraps(step_fn)
     def within(*args: Any) -> Any:
@@ -400,4 +399,3 @@ def apply_gradients(
     ``aux`` (XLA drops it from the steps that do not report it)."""
     optimizer.update(model, grads, value=loss)  # value: plateau schedules, line searches
     return loss, {**aux, "grad_norm": optax.tree.norm(grads)}
-

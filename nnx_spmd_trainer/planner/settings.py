@@ -1,0 +1,67 @@
+"""PlanSettings: the ten settings a ``Plan`` is made with, and their defaults, written once.
+
+``Plan(...)`` and ``Trainer(...)`` take them as keywords (their signatures' defaults are
+read from ``DEFAULTS``); ``Trainer(plan, ...)`` names the ones given beside a plan
+(``PlanSettings.given``); ``strategy="auto"`` plans each candidate with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from clu import metrics as clu_metrics
+from flax import nnx
+
+from nnx_spmd_trainer.strategies import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """What a plan is made with besides the model and the losses (see ``Plan``'s Args).
+
+    A default of ``None`` means "chosen by the plan": ``DataParallel()``, the average
+    loss, every device of ``jax.devices()``, the backend's measured ``donate``.
+    """
+
+    optimizer: optax.GradientTransformation | None = None
+    #: A ``Strategy``; a ``Trainer``'s may also be ``"auto"`` or ``auto.Auto(...)``.
+    strategy: Strategy | Any = None
+    metrics: type[clu_metrics.Collection] | None = None
+    seed: int = 0
+    grad_accum_steps: int = 1
+    wrt: nnx.filterlib.Filter = nnx.Param
+    devices: Sequence[jax.Device] | None = None
+    donate: bool | None = None
+    remat: str = "none"
+    skip_nonfinite_updates: bool = False
+
+    def given(self) -> list[str]:
+        """The names of the settings that are not their defaults, in declaration order.
+
+        An object default (``None``, the ``nnx.Param`` filter) is compared by identity:
+        ``wrt`` filters need not define ``==`` (a filter of arrays would broadcast)."""
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if not _is_default(getattr(self, f.name), f.default)
+        ]
+
+    def as_kwargs(self, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The settings as keyword arguments (``Plan(model, **kwargs)``), less ``without``."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in without
+        }
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is None or not isinstance(default, int | str | bool):
+        return value is default
+    return bool(value == default)
+
+
+#: The defaults, for the signatures that take the settings as keywords.
+DEFAULTS = PlanSettings()
