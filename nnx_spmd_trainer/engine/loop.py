@@ -259,7 +259,7 @@ class Loop:
             run.last_step = StepRecord(
                 run.step,
                 loss,
-                batch_shapes(batch),
+                batch_shapes(batch, known=run.last_step and run.last_step.batch_shapes),
                 data_wait_s=seconds["data_wait"] - before["data_wait"],
                 compile_s=seconds["compile"] - before["compile"],
                 step_s=seconds["step"] - before["step"],
