@@ -93,12 +93,11 @@ def measure(corpus: Corpus, seq_len: int, shard: DataShard) -> list[dict[str, An
     )
     for packed in (True, False):
         own = Corpus(corpus.directory)
-        speed, padding = best(
-            lambda own=own, packed=packed: (
-                packed_pipeline(own, seq_len, ROWS, shard, repeat=False, packed=packed),
-                rows_of,
-            )
-        )
+
+        def packed_epoch(own: Corpus = own, packed: bool = packed) -> tuple[Any, Any]:
+            return packed_pipeline(own, seq_len, ROWS, shard, repeat=False, packed=packed), rows_of
+
+        speed, padding = best(packed_epoch)
         name = "packed_pipeline, " + ("packed (first fit)" if packed else "one piece a row")
         share = own.bytes_read / REPEATS / (own.n_tokens * own.dtype.itemsize)
         rows.append({"path": name, "tokens_per_s": speed, "padding": padding, "bytes_share": share})
