@@ -69,7 +69,11 @@ def test_a_step_compiled_for_another_plan_is_handed_that_plan():
 
 
 def test_an_unchosen_plan_names_what_was_asked():
-    with pytest.raises(LayoutNotChosen, match=r"trainer\.run_state:"):
+    trainer = Trainer(Net, optax.sgd(0.1), loss_fn=classification_loss, strategy="auto")
+    for asked in ("model", "optimizer", "state"):
+        with pytest.raises(LayoutNotChosen, match=rf"^trainer\.{asked}:"):
+            getattr(trainer, asked)
+    with pytest.raises(LayoutNotChosen, match=r"^trainer\.run_state:"):
         Run().chosen_plan("run_state")
     with pytest.warns(DeprecationWarning, match="chosen_plan"), pytest.raises(LayoutNotChosen):
         Run().layout()

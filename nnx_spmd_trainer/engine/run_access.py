@@ -68,12 +68,12 @@ class RunAccess:
         are what the next step trains. The steps set train/eval mode on their
         own copy; this object's mode is yours.
         """
-        return self.run.objects().objects["model"]
+        return self.run.objects("model").objects["model"]
 
     @property
     def optimizer(self) -> nnx.Optimizer[nnx.Module]:
         """The live ``nnx.Optimizer``; its state is sharded like the parameters (see ``model``)."""
-        return self.run.objects().objects["optimizer"]
+        return self.run.objects("optimizer").objects["optimizer"]
 
     @property
     def state(self) -> nnx.State:
