@@ -77,3 +77,13 @@ def test_an_unchosen_plan_names_what_was_asked():
         Run().chosen_plan("run_state")
     with pytest.warns(DeprecationWarning, match="chosen_plan"), pytest.raises(LayoutNotChosen):
         Run().layout()
+
+
+def test_the_old_names_warn_and_work():
+    from nnx_spmd_trainer.engine import layout
+    from nnx_spmd_trainer.planner.plan import tracing_plan
+
+    with pytest.warns(DeprecationWarning, match="PlanHolder"):
+        assert layout.Layout is layout.PlanHolder
+    with pytest.warns(DeprecationWarning, match="handed the plan"):
+        assert tracing_plan() is None
