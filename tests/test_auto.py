@@ -414,6 +414,30 @@ def test_a_layout_whose_tensor_parallel_axis_splits_nothing_is_not_timed():
         assert rows[layout].step_time_s is None
 
 
+def test_choose_ranks_by_the_timing_it_is_handed_and_refuses_to_time_without_one():
+    """auto ranks; the engine times: ``choose`` asks the ``time_steps`` it is handed for
+    each fitting candidate's seconds per step, round after round, and ranks by them."""
+    calls = []
+
+    def time_steps(plan, compiled, batches):
+        on_its_mesh = all(x.sharding.mesh == plan.mesh for x in jax.tree.leaves(batches))
+        calls.append((plan.strategy, len(batches), on_its_mesh))
+        return 2.0 if plan.strategy == DataParallel() else 1.0  # FSDP "twice as fast"
+
+    kwargs = dict(loss_fn=classification_loss, strategies=[DataParallel(), FSDP()], steps=2)
+    choice = auto.choose(
+        Net, optax.sgd(0.1), make_batches(2), rounds=2, time_steps=time_steps, **kwargs
+    )
+    assert choice.strategy == FSDP()
+    assert [(r.layout, r.step_time_s, r.ratio) for r in choice.rows] == [
+        ("FSDP()", 1.0, 1.0),
+        ("DataParallel()", 2.0, 2.0),
+    ]
+    assert calls == [(DataParallel(), 2, True), (FSDP(), 2, True)] * 3  # untimed round + 2
+    with pytest.raises(TypeError, match="time_steps=nnx_spmd_trainer.engine.timing"):
+        auto.choose(Net, optax.sgd(0.1), make_batches(2), rounds=1, **kwargs)
+
+
 def test_a_candidate_is_traced_with_its_own_plan_and_the_trainers_run_is_untouched():
     seen = []
 
