@@ -22,6 +22,7 @@ from nnx_spmd_trainer.app import corpus as corpus_command
 from nnx_spmd_trainer.app import job, tasks
 from nnx_spmd_trainer.app.datasets import corpora, documents, from_config, text
 from nnx_spmd_trainer.data.corpus import TOKENS_FILE, Corpus
+from nnx_spmd_trainer.data.packing import ContiguousRows
 from nnx_spmd_trainer.data.tokenizer import load_tokenizer
 
 KEYS = ["inputs", "positions", "segment_ids", "target_segment_ids", "targets"]
@@ -79,26 +80,6 @@ def test_the_corpus_command_writes_both_kinds_of_input(written):
     assert a[0][-1] == tokenizer.eos_id
 
 
-def test_corpus_rows_cut_the_token_stream_and_mark_every_document(written):
-    corpus = Corpus(written / "a")
-    rows = corpora.CorpusRows(corpus, 0, 5, seq_len=32)
-    end = corpus.span(4)[1]
-    assert len(rows) == (end - 1) // 32
-    flat = np.asarray(corpus.tokens[:end], np.int32)
-    ends = np.asarray(corpus.ends[:5])
-    for index in (0, 7, len(rows) - 1):
-        row = rows[index]
-        assert sorted(row) == KEYS
-        at = index * 32 + np.arange(32)
-        np.testing.assert_array_equal(row["inputs"], flat[at])
-        np.testing.assert_array_equal(row["targets"], flat[at + 1])
-        document = np.searchsorted(ends, at, side="right")  # independent: per token
-        starts = np.concatenate([[0], ends])[document]
-        np.testing.assert_array_equal(row["positions"], at - starts)
-        same = row["segment_ids"] == row["target_segment_ids"]
-        np.testing.assert_array_equal(same, np.isin(at, ends - 1, invert=True))
-
-
 def test_a_mixture_of_corpora_with_stages_and_the_dry_run_lines(written):
     config = small(
         load("default"),
@@ -112,7 +93,7 @@ def test_a_mixture_of_corpora_with_stages_and_the_dry_run_lines(written):
     first, second = next(batches), next(batches)
     assert sorted(first) == KEYS and first["inputs"].shape == (16, 16)
     b = Corpus(written / "b")
-    b_rows = corpora.CorpusRows(b, 0, corpora.held_out_range(b, 0.1)[0], 16)
+    b_rows = ContiguousRows(b, 16, (0, corpora.held_out_range(b, 0.1)[0]))
     from_b = {tuple(b_rows[i]["inputs"]) for i in range(len(b_rows))}
     assert all(tuple(row) in from_b for row in second["inputs"])  # step 1: b's weight alone
     assert not all(tuple(row) in from_b for row in first["inputs"])  # step 0: mostly a
@@ -160,8 +141,14 @@ def _options(config):
 # -- bits per byte --------------------------------------------------------------------------
 def test_bits_per_byte_of_the_default_and_the_character_job():
     tokenizer = documents.pydoc_tokenizer(1024)
-    splits = documents.bpe_lm_splits(tokenizer, seq_len=64, batch_size=8, seed=0)
-    held_out = documents.split_documents(documents.pydoc_documents(), 0.1)[1]
+    splits = documents.bpe_lm_splits(tokenizer, seq_len=64, batch_size=8, seed=0, max_steps=10)
+    train, held_out = documents.split_documents(documents.pydoc_documents(), 0.1)
+    trained = sum(map(len, documents.tokenize(tokenizer, train)))
+    assert splits.summary == (
+        f"data: {len(train)} documents, {trained} tokens trained on (a tokenizer of 1024 ids), "
+        f"{len(held_out)} held out; packed; 10 steps of 8 rows x 64 tokens read them "
+        f"~{10 * 8 * 64 / trained:.2f} times (epochs)",
+    )
     assert "".join(held_out) == text.load_text()[-len("".join(held_out)) :]  # the char job's
     # independent: a byte-level token's bytes are the characters of its vocabulary string
     vocab = {i: t for t, i in tokenizer.backend.get_vocab().items()}

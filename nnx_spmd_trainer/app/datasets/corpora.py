@@ -8,10 +8,10 @@ before those:
 - one corpus, no weights: its documents shuffled, sharded between the processes and
   packed by Grain's first-fit packer (``data.packing.packed_pipeline``);
 - several corpora (or weights, or stages): a ``data.mixture.Mixture`` of each
-  corpus's ``CorpusRows``, rows cut from its flat token array one after another
-  (the documents' order as written; a row may hold the end of one document and
-  the start of the next, as separate segments, and no padding). Random access
-  to rows is what lets the mixture's position be the step alone, so it resumes
+  corpus's ``data.packing.ContiguousRows``, rows cut from its flat token array one
+  after another (the documents' order as written; a row may hold the end of one
+  document and the start of the next, as separate segments). Random access to
+  rows is what lets the mixture's position be the step alone, so it resumes
   exactly on any process count.
 
 The unigram baseline counts the first ``BASELINE_SAMPLE`` training tokens of each
@@ -29,9 +29,10 @@ from nnx_spmd_trainer.app.datasets.base import Splits
 from nnx_spmd_trainer.app.datasets.documents import document_splits
 from nnx_spmd_trainer.data.corpus import Corpus
 from nnx_spmd_trainer.data.mixture import Mixture, Stage
+from nnx_spmd_trainer.data.packing import ContiguousRows
 from nnx_spmd_trainer.data.tokenizer import Tokenizer
 
-__all__ = ["BASELINE_SAMPLE", "CorpusRows", "DocumentRange", "corpus_splits", "held_out_range"]
+__all__ = ["BASELINE_SAMPLE", "DocumentRange", "corpus_splits", "held_out_range"]
 
 #: Training tokens per corpus the unigram baseline counts.
 BASELINE_SAMPLE = 1 << 22
@@ -50,48 +51,6 @@ class DocumentRange:
         if not 0 <= index < len(self):
             raise IndexError(f"document {index} of {len(self)}")
         return self.corpus[self.start + index]
-
-
-class CorpusRows:
-    """Rows of ``seq_len`` cut one after another from documents ``[start, stop)`` of a
-    corpus's flat token array: random access, no padding.
-
-    Row ``i`` has inputs ``tokens[a : a + seq_len]`` and targets one token on, ``a =
-    first + i * seq_len``; ``segment_ids`` number the documents in the row from 1,
-    ``positions`` count from each document's start, and ``target_segment_ids`` is
-    each target's document, so the target after a document's last token (the next
-    document's first) is not trained.
-    """
-
-    def __init__(self, corpus: Corpus, start: int, stop: int, seq_len: int) -> None:
-        self.corpus, self.seq_len = corpus, seq_len
-        self.first = corpus.span(start)[0] if stop > start else 0
-        self.end = corpus.span(stop - 1)[1] if stop > start else 0
-        self.rows = max(0, (self.end - self.first - 1) // seq_len)
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        if not 0 <= index < self.rows:
-            raise IndexError(f"row {index} of {self.rows}")
-        a = self.first + index * self.seq_len
-        window = np.arange(a, a + self.seq_len + 1)
-        ends = self.corpus.ends
-        # the document of each token: ends are sorted, one binary search for the window
-        first_doc = int(np.searchsorted(ends, a, side="right"))
-        local_ends = np.asarray(ends[first_doc : first_doc + self.seq_len + 2], np.int64)
-        document = np.searchsorted(local_ends, window, side="right")
-        starts = np.concatenate([[self.corpus.span(first_doc)[0]], local_ends])[document]
-        tokens = np.asarray(self.corpus.tokens[a : a + self.seq_len + 1], np.int32)
-        segment = (document + 1).astype(np.int32)
-        return {
-            "inputs": tokens[:-1],
-            "targets": tokens[1:],
-            "segment_ids": segment[:-1],
-            "positions": (window - starts)[:-1].astype(np.int32),
-            "target_segment_ids": segment[1:],
-        }
 
 
 def held_out_range(corpus: Corpus, eval_fraction: float) -> tuple[int, int]:
@@ -175,7 +134,7 @@ def corpus_splits(
                 "config.data.packed=False takes one corpus and no weights."
             )
         sources = {
-            name: CorpusRows(corpus, *train_ranges[name], seq_len)
+            name: ContiguousRows(corpus, seq_len, train_ranges[name])
             for name, corpus in corpora.items()
         }
         mixture = Mixture(

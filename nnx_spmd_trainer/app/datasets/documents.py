@@ -20,6 +20,7 @@ per byte.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NotRequired, Unpack
 
@@ -154,12 +155,6 @@ def _target_bytes(tokenizer: Tokenizer, scored: Sequence[np.ndarray]) -> int:
     return total
 
 
-def _with_target_segments(batch: Batch) -> Batch:
-    """A packed row's targets never leave their document (``data.packing``): each target's
-    segment is its input's, so the loss trains every target that is not padding."""
-    return {**batch, "target_segment_ids": batch["segment_ids"]}
-
-
 def document_splits(
     train_documents: Any,
     held_out: Sequence[np.ndarray],
@@ -186,9 +181,10 @@ def document_splits(
     """
     train = train_rows
     if train is None:
+        # packed rows carry target_segment_ids: their targets never leave the document
         train = packed_pipeline(
             train_documents, seq_len, batch_size * shard[1], shard, seed=seed, packed=packed
-        ).map(_with_target_segments)
+        )
     held_out_data, scored = held_out_batches(
         held_out, seq_len=seq_len, batch_size=batch_size, max_batches=max_eval_batches, shard=shard
     )
@@ -221,18 +217,30 @@ def bpe_lm_splits(
     tokenizer: Tokenizer,
     *,
     documents: Sequence[str] | None = None,
+    max_steps: int = 0,
     **options: Unpack[DocumentOptions],
 ) -> Splits:
     """Packed rows of ``documents`` (default: the pydoc topics) in ``tokenizer``'s ids;
-    ``options``: ``DocumentOptions``."""
+    ``options``: ``DocumentOptions``; ``max_steps``: the steps a dry run's line counts
+    the epochs of."""
     documents = pydoc_documents() if documents is None else documents
     train_text, held_out_text = split_documents(documents, options.get("eval_fraction", 0.1))
     train = tokenize(tokenizer, train_text)
     vocab = tokenizer.vocab_size
     counts = np.bincount(np.concatenate(train), minlength=vocab) if train else np.zeros(vocab)
-    return document_splits(
+    held_out = tokenize(tokenizer, held_out_text)
+    rows = options["batch_size"] * options.get("shard", (0, 1))[1]
+    trained = int(counts.sum())
+    summary = (
+        f"data: {len(train)} documents, {trained} tokens trained on (a tokenizer of "
+        f"{vocab} ids), {len(held_out)} held out; "
+        f"{'packed' if options.get('packed', True) else 'one document piece a row'}; "
+        f"{max_steps} steps of {rows} rows x {options['seq_len']} tokens read them "
+        f"~{max_steps * rows * options['seq_len'] / max(trained, 1):.2f} times (epochs)",
+    )
+    splits = document_splits(
         train,
-        tokenize(tokenizer, held_out_text),
+        held_out,
         tokenizer,
         counts,
         seq_len=options["seq_len"],
@@ -242,3 +250,4 @@ def bpe_lm_splits(
         shard=options.get("shard", (0, 1)),
         packed=options.get("packed", True),
     )
+    return dataclasses.replace(splits, summary=summary)

@@ -169,7 +169,8 @@ def text_splits(
                 f"config.data.weights={weights!r} / stages={stage_spec!r} weigh corpora, and "
                 "config.data.corpus names none; give config.data.corpus=name=dir,..."
             )
-        splits = bpe_lm_splits(tokenizer, packed=data.get("packed", True), **options)
+        packed = data.get("packed", True)
+        splits = bpe_lm_splits(tokenizer, packed=packed, max_steps=config.max_steps, **options)
         return tokenizer.vocab_size, splits
     pairs = parse_stages(weights, stage_spec)
     if not pairs and len(corpora) > 1:
