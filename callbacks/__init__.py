@@ -4,11 +4,12 @@ From the core these import the names of ``nnx_spmd_trainer.__all__`` and
 ``nnx_spmd_trainer.data.__all__``, so a user-written callback can do anything these
 do. Among them, for checkpoints: ``path_str`` (a state leaf's name), ``as_position``
 (a data position for Grain's checkpoint handler), ``RunState.array_stand_ins`` (the
-arrays in a saved callback state), ``RunLock`` and ``data.BATCHES_TAKEN``. Three
-imports are not of those names: ``nnx_spmd_trainer.deprecation`` (``OrbaxCheckpoint``'s
-renamed ``report`` warns through it), ``nnx_spmd_trainer.engine.metric_log.is_perf_key``
-(``ProgressBar`` asks which logs keys are not metrics) and, for type annotations only
-(under ``TYPE_CHECKING``), ``nnx_spmd_trainer.trainer.Trainer``, the public ``Trainer``.
+arrays in a saved callback state), ``RunLock`` and ``data.BATCHES_TAKEN``; for the
+progress bar, ``is_perf_key`` (which logs keys are not metrics). Beyond those they
+import ``nnx_spmd_trainer.deprecation`` (``OrbaxCheckpoint``'s renamed ``report`` warns
+through it), ``nnx_spmd_trainer.adapters`` (Orbax's insides, fenced in one module) and
+``nnx_spmd_trainer.distributed``. The import-linter contract
+``callbacks-public-names-only`` (pyproject.toml) holds them to this.
 """
 
 from nnx_spmd_trainer import Callback, History

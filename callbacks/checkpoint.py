@@ -30,7 +30,7 @@ from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice, QuietManager
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.trainer import Trainer
+    from nnx_spmd_trainer import Trainer
 
 
 class OrbaxCheckpoint(CheckpointResume):

@@ -28,7 +28,7 @@ from .checkpoint_items import on_devices
 from .fingerprint import FingerprintRestore, mismatches
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.trainer import Trainer
+    from nnx_spmd_trainer import Trainer
 
 
 def read_meta(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from .checkpoint_checks import DamagedCheckpoint, agree_on_damage, check_same_mo
 from .checkpoint_restore import read_meta, read_step, set_aside
 
 if TYPE_CHECKING:
-    from nnx_spmd_trainer.trainer import Trainer
+    from nnx_spmd_trainer import Trainer
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
 

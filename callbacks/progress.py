@@ -9,8 +9,7 @@ import jax
 from tqdm.auto import tqdm
 from typing_extensions import override
 
-from nnx_spmd_trainer import Callback, Logs
-from nnx_spmd_trainer.engine.metric_log import is_perf_key
+from nnx_spmd_trainer import Callback, Logs, is_perf_key
 
 
 def format_logs(logs: Logs) -> str:

@@ -8,7 +8,7 @@ from nnx_spmd_trainer.data.grain_input import grain_pipeline
 from nnx_spmd_trainer.data.position import as_position
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.engine.callback import HOOKS, Callback, CallbackList, History, Logs
-from nnx_spmd_trainer.engine.metric_log import LogSchedule
+from nnx_spmd_trainer.engine.metric_log import LogSchedule, is_perf_key
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
 from nnx_spmd_trainer.engine.step_record import StepRecord
 from nnx_spmd_trainer.io.export import export_params
@@ -74,6 +74,7 @@ __all__ = [
     "DataShard",
     "HOOKS",
     "as_position",
+    "is_perf_key",
     "auto",
     "chunked_cross_entropy",
     "distributed",
