@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from nnx_spmd_trainer.data import batches, same_rows
+from nnx_spmd_trainer.data_shard import DataShard
 
-if TYPE_CHECKING:
-    from nnx_spmd_trainer.planner.plan import Plan
+
+class BatchLayout(Protocol):
+    """What placing a batch asks of a layout (a ``Plan`` answers it): the data stays below
+    the planner, handed the answers, never the plan's type."""
+
+    @property
+    def data_shard(self) -> DataShard: ...
+
+    def batch_shardings(self, batch: Any) -> Any: ...
 
 
 def _batch_key(batch: Any, *extra: Any) -> Any:
@@ -64,7 +72,9 @@ class Placement:
       in_flight: the bound on dispatched steps the host has not waited for.
     """
 
-    def __init__(self, plan: Plan, *, prefetch: int = 2, max_steps_in_flight: int = 2) -> None:
+    def __init__(
+        self, plan: BatchLayout, *, prefetch: int = 2, max_steps_in_flight: int = 2
+    ) -> None:
         self.plan, self.data_shard = plan, plan.data_shard
         self.prefetch = prefetch
         self.in_flight = InFlight(max_steps_in_flight)

@@ -8,7 +8,7 @@ loss stays on the devices until a hook asks for its value (``loss_value``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -51,6 +51,7 @@ def batch_shapes(batch: Any, known: Any = None) -> Any:
     (most steps: comparing costs a few microseconds, making new ones about ten per leaf).
     """
     leaves, treedef = jax.tree.flatten(batch)
+    treedef = cast(Any, treedef)  # jaxlib's stub names PyTreeDef in a way mypy cannot resolve
     if known is not None:
         known_leaves, known_treedef = jax.tree.flatten(known)
         if known_treedef == treedef and all(
