@@ -189,6 +189,14 @@ def test_a_corpus_of_another_vocabulary(written, tmp_path):
     assert "model's vocabulary is 264" in message and "holds ids up to" in message
 
 
+def test_a_corpus_of_another_tokenizer_than_the_one_named(written, tmp_path):
+    other = tmp_path / "other"
+    documents.pydoc_tokenizer(300).save(other)  # as many ids, other merges
+    config = small(load("default"), corpus=str(written / "a"), tokenizer=str(other))
+    message = refused(config, tmp_path / "run", "was tokenized with another tokenizer")
+    assert message.startswith("config.data.corpus (a): ")
+
+
 def test_a_truncated_corpus(written, tmp_path):
     damaged = tmp_path / "cut"
     shutil.copytree(written / "a", damaged)

@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_flags.DEFINE_config_file(
         "config",
         default=None,  # normalize_argv always names one
-        help_string="Config file, or the name of an embedded config (default, dp, fsdp, tp, "
+        help_string="Config file, or the name of an embedded config (default, char, dp, fsdp, tp, "
         "hybrid, mlp, cnn). Override keys with --config.key=value.",
         lock_config=True,
         sys_argv=argv,

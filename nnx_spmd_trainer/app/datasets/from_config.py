@@ -158,6 +158,13 @@ def text_splits(
     tokenizer = _tokenizer(data, corpora)
     model_vocab = config.gpt.get("vocab_size", 0) or _padded(tokenizer.vocab_size)
     for name, corpus in corpora.items():
+        if corpus.header.get("tokenizer_sha256", tokenizer.sha256) != tokenizer.sha256:
+            raise ConfigError(
+                f"config.data.corpus ({name}): {corpus.directory} was tokenized with another "
+                f"tokenizer than config.data.tokenizer={data.get('tokenizer', '')!r} (its own "
+                f"is {corpus.directory}/tokenizer.json); pass --config.data.tokenizer='' to "
+                "use it, or write the corpus again with this tokenizer."
+            )
         try:
             corpus.check_vocab(model_vocab)
         except CorpusError as error:
