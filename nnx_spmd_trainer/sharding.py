@@ -1,9 +1,8 @@
 """Annotations + logical-axis rules -> PartitionSpec, with named errors.
 
-Pure functions over shapes, axis names and sizes: no devices needed, so every
-rule here is unit-tested against a plain ``{axis: size}`` mapping. The one
-exception is ``traced_axes``, which reads the rules and the abstract mesh in
-force while a step is traced.
+Pure functions over shapes, axis names and sizes, unit-tested against a plain
+``{axis: size}`` mapping; only ``traced_axes`` reads the rules and mesh in force
+while a step is traced.
 
 Resolution of one annotated name, in order:
 
@@ -20,8 +19,7 @@ Resolution of one annotated name, in order:
 The nearer to the leaf, the stronger: the model's author and the caller's
 context know more about one model than a strategy's defaults do.
 
-Which rows each process feeds (``data_shard_of``) lives in ``data_shard.py``,
-built on these rules.
+Which rows each process feeds (``data_shard_of``) lives in ``data_shard.py``.
 """
 
 from __future__ import annotations
