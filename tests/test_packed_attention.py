@@ -166,6 +166,14 @@ def test_unpacked_and_padded_equals_each_document_alone(reference):
     assert_grads_close(nnx.to_pure_dict(got), grads)
 
 
+def test_the_chunked_loss_counts_the_same_targets(reference):
+    losses, _ = reference
+    model = built(holding_initial_state)
+    chunked = functools.partial(gpt.chunked_loss_fn, chunk_size=4)
+    loss = nnx.jit(lambda m, b: chunked(m, b)[0])(model, PACKED)
+    np.testing.assert_allclose(float(loss), losses.mean(), atol=1e-6)
+
+
 def packed_run(strategy, scan=False):
     """Per-token losses and ``gpt.loss_fn``'s gradients on the packed rows, traced as the
     Trainer traces its step under ``strategy`` (its mesh, layouts and trace context)."""
