@@ -270,3 +270,44 @@ def test_the_corpus_command_refuses_a_missing_input(tmp_path, capsys):
     assert exit_.value.code == 2
     assert "nope does not exist" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_a_mixture_job_stopped_mid_stage_resumes_bitwise(written, tmp_path):
+    def losses(workdir):
+        rows = (tmp_path / workdir / "metrics.csv").read_text().splitlines()
+        keys = rows[0].split(",")
+        values = [dict(zip(keys, row.split(","), strict=True)) for row in rows[1:]]
+        return {r["step"]: r["train/loss"] for r in values if r["train/loss"]}
+
+    def config(steps):
+        mixed = small(
+            load("default"),
+            corpus=f"a={written / 'a'},b={written / 'b'}",
+            weights="a=3,b=1",
+            stages="2:a=1,b=3",  # the switch at step 2, between the stop and the end
+        )
+        mixed.update(max_steps=steps, log_every_n_steps=1, checkpoint_every_n_steps=1)
+        mixed.update(warmup_steps=0, end_lr_fraction=1.0)  # a schedule max_steps leaves alone
+        return mixed
+
+    job.run(config(4), tmp_path / "whole")
+    job.run(config(1), tmp_path / "stopped")  # stopped after step 1, in the first stage
+    job.run(config(4), tmp_path / "stopped")  # resumed: steps 2..4
+    whole, resumed = losses("whole"), losses("stopped")
+    assert set(whole) == {"1", "2", "3", "4"}
+    assert resumed == whole  # the losses as written, bit for bit
+
+
+def test_nnx_spmd_train_corpus_is_the_corpus_command(tmp_path, capsys):
+    from nnx_spmd_trainer.app import cli
+
+    (tmp_path / "one.txt").write_text("hello world, " * 50)
+    (tmp_path / "two.txt").write_text("goodbye world. " * 50)
+    out = tmp_path / "corpus"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["nnx-spmd-train", "corpus", str(tmp_path / "one.txt"), str(tmp_path / "two.txt"),
+                  "--out", str(out), "--vocab_size=280", "--no_progress"])  # fmt: skip
+    assert exit_.value.code == 0
+    assert f"--config.data.corpus={out}" in capsys.readouterr().out
+    assert len(Corpus(out)) == 2 and 257 < Corpus(out).vocab_size <= 280  # merges run out
