@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import sys
+import typing
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 if ROOT not in sys.path:  # a source checkout without `pip install -e .` still builds
@@ -81,6 +82,10 @@ ALIASES = {
     "Lower": "nnx_spmd_trainer.planner.auto.Lower",
     "modes.AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
     "AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
+    # The engine's side of a callback (engine/hooks.py): the trainer holds callbacks as
+    # BaseCallback objects and is, to their dispatch, a HookHost; users meet Callback, Trainer.
+    "nnx_spmd_trainer.engine.hooks.BaseCallback": "nnx_spmd_trainer.Callback",
+    "nnx_spmd_trainer.engine.hooks.HookHost": "nnx_spmd_trainer.Trainer",
 }
 
 
@@ -156,8 +161,11 @@ def _dataclass_factories(app, what, name, obj, options, signature, return_annota
 
 
 def _shown_bases(base: type) -> list[type]:
-    private = base.__module__.startswith("nnx_spmd_trainer") and id(base) not in _PUBLIC
-    return [b for parent in base.__bases__ for b in _shown_bases(parent)] if private else [base]
+    origin = typing.get_origin(base) or base  # BaseCallback[Trainer]: BaseCallback's bases
+    if origin is typing.Generic:
+        return []
+    private = origin.__module__.startswith("nnx_spmd_trainer") and id(origin) not in _PUBLIC
+    return [b for parent in origin.__bases__ for b in _shown_bases(parent)] if private else [base]
 
 
 def _public_bases(app, name, obj, options, bases):

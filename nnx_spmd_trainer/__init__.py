@@ -3,11 +3,11 @@
 import importlib.metadata
 
 from nnx_spmd_trainer import deprecation, distributed, weights
+from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.data.batch_errors import BatchMismatch
 from nnx_spmd_trainer.data.grain_input import grain_pipeline
 from nnx_spmd_trainer.data.position import as_position
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.engine.callback import HOOKS, Callback, CallbackList, History, Logs
 from nnx_spmd_trainer.engine.metric_log import LogSchedule, is_perf_key
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
 from nnx_spmd_trainer.engine.step_record import StepRecord

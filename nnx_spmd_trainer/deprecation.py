@@ -116,7 +116,6 @@ MOVED_MODULES: dict[str, str] = {
     "run_state": "engine.run_state",
     "run_access": "engine.run_access",
     "metric_log": "engine.metric_log",
-    "callback": "engine.callback",
     "predict": "engine.predict",
     "layout": "engine.layout",
     "plan": "planner.plan",

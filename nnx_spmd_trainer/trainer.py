@@ -15,7 +15,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 
 from nnx_spmd_trainer.engine import layout, predict
-from nnx_spmd_trainer.engine.callback import Callback, CallbackList, History
+from nnx_spmd_trainer.engine.hooks import BaseCallback, CallbackList, History
 from nnx_spmd_trainer.engine.layout import LayoutAccess
 from nnx_spmd_trainer.engine.loop import Loop
 from nnx_spmd_trainer.engine.metric_log import LogSchedule
@@ -135,7 +135,7 @@ class Trainer(LayoutAccess, RunAccess):
         eval_fn: step.LossFn | None = None,
         predict_fn: Callable[[nnx.Module, Any], Any] | None = None,
         metrics: type[clu_metrics.Collection] | None = DEFAULTS.metrics,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[BaseCallback[Any]] = (),
         seed: int = DEFAULTS.seed,
         grad_accum_steps: int = DEFAULTS.grad_accum_steps,
         max_steps_in_flight: int = 2,

@@ -52,15 +52,22 @@ def _documented_attributes(cls: type) -> list[str]:
 
 def _members(cls: type) -> dict[str, object]:
     """The class's own members and those of its private mixins (a base of this package that
-    is not public itself: ``Trainer``'s ``RunAccess``), which are the class's surface."""
+    is not public itself: ``Trainer``'s ``RunAccess``), which are the class's surface. A
+    private base that a public base of the class already brings (``Callback``'s
+    ``BaseCallback``, under every shipped callback) is that public base's surface."""
     public = {
         id(getattr(importlib.import_module(m), n))
         for m in MODULES
         for n in importlib.import_module(m).__all__
     }
+    through_public = {id(b) for base in cls.__mro__[1:] if id(base) in public for b in base.__mro__}
     members: dict[str, object] = {}
     for base in reversed(cls.__mro__):
-        private = base.__module__.startswith("nnx_spmd_trainer") and id(base) not in public
+        private = (
+            base.__module__.startswith("nnx_spmd_trainer")
+            and id(base) not in public
+            and id(base) not in through_public
+        )
         if base is cls or private:
             members.update(vars(base))
     return members

@@ -1,15 +1,18 @@
-"""Callback base, the list that dispatches hooks, and History.
+"""The hooks the engine calls: their no-op base, the list that dispatches them, History.
 
-The core calls these hooks; concrete callbacks live in ``nnx_spmd_trainer.callbacks``.
+The user's ``Callback`` (``nnx_spmd_trainer.callback``) is ``BaseCallback`` with
+``self.trainer`` typed as the real ``Trainer``; concrete callbacks live in
+``nnx_spmd_trainer.callbacks``.
 
-The logs flow one way. The trainer alone decides when training
-metrics leave the devices (its log steps, epoch ends, the end of ``fit``) and
-puts them in ``logs`` *before* it calls a hook; evaluation values arrive the
-same way at ``on_test_end``. A hook may add values of its own (the learning
-rate, a norm). Once every callback has run the hook, ``on_logs(step, logs)``
-hands the finished ``logs`` to the writers, read-only. ``logs`` always holds
-host floats; on steps that are not log steps it is empty and nothing is
-copied from the devices.
+Why two classes: the engine calls hooks on a trainer it must not import (the trainer sits
+above the engine; an import, even under ``TYPE_CHECKING``, would close a circle). So here
+the trainer a callback is handed is a type parameter (``BaseCallback[TrainerT]``) and the
+dispatch asks of it only a ``HookHost`` (its step and its run's timings); the
+``Trainer`` (``trainer.py``) builds the list from ``BaseCallback`` objects, and the public
+``Callback`` binds the parameter to ``Trainer`` one layer above ``trainer.py``. Nothing
+here knows the facade; nothing circles.
+
+How the logs flow through the hooks: ``nnx_spmd_trainer.callback``.
 """
 
 from __future__ import annotations
@@ -17,42 +20,49 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from nnx_spmd_trainer.trainer import Trainer
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Protocol, TypeVar
 
 Logs = dict[str, float]
 
+#: The trainer a callback is handed: ``Trainer`` for the public ``Callback``.
+TrainerT = TypeVar("TrainerT")
 
-class Callback:
-    """Keras-style callback: every hook is a no-op until overridden.
 
-    ``on_train_batch_begin`` gets the number of steps already done and
-    ``on_train_batch_end`` the new count, so step ``n`` is "after n updates".
-    Callbacks run in the order given (a stable sort on ``order``, 0 by default).
-    An ``on_...`` method whose name is close to a hook's is a typo and an error.
+class _Timings(Protocol):
+    def timing(self, what: str) -> AbstractContextManager[None]: ...
 
-    Attributes:
-      order: sort key for dispatch; callbacks with equal ``order`` keep their list order.
-      state_key: the key of this callback's ``state_dict`` in a checkpoint; two
-        callbacks with state must have different keys (set it to tell two
-        instances of one class apart).
-      goodput: the part of ``fit``'s wall time this callback's hooks count as
-        (``"callbacks"``; a checkpoint callback: ``"checkpoint"``).
 
-    >>> class PrintLoss(Callback):
-    ...     def on_logs(self, step, logs):
-    ...         if "train/loss" in logs:
-    ...             print(step, logs["train/loss"])
+class _TimedRun(Protocol):
+    @property
+    def timings(self) -> _Timings: ...
+
+
+class HookHost(Protocol):
+    """The trainer as the dispatch sees it (``Trainer`` is one): the global step the
+    finished logs belong to, and the run's timings the hooks' time counts in."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def run(self) -> _TimedRun: ...
+
+
+class BaseCallback(Generic[TrainerT]):
+    """Every hook, a no-op until overridden, handed a trainer of type ``TrainerT``.
+
+    Write callbacks as ``nnx_spmd_trainer.Callback`` (this class with ``TrainerT`` the
+    ``Trainer``: its docstring tells the hooks); the engine's own ``History`` is a
+    ``BaseCallback[Any]``. ``order``, ``goodput`` and ``state_key``: see ``Callback``.
     """
 
     order: int = 0
     goodput: str = "callbacks"
-    trainer: Trainer
+    trainer: TrainerT
     _state_key: str | None = None
 
-    def set_trainer(self, trainer: Trainer) -> None:
+    def set_trainer(self, trainer: TrainerT) -> None:
         self.trainer = trainer
 
     def on_fit_start(self, logs: Logs) -> None:
@@ -145,10 +155,10 @@ class Callback:
 
 
 #: Every hook, in the order a fit meets them; the one list the dispatch is checked against.
-HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+HOOKS = tuple(name for name in vars(BaseCallback) if name.startswith("on_"))
 
 
-class History(Callback):
+class History(BaseCallback[Any]):
     """Records every value that lands in ``logs``, with the step it belongs to.
 
     ``history.history["train/loss"]`` is the list of values and
@@ -176,12 +186,14 @@ class History(Callback):
         self.steps = {k: list(v) for k, v in state["steps"].items()}
 
 
-def _overrides(callback: Callback, hook: str) -> bool:
+def _overrides(callback: BaseCallback[Any], hook: str) -> bool:
     # A hook set on the instance counts too (LambdaCallback style).
-    return getattr(type(callback), hook) is not getattr(Callback, hook) or hook in vars(callback)
+    return getattr(type(callback), hook) is not getattr(BaseCallback, hook) or hook in vars(
+        callback
+    )
 
 
-def check_hook_names(callback: Callback) -> None:
+def check_hook_names(callback: BaseCallback[Any]) -> None:
     """Raises on an ``on_...`` method that misspells a hook (it would never be called)."""
     names = {n for n in dir(type(callback)) if n.startswith("on_")} | {
         n for n in vars(callback) if n.startswith("on_")
@@ -202,14 +214,14 @@ class CallbackList:
     only act at epoch or train boundaries.
     """
 
-    def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
+    def __init__(self, callbacks: Iterable[BaseCallback[Any]], trainer: HookHost) -> None:
         self.trainer = trainer
         self.callbacks = sorted(callbacks, key=lambda c: c.order)
-        keys: dict[str, Callback] = {}
+        keys: dict[str, BaseCallback[Any]] = {}
         for callback in self.callbacks:
             check_hook_names(callback)
             callback.set_trainer(trainer)
-            if type(callback).state_dict is Callback.state_dict:
+            if type(callback).state_dict is BaseCallback.state_dict:
                 continue
             if callback.state_key in keys:
                 raise ValueError(
@@ -225,7 +237,7 @@ class CallbackList:
             for hook in HOOKS
         }
 
-    def __iter__(self) -> Iterator[Callback]:
+    def __iter__(self) -> Iterator[BaseCallback[Any]]:
         return iter(self.callbacks)
 
     def layout_to_resume(self) -> str | None:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.data.placement import Placement
 from nnx_spmd_trainer.engine import timing
-from nnx_spmd_trainer.engine.callback import CallbackList
+from nnx_spmd_trainer.engine.hooks import CallbackList
 from nnx_spmd_trainer.engine.run import Run, not_chosen
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import auto

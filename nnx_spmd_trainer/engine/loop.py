@@ -22,7 +22,7 @@ from nnx_spmd_trainer.data.batch_errors import batch_mismatch, raise_if_changed
 from nnx_spmd_trainer.data.position import has_position
 from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
-from nnx_spmd_trainer.engine.callback import Logs
+from nnx_spmd_trainer.engine.hooks import Logs
 from nnx_spmd_trainer.engine.step_record import StepRecord, batch_shapes
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from nnx_spmd_trainer.data.placement import Placement
-    from nnx_spmd_trainer.engine.callback import CallbackList
+    from nnx_spmd_trainer.engine.hooks import CallbackList
     from nnx_spmd_trainer.engine.run import Run
     from nnx_spmd_trainer.planner.plan import Plan
 

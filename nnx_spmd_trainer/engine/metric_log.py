@@ -22,7 +22,7 @@ import numpy as np
 from clu import metrics as clu_metrics
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.engine.callback import Logs
+from nnx_spmd_trainer.engine.hooks import Logs
 from nnx_spmd_trainer.engine.step_record import StepRecord
 
 #: A 1-D metric of at most this many values is logged one scalar per index.

@@ -18,7 +18,7 @@ from flax import nnx
 
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.data.position import DataPosition, has_position
-from nnx_spmd_trainer.engine.callback import CallbackList
+from nnx_spmd_trainer.engine.hooks import CallbackList
 from nnx_spmd_trainer.engine.metric_log import LogSchedule, MetricLog, StepPerf
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
 from nnx_spmd_trainer.engine.step_record import StepRecord
