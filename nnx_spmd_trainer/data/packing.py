@@ -18,7 +18,8 @@ ever the first token of another document. Pairs are cut into chunks of at most
 segment whose positions restart at 0. Every target of the document is predicted
 exactly once, and the loss keeps the first pair of a continued chunk (it is
 predicted from one token of context, as at the start of any document). A document
-of fewer than 2 ids has no pair and is dropped.
+of fewer than 2 ids has no pair and is dropped. (Rows packed by hand with no
+``target_segment_ids`` are read otherwise: see ``nn.packed.target_weights``.)
 
 The packing itself is Grain's (``grain.experimental.FirstFitPackIterDataset``, or
 ``BestFitPackIterDataset`` with ``best_fit=True``), wrapped, not written again: it

@@ -28,11 +28,17 @@ def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
     """Which targets a packed batch trains on (``[batch, seq]`` bool), else ``None``.
 
     A target counts when its input is a document's token (``segment_ids != 0``) and
-    the target is in the same document. The target of a document's last token is
-    the next document's first token, which nothing of its own document precedes, so
-    it is left out. The target's document is ``batch["target_segment_ids"]`` when
-    given (rows cut from a stream of ``seq + 1`` tokens know it); otherwise the next
-    input's, and the row's last target is taken to continue its input's document.
+    the target is in the same segment. The target's segment is
+    ``batch["target_segment_ids"]`` when the batch has it: rows of
+    ``data.packing`` (``pack_documents``, ``ContiguousRows``) carry it, and there a
+    document longer than a row is split into chunks of (input, target) pairs, each
+    its own segment, so every target of the document is kept exactly once, the first
+    pair of a continued chunk included (predicted from one token of context).
+
+    Without ``target_segment_ids`` (rows a user packs by hand, inputs and targets the
+    row of ``seq + 1`` tokens shifted by one), the target's segment is the next
+    input's: the target of a document's last token (the next document's first token)
+    is left out, and the row's last target is taken to continue its input's document.
 
     >>> batch = {"segment_ids": jnp.array([[1, 1, 1, 2, 2, 0]])}
     >>> target_weights(batch).astype(int)
@@ -41,11 +47,11 @@ def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
     >>> target_weights(batch).astype(int)
     Array([[1, 0]], dtype=int32)
 
-    A document split across rows: its continuation starts the next row at
-    position 0 as a segment of its own; its first token is no target there (no
-    input of its row precedes it), and its other targets are predicted from the
-    continuation alone. So packed rows train on exactly the targets that the same
-    pieces, one per row, would: the one target lost per split is skipped, not
+    A document split across such hand-packed rows: its continuation starts the next
+    row at position 0 as a segment of its own; its first token is an input there and
+    no target (no input of its row precedes it), and its other targets are predicted
+    from the continuation alone. So those rows train on exactly the targets that the
+    same pieces, one per row, would: the one target lost per split is skipped, not
     predicted from nothing.
     """
     if "segment_ids" not in batch:
