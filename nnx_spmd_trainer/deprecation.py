@@ -149,6 +149,7 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self, package: str) -> None:
         self._prefix = package + "."
+        self._own_specs: dict[str, Any] = {}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         old = fullname.removeprefix(self._prefix)
@@ -159,10 +160,14 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: Any) -> Any:
         new = self._prefix + MOVED_MODULES[spec.name.removeprefix(self._prefix)]
         warn_renamed(f"the module {spec.name}", new)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._own_specs[new] = module.__spec__
+        return module
 
     def exec_module(self, module: Any) -> None:
-        """The module ran when its new path was imported."""
+        """The module ran when its new path was imported; the import system has just set
+        its ``__spec__`` to the old path's: give it back its own (``importlib.reload``)."""
+        module.__spec__ = self._own_specs[module.__name__]
 
 
 def redirect_moved_modules(package: str) -> None:

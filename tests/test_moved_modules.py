@@ -23,6 +23,7 @@ for old, new in MOVED_MODULES.items():
         importlib.import_module("nnx_spmd_trainer." + old)
     out[old] = {
         "same": module is importlib.import_module("nnx_spmd_trainer." + new),
+        "spec": module.__spec__.name,  # its own: importlib.reload(module) reloads it
         "first": [f"{w.category.__name__}: {w.message}" for w in first],
         "again": len(again),
         "names": sorted(n for n in vars(module) if not n.startswith("_"))[:3],
@@ -41,6 +42,7 @@ def test_every_old_module_path_imports_the_new_module_and_warns_once():
         result = seen[old]
         assert result["same"], old
         assert result["names"], f"{old} imported an empty module"
+        assert result["spec"] == f"nnx_spmd_trainer.{new}", old
         assert result["first"] == [
             f"DeprecationWarning: the module nnx_spmd_trainer.{old} is deprecated and will "
             f"be removed in 0.2.0; use nnx_spmd_trainer.{new}."
