@@ -59,3 +59,23 @@ def test_an_unknown_module_is_still_an_import_error():
     )
     assert done.returncode == 1
     assert "ModuleNotFoundError: No module named 'nnx_spmd_trainer.no_such_module'" in done.stderr
+
+
+def test_the_pipeline_schedule_answers_to_its_old_name_with_a_warning():
+    """``stack.Pipeline`` is ``stack.GPipeSchedule`` now: "pipeline" alone names the Grain
+    input (``grain_pipeline``, ``data.packed_pipeline``), never PipelineParallel's schedule."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "always",
+            "-c",
+            "from nnx_spmd_trainer import stack; print(stack.Pipeline is stack.GPipeSchedule)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert done.stdout.strip() == "True"
+    assert "stack.Pipeline is deprecated and will be removed in 0.2.0; use " in done.stderr

@@ -317,7 +317,7 @@ def test_a_batch_not_divisible_into_microbatches_is_refused():
     with nnx.use_eager_sharding(False):
         model = Deep(nnx.Rngs(0))
     with (
-        stack.pipelined(stack.Pipeline(2, 4, "stage", mesh)),
+        stack.pipelined(stack.GPipeSchedule(2, 4, "stage", mesh)),
         pytest.raises(
             ValueError, match=r"6 rows does not split into 4 microbatches.*divisible by 4"
         ),

@@ -22,7 +22,7 @@ batch. That is all a model does to take part in ``PipelineParallel``:
 Outside ``PipelineParallel`` (and in every other strategy) ``run`` is
 ``nnx.scan`` over the layers: traced once, the same maths as a loop. Inside a
 step traced under ``PipelineParallel`` (its ``trace_context`` installs a
-``Pipeline`` here), ``run`` runs the GPipe schedule (``gpipe``).
+``GPipeSchedule`` here), ``run`` runs the GPipe schedule (``gpipe``).
 
 Blocks whose call writes state (dropout's RNG streams counting up, batch
 statistics) cannot be pipelined exactly: each layer runs once per microbatch,
@@ -48,12 +48,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_spmd_trainer.deprecation import warn_renamed
 from nnx_spmd_trainer.sharding import LAYERS
 
 __all__ = [
     "LAYERS",
     "Block",
-    "Pipeline",
+    "GPipeSchedule",
     "active_pipeline",
     "check_rows",
     "check_stages",
@@ -104,8 +105,9 @@ def _scan_with(x: jax.Array, block: nnx.Module, side: tuple[jax.Array, ...]) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """What ``run`` needs to pipeline a stack: the stages, microbatches and their axis.
+class GPipeSchedule:
+    """What ``run`` needs to pipeline a stack: the stages, microbatches and their axis
+    (``PipelineParallel``'s schedule; named apart from the Grain input pipeline).
 
     Attributes:
       stages: devices along ``axis``; each holds ``layers / stages`` consecutive layers.
@@ -122,21 +124,21 @@ class Pipeline:
 
 @dataclasses.dataclass
 class _Active:
-    pipeline: Pipeline
+    pipeline: GPipeSchedule
     ran: bool = False  # whether a stack ran pipelined while it was in force
 
 
 _active: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("pipeline", default=None)
 
 
-def active_pipeline() -> Pipeline | None:
+def active_pipeline() -> GPipeSchedule | None:
     """The pipeline in force (inside ``pipelined``), else ``None``."""
     active = _active.get()
     return None if active is None else active.pipeline
 
 
 @contextlib.contextmanager
-def pipelined(pipeline: Pipeline) -> Iterator[Callable[[], bool]]:
+def pipelined(pipeline: GPipeSchedule) -> Iterator[Callable[[], bool]]:
     """``run`` pipelines stacks over ``pipeline`` inside; yields ``ran()``: whether one did."""
     active = _Active(pipeline)
     token = _active.set(active)
@@ -148,7 +150,7 @@ def pipelined(pipeline: Pipeline) -> Iterator[Callable[[], bool]]:
 
 def run(block: nnx.Module, x: jax.Array, *side: jax.Array) -> jax.Array:
     """Runs the stack ``block`` (from ``stacked``) on ``x`` (rows first): ``scan``, or
-    ``gpipe`` while a ``Pipeline`` is in force (a step traced under ``PipelineParallel``).
+    ``gpipe`` while a ``GPipeSchedule`` is in force (a step traced under ``PipelineParallel``).
 
     ``side``: arrays of the same rows every layer reads besides ``x`` (``block(x, *side)``),
     e.g. packed rows' ``segment_ids``; pipelined, they travel with their microbatch.
@@ -160,7 +162,7 @@ def run(block: nnx.Module, x: jax.Array, *side: jax.Array) -> jax.Array:
     return gpipe(block, x, active.pipeline, *side)
 
 
-def _constrained(x: jax.Array, pipeline: Pipeline, *leading: Any) -> jax.Array:
+def _constrained(x: jax.Array, pipeline: GPipeSchedule, *leading: Any) -> jax.Array:
     """``x`` with dimension 0 on the stage axis, then ``leading``; the rest left to the compiler."""
     rest = [P.UNCONSTRAINED] * (x.ndim - 1 - len(leading))
     spec = P(pipeline.axis, *leading, *rest)
@@ -187,7 +189,7 @@ def check_rows(rows: int, micro: int) -> None:
         )
 
 
-def gpipe(block: nnx.Module, x: jax.Array, pipeline: Pipeline, *side: jax.Array) -> jax.Array:
+def gpipe(block: nnx.Module, x: jax.Array, pipeline: GPipeSchedule, *side: jax.Array) -> jax.Array:
     """The GPipe schedule: ``x`` cut into microbatches streamed through the stages.
 
     The layer dimension ``[L, ...]`` (split over the stage axis) is read as
@@ -269,3 +271,10 @@ def _refuse_writers(block: nnx.Module) -> None:
             "are not kept. Build the blocks with dropout_rate=0 (or call model.eval()), "
             "or train this model with another strategy (FSDP, TensorParallel)."
         )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Pipeline":  # its 0.1 name, until 0.2.0
+        warn_renamed("nnx_spmd_trainer.stack.Pipeline", "nnx_spmd_trainer.stack.GPipeSchedule")
+        return GPipeSchedule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

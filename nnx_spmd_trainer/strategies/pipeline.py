@@ -139,7 +139,7 @@ class PipelineParallel(Strategy):
         """``stack.run`` runs the GPipe schedule over this axis, inside
         ``Strategy.trace_context``'s; a traced step that ran no stack is an error."""
         stages = mesh.shape[self.axis]
-        pipeline = stack.Pipeline(stages, self.microbatches_for(stages), self.axis, mesh)
+        pipeline = stack.GPipeSchedule(stages, self.microbatches_for(stages), self.axis, mesh)
         with super().trace_context(mesh), stack.pipelined(pipeline) as ran:
             yield
         if not ran():
