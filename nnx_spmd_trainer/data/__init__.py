@@ -1,14 +1,14 @@
 """``nnx_spmd_trainer.data``: the data-facing names a user imports, from one place.
 
-A deliberate public namespace, not a home: each name lives in the module of its
-job and is re-exported here, so ``data.pad_batch`` and ``data.BATCHES_TAKEN``
-(the names the docs and ``RunState.data`` use) keep working while the modules
-stay small. The core imports from the homes:
+The data room: the path a batch takes, from text to the devices (tokenizer ->
+corpus -> packing -> mixture -> batches -> placement -> prefetch; the data position
+and its checkpoint item). This package's own namespace is public: each name lives in
+the module of its job and is re-exported here. The core imports from the homes:
 
 - ``batches.py``: ``place_batch`` (``check_batch`` then ``transfer_batch``),
   ``rows_multiple``, ``pad_batch``;
 - ``batch_errors.py``: ``BatchMismatch`` (also ``nnx_spmd_trainer.BatchMismatch``);
-- ``data_position.py``: ``BATCHES_TAKEN``, the ``RunState.data`` of a Grain
+- ``position.py``: ``BATCHES_TAKEN``, the ``RunState.data`` of a Grain
   position saved under another process count;
 - ``tokenizer.py``: ``Tokenizer``, ``train_bpe``, ``load_tokenizer``, ``TokenizerError``;
 - ``corpus.py``: ``write_corpus``, ``Corpus``, ``CorpusError``;
@@ -17,7 +17,7 @@ stay small. The core imports from the homes:
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
   (docs/topics/corpora.md: from text files to packed, mixed rows).
 
-The rest of what data.py once held is internal: ``data_position.seek`` and
+The rest is internal: ``position.seek`` and
 ``DataPosition`` (a resumed run's data), ``same_rows.py`` (processes feeding the
 same rows), ``placement.InFlight`` (the bound on steps in flight).
 """
