@@ -35,6 +35,8 @@ from nnx_spmd_trainer.app.workdir import (
     set_old_checkpoints_aside,
     workdir_lock,
 )
+from nnx_spmd_trainer.data.corpus import TOKENS_FILE
+from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner.auto import Auto
@@ -87,6 +89,7 @@ def run(
     refused here, before training.
     """
     tasks.check_config(config)
+    read_before = bytes_read_in_process()
     workdir = Path(workdir)
     notes: list[str] | None = [] if dry_run else None  # a dry run notes, not refuses
     with refused_or_noted(notes, tasks.ConfigError):
@@ -112,6 +115,8 @@ def run(
     # Checked: from here on the run writes, and no other run may write here too.
     with workdir_lock(workdir):
         result = _train(config, workdir, trainer, splits, started)
+    if line := corpus_reads_line(read_before):
+        print(line, flush=True)  # every process: each reads only its own rows
     return dataclasses.replace(result, weight_map=task.weight_map)
 
 
@@ -331,6 +336,23 @@ def _preempted_line(trainer: Trainer) -> str:
             "nothing saved; run the same command to continue"
         )
     return f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
+
+
+def corpus_reads_line(before: dict[str, int]) -> str | None:
+    """What this process read from each corpus since ``before`` (``bytes_read_in_process``),
+    against the corpus's token bytes; ``None``: no corpus was read."""
+    read = {f: n - before.get(f, 0) for f, n in bytes_read_in_process().items()}
+    read = {folder: n for folder, n in read.items() if n}
+    if not read:
+        return None
+    parts = ", ".join(
+        f"{folder}: {n} of its {(Path(folder) / TOKENS_FILE).stat().st_size}"
+        for folder, n in read.items()
+    )
+    return (
+        f"data: process {jax.process_index()} of {jax.process_count()} read "
+        f"{sum(read.values())} bytes of corpus tokens ({parts})"
+    )
 
 
 def plan_of(trainer: Trainer, batch: Any) -> Any:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from nnx_spmd_trainer.data.reads import count_read
 from nnx_spmd_trainer.data.tokenizer import Tokenizer, load_tokenizer
 
 HEADER_FILE = "header.json"
@@ -301,10 +302,8 @@ class Corpus:
         """A data file, memory-mapped on first use (and after unpickling)."""
         if name not in self._maps:
             path = self.directory / name
-            # np.memmap refuses a zero-length file: an empty one is an empty array
-            self._maps[name] = (
-                np.memmap(path, dtype, "r", shape=(count,)) if count else np.empty(0, dtype)
-            )
+            empty = np.empty(0, dtype)  # np.memmap refuses a zero-length file
+            self._maps[name] = np.memmap(path, dtype, "r", shape=(count,)) if count else empty
         return self._maps[name]
 
     @property
@@ -346,7 +345,7 @@ class Corpus:
         """Tokens ``[start, end)`` as ``int32``: the one read of the token file (counted in
         ``bytes_read``, checked against ``check_vocab``'s vocabulary)."""
         ids = np.asarray(self.tokens[start:end], dtype=np.int32)
-        self.bytes_read += len(ids) * self.dtype.itemsize
+        self.bytes_read += count_read(self.directory, len(ids) * self.dtype.itemsize)
         if self.vocab_limit is not None and len(ids) and int(ids.max()) >= self.vocab_limit:
             raise CorpusError(
                 f"{what or f'Tokens {start}:{end}'} of {self.directory} holds id "
