@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
+from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.sharding import path_str
 from nnx_spmd_trainer.weights.expr import Piece, Tensor, full_index
 from nnx_spmd_trainer.weights.mapping import WeightMap, WeightsMismatch, check
@@ -50,7 +50,7 @@ class _DeviceArrays:
             # collective); the last is kept, as the next file tensor often reads it too.
             if self._gathered is None or self._gathered[0] != path:
                 self._gathered = None
-                self._gathered = (path, np.asarray(multihost_utils.process_allgather(x, True)))
+                self._gathered = (path, gather_to_host(x))
             return self._gathered[1][index]
         out = np.empty(tuple(s.stop - s.start for s in index), x.dtype)
         done: set[tuple[tuple[int, int], ...]] = set()
