@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer import path_str
 from nnx_spmd_trainer.adapters import grain_private
+from nnx_spmd_trainer.distributed import agree
 
 
 class DamagedCheckpoint(Exception):
@@ -102,7 +102,7 @@ def agree_on_damage(
     """With several processes, damage seen by any one of them counts for all of them."""
     if jax.process_count() == 1:
         return damaged
-    flags = multihost_utils.process_allgather(np.array(damaged is not None))
+    flags = np.array(agree.all_values("checkpoint damaged", damaged is not None))
     if damaged is None and np.any(flags):
         damaged = DamagedCheckpoint(
             f"checkpoint step {step} at {Path(directory) / str(step)} cannot be read by "

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer.adapters import orbax_private
+from nnx_spmd_trainer.distributed import agree
 
 
 class CheckpointWriteError(OSError):
@@ -81,7 +81,7 @@ def check_writable(directory: Path, step: int) -> None:
     except OSError as error:
         failure = f"the directory is not writable: {error.strerror or error}"
     if jax.process_count() > 1:  # every process must take the same branch
-        failed = np.flatnonzero(multihost_utils.process_allgather(np.array(bool(failure))))
+        failed = np.flatnonzero(agree.all_values("checkpoint dir not writable", bool(failure)))
         if failed.size and not failure:
             failure = f"the directory is not writable by processes {failed.tolist()}"
     if failure:
