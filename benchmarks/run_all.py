@@ -107,7 +107,7 @@ def trainer_loop(work: Workload, strategy: Any, **options: Any) -> Callable[[], 
         start = time.perf_counter()
         trainer.fit(work.batches, max_steps=trainer.step + len(work.batches))
         jax.block_until_ready(trainer.state)
-        trainer.metric_log.flush(trainer.progress.epoch)
+        trainer.metric_log.flush(trainer.progress.epoch, trainer.run.timings)
         return (time.perf_counter() - start) / len(work.batches)
 
     return run
