@@ -26,6 +26,7 @@ from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import set_aside
 from .checkpoint_resume import CheckpointResume, Restore
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
+from .checkpoint_timer import SaveTimer
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice, QuietManager
 
@@ -85,9 +86,31 @@ class OrbaxCheckpoint(CheckpointResume):
     several processes, all stop at the same check through JAX's preemption
     sync point (no Python handler then), so all save the same step or none.
 
+    Two tiers: with ``local_directory``, steps are also saved there every
+    ``local_every_n_steps`` (a fast disk, saved often; ``directory`` is the durable
+    one, saved every ``save_every_n_steps`` or ``save_every_n_seconds``, on
+    preemption and at the end). A step due in both goes to ``directory`` only.
+    ``fit`` restores the newest step of either tier that reads and matches its
+    fingerprints: a damaged or missing newest step of one tier falls back to the
+    next newest of both, the persistent one first where both hold a step. With
+    several processes the local directory, as ``directory``, must be one path every
+    process reaches (per-host disks are what Orbax's emergency checkpointing is for;
+    it needs data-parallel replicas across slices and saves the state alone, see
+    docs/topics/checkpoints.md).
+
     Args:
       directory: where the steps go; created if missing.
       save_every_n_steps: save after every n-th step (and at the end of fit).
+      save_every_n_seconds: also save when this many seconds have passed since the
+        last save (or the start of ``fit``), by process 0's clock, every process
+        saving the same step. The clock is read at the trainer's log points only
+        (where every process already waits for the step), or every
+        ``time_check_every_n_steps``; a save is late by at most one such interval.
+      time_check_every_n_steps: where ``save_every_n_seconds`` is checked, in place
+        of the log points. Each check with several processes makes the others wait
+        for process 0 to reach it (one key-value read).
+      local_directory: a second, fast directory for the frequent tier (see above).
+      local_every_n_steps: save to ``local_directory`` after every n-th step.
       keep: how many of the latest steps to keep (older ones are removed).
       monitor: a ``logs`` key recorded with each step, for ``keep_best`` and
         ``restore="best"``.
@@ -118,6 +141,10 @@ class OrbaxCheckpoint(CheckpointResume):
         directory: str | os.PathLike[str],
         *,
         save_every_n_steps: int | None = None,
+        save_every_n_seconds: float | None = None,
+        time_check_every_n_steps: int | None = None,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_every_n_steps: int | None = None,
         keep: int | None = 3,
         monitor: str | None = None,
         mode: Literal["min", "max"] = "min",
@@ -138,6 +165,12 @@ class OrbaxCheckpoint(CheckpointResume):
                 f"OrbaxCheckpoint directory {self.directory} is a file; give a directory."
             )
         self.save_every_n_steps = save_every_n_steps
+        self.save_every_n_seconds = save_every_n_seconds
+        self.time_check_every_n_steps = time_check_every_n_steps
+        self.local_directory, self.local_every_n_steps = _local_tier(
+            self.directory, local_directory, local_every_n_steps
+        )
+        self._timer = _timer(self.directory, save_every_n_seconds, time_check_every_n_steps)
         self.keep = keep
         self.monitor = monitor
         self.mode = mode
@@ -152,14 +185,18 @@ class OrbaxCheckpoint(CheckpointResume):
         self.restored_layouts: list[Any] = []
         self._fitted = False
         self._restored_into: Trainer | None = None  # by restore_into, before any fit
-        self._last_saved: tuple[int, jax.Array] | None = None
-        self._writing: int | None = None  # the step whose write may still be going on
+        # The (tier's manager, step, finite flag) of the last save, checked at the next.
+        self._last_saved: tuple[ocp.CheckpointManager, int, jax.Array] | None = None
+        # The (directory, step) whose write may still be going on.
+        self._writing: tuple[Path, int] | None = None
         self._manager: ocp.CheckpointManager | None = None
+        self._local_manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preemption = PreemptionNotice()
         #: A preemption notice stopped the last ``fit`` before its first step (nothing written).
         self.stopped_before_a_step = False
         self._lock = RunLock(self.directory)  # one run writes the directory at a time
+        self._local_lock = RunLock(self.local_directory) if self.local_directory else None
 
     # -- the manager -------------------------------------------------------------------
     @property
@@ -191,28 +228,51 @@ class OrbaxCheckpoint(CheckpointResume):
         )
         return QuietManager(directory, options=options)  # leaves JAX's preemption count alone
 
+    @property
+    def local_manager(self) -> ocp.CheckpointManager | None:
+        """The manager of ``local_directory`` (None without a local tier)."""
+        if self._local_manager is None and self.local_directory is not None:
+            self._local_manager = self._make_manager(self.local_directory)
+        return self._local_manager
+
+    def _managers(self) -> list[ocp.CheckpointManager]:
+        """Every tier's manager, the persistent one first."""
+        local = self.local_manager
+        return [self.manager] if local is None else [self.manager, local]
+
     def steps(self) -> list[int]:
         """The committed steps in ``directory``, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def local_steps(self) -> list[int]:
+        """The committed steps in ``local_directory``, oldest first ([] without one)."""
+        local = self.local_manager
+        return [] if local is None else sorted(local.all_steps())
+
     # -- saving --------------------------------------------------------------------------
-    def _savable(self, step: int) -> bool:
+    def _savable(self, step: int, manager: ocp.CheckpointManager) -> bool:
         trainer = self.trainer
-        if trainer.progress.nonfinite_step is not None or step in self.manager.all_steps():
+        if trainer.progress.nonfinite_step is not None or step in manager.all_steps():
             return False
         record = trainer.last_step  # the step saved: saving waits for it anyway
         return record is None or math.isfinite(record.loss_value())
 
-    def save(self, step: int, *, force: bool = False) -> bool:
+    def save(self, step: int, *, force: bool = False, local: bool = False) -> bool:
         """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved).
 
+        ``local``: to ``local_directory`` (the frequent tier) instead of ``directory``.
         A step that cannot be written, now or by the background write of an earlier
-        save, raises ``CheckpointWriteError`` naming that step and ``directory``."""
+        save, raises ``CheckpointWriteError`` naming that step and its directory."""
+        if local and self.local_directory is None:
+            raise ValueError("save(local=True) needs OrbaxCheckpoint(local_directory=...).")
+        directory = self.local_directory if local else self.directory
+        manager = self.local_manager if local else self.manager
+        assert directory is not None and manager is not None
         self._finish_writing()
         self._check_last_saved()
-        if not self._savable(step):
+        if not self._savable(step, manager):
             return False
-        check_writable(self.directory, step)
+        check_writable(directory, step)
         run = self.trainer.run_state()
         # A callback state that cannot be stored raises here (TypeError naming the callback
         # and key), before Orbax is called: nothing is left half-written.
@@ -241,14 +301,14 @@ class OrbaxCheckpoint(CheckpointResume):
             # Callback arrays are fingerprinted, but only the run's own state must be finite.
             summary = summarize(fingerprinted, finite=run.arrays())
             pending.set(summary)
-            self._last_saved = (step, summary["finite"])
+            self._last_saved = (manager, step, summary["finite"])
 
-        self._writing = step
+        self._writing = (directory, step)
         try:
             if not self.async_save:  # save returns once written: the summary must be there
                 summarize_state()
-            with writing(self.directory, step):
-                saved = self.manager.save(
+            with writing(directory, step):
+                saved = manager.save(
                     step,
                     args=ocp.args.Composite(**items),
                     metrics={self.monitor: metric} if metric is not None else None,
@@ -262,13 +322,17 @@ class OrbaxCheckpoint(CheckpointResume):
             # Interrupted before that (Ctrl-C): the background write fails now instead of
             # waiting for the fingerprints, which would keep the process alive.
             pending.cancel()
+        if saved and not local and self._timer is not None:
+            self._timer.restart()  # the seconds count from this save
         return bool(saved)
 
     def _finish_writing(self) -> None:
         """Waits for the save in flight; its failure raises ``CheckpointWriteError``."""
-        if self._manager is not None:
-            with writing(self.directory, self._writing):
-                self._manager.wait_until_finished()
+        directory, step = self._writing or (self.directory, None)
+        with writing(directory, step):
+            for manager in (self._manager, self._local_manager):
+                if manager is not None:
+                    manager.wait_until_finished()
         self._writing = None
 
     def _check_last_saved(self) -> None:
@@ -276,12 +340,12 @@ class OrbaxCheckpoint(CheckpointResume):
         moved aside as soon as that is known, so it never stays the latest step."""
         if self._last_saved is None:
             return
-        step, finite = self._last_saved
+        manager, step, finite = self._last_saved
         self._last_saved = None
         if not bool(np.asarray(finite.addressable_data(0))):
             self._finish_writing()
             set_aside(
-                self.manager, step, f"checkpoint step {step} holds non-finite values",
+                manager, step, f"checkpoint step {step} holds non-finite values",
                 label="nonfinite", print_fn=self.print_fn,
             )  # fmt: skip
 
@@ -314,8 +378,13 @@ class OrbaxCheckpoint(CheckpointResume):
         self._preemption.listen()
         self.stopped_before_a_step = False
         self._seen = {}
+        refused = self._timer and self._timer.check_refused(self.trainer.log_schedule)
+        if refused:
+            raise ValueError(refused)
         if jax.process_index() == 0:  # one holder per job: the others write only shards
             self._lock.acquire()  # DirectoryInUse naming the other run's process
+            if self._local_lock is not None:
+                self._local_lock.acquire()
         if self._restored_into is self.trainer and not self._fitted:
             # restore_into(trainer) already restored: fit goes on from there.
             assert self.restored_step is not None
@@ -331,13 +400,17 @@ class OrbaxCheckpoint(CheckpointResume):
             if self.restored_step is not None:
                 self._set_aside_later_than(self.restored_step)
         self._fitted = True
-        latest = self.manager.latest_step()
-        if latest is not None and latest > self.trainer.step:
-            raise ValueError(
-                f"{self.directory} already holds checkpoints up to step {latest}, ahead of "
-                f"this run's step {self.trainer.step}, and new steps there would be refused. "
-                "Resume them (restore='latest') or save this run in another directory."
-            )
+        for manager in self._managers():
+            latest = manager.latest_step()
+            if latest is not None and latest > self.trainer.step:
+                raise ValueError(
+                    f"{manager.directory} already holds checkpoints up to step {latest}, ahead "
+                    f"of this run's step {self.trainer.step}, and new steps there would be "
+                    "refused. Resume them (restore='latest') or save this run in another "
+                    "directory."
+                )
+        if self._timer is not None:
+            self._timer.restart()  # the seconds count from the start of training
         if self._preemption.reached():  # a notice during the restore: no step, nothing saved
             self._stop_before_a_step()
 
@@ -354,8 +427,13 @@ class OrbaxCheckpoint(CheckpointResume):
         # Everything about this step (its logs, its evaluation) is in the callbacks' states.
         if self._preemption.reached():
             self._save_for_preemption(step)
-        elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
+        elif (self.save_every_n_steps and step % self.save_every_n_steps == 0) or (
+            # Asked after the same steps on every process (the ones above are agreed too).
+            self._timer is not None and self._timer.due(step, self.trainer.log_schedule)
+        ):
             self.save(step)
+        elif self.local_every_n_steps and step % self.local_every_n_steps == 0:
+            self.save(step, local=True)
 
     def _save_for_preemption(self, step: int) -> None:
         self.save(step, force=True)
@@ -388,7 +466,7 @@ class OrbaxCheckpoint(CheckpointResume):
             self._check_last_saved()
         finally:
             self._preemption.stop()
-            self._lock.release()
+            self._release_locks()
 
     @override
     def on_exception(self, error: BaseException) -> None:
@@ -400,4 +478,47 @@ class OrbaxCheckpoint(CheckpointResume):
             if isinstance(error, Exception) and not isinstance(error, CheckpointWriteError):
                 raise
         finally:
-            self._lock.release()
+            self._release_locks()
+
+    def _release_locks(self) -> None:
+        self._lock.release()
+        if self._local_lock is not None:
+            self._local_lock.release()
+
+
+def _local_tier(
+    directory: Path, local: str | os.PathLike[str] | None, every_n_steps: int | None
+) -> tuple[Path | None, int | None]:
+    """``(local_directory, local_every_n_steps)`` checked: both or neither, and apart."""
+    if (local is None) != (every_n_steps is None):
+        raise ValueError(
+            "local_directory and local_every_n_steps go together: give both for a fast "
+            "local tier saved every n steps, or neither."
+        )
+    if local is None or every_n_steps is None:
+        return None, None
+    if every_n_steps < 1:
+        raise ValueError(f"local_every_n_steps must be >= 1, got {every_n_steps}.")
+    path = Path(local).absolute()
+    if path == directory or directory in path.parents or path in directory.parents:
+        raise ValueError(
+            f"local_directory {path} and directory {directory} must not hold one another: "
+            "each tier lists its own steps. Give two separate directories."
+        )
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"local_directory {path} is a file; give a directory.")
+    return path, every_n_steps
+
+
+def _timer(
+    directory: Path, every_s: float | None, check_every_n_steps: int | None
+) -> SaveTimer | None:
+    if check_every_n_steps is not None and check_every_n_steps < 1:
+        raise ValueError(f"time_check_every_n_steps must be >= 1, got {check_every_n_steps}.")
+    if every_s is None:
+        if check_every_n_steps is not None:
+            raise ValueError("time_check_every_n_steps needs save_every_n_seconds.")
+        return None
+    if not every_s > 0 or not math.isfinite(every_s):
+        raise ValueError(f"save_every_n_seconds must be a positive number, got {every_s}.")
+    return SaveTimer(every_s, check_every_n_steps=check_every_n_steps, topic=str(directory))

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from nnx_spmd_trainer import Trainer
 
 Restore = Literal["latest", "best"] | int | str | os.PathLike[str] | None
+#: One step of one tier: (the manager of its directory, the step).
+Candidate = tuple[ocp.CheckpointManager, int]
 
 
 class _ReadOnlyNotes(logging.Filter):
@@ -51,6 +53,7 @@ class CheckpointResume(Callback):
 
     if TYPE_CHECKING:  # OrbaxCheckpoint's (its __init__ and its manager section)
         directory: Path
+        local_directory: Path | None
         monitor: str | None
         mode: Literal["min", "max"]
         restore: Restore
@@ -68,6 +71,8 @@ class CheckpointResume(Callback):
         ) -> ocp.CheckpointManager: ...
 
         def steps(self) -> list[int]: ...
+
+        def _managers(self) -> list[ocp.CheckpointManager]: ...
 
     def restore_into(self, trainer: Trainer) -> int | None:
         """Restores a checkpoint into ``trainer`` without training: to ``evaluate``,
@@ -101,16 +106,15 @@ class CheckpointResume(Callback):
         if self.restore is None:
             raise ValueError("restore_into needs a step to restore; this has restore=None.")
         by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
-        manager = None  # a step directory is read through a manager of its own
-        if not by_path:
-            if not self.directory.is_dir():
-                self.restored_step = None
-                return None
-            manager = self._make_manager(self.directory, read_only=True)
+        # A step directory is read through a manager of its own.
+        managers = [] if by_path else self._read_only_managers()
+        if not by_path and not managers:
+            self.restored_step = None
+            return None
         try:
-            step = self._restore(trainer, manager, move_damaged=False)
+            step = self._restore(trainer, managers, move_damaged=False)
         finally:
-            if manager is not None:  # everything is read, the data position too
+            for manager in managers:  # everything is read, the data position too
                 manager.close()
         self.restored_step = step
         self._restored_into = trainer if step is not None else None
@@ -148,64 +152,79 @@ class CheckpointResume(Callback):
         """(a read-only manager, the step the next ``fit`` would restore first), closed
         after; ``(None, None)`` when no step would be restored or none can be listed."""
         by_path = self.restore not in ("latest", "best") and not isinstance(self.restore, int)
-        if self.restore is None or self._fitted or (not by_path and not self.directory.is_dir()):
+        if self.restore is None or self._fitted:
             yield None, None
             return
         opened: list[ocp.CheckpointManager] = []
         try:
+            first: tuple[ocp.CheckpointManager | None, int | None] = (None, None)
             try:
                 if not by_path:
-                    opened.append(self._make_manager(self.directory, read_only=True))
-                manager, steps, _ = self._candidates(opened[0] if opened else None)
-                opened.append(manager)  # a step directory's own manager, closed too
+                    opened.extend(self._read_only_managers())
+                if by_path or opened:
+                    candidates, _ = self._candidates(opened)
+                    opened.extend(m for m, _ in candidates)  # a step directory's own, closed too
+                    first = candidates[0] if candidates else (None, None)
             except Exception:  # Orbax raises many kinds; the restore names what is wrong
-                manager, steps = None, []
-            yield manager, (steps[0] if steps else None)
+                first = (None, None)
+            yield first
         finally:
             for manager in dict.fromkeys(opened):  # each once
                 manager.close()
 
+    def _read_only_managers(self) -> list[ocp.CheckpointManager]:
+        """A read-only manager of each tier's directory that exists, the persistent first."""
+        tiers = [self.directory, self.local_directory]
+        return [
+            self._make_manager(tier, read_only=True)
+            for tier in tiers
+            if tier is not None and tier.is_dir()
+        ]
+
     def restore_into_trainer(self) -> int | None:
         """What ``fit`` restores at its start: the ``restore`` choice into this callback's
         trainer, moving damaged steps aside. Prefer ``restore_into(trainer)``."""
-        return self._restore(self.trainer, self.manager, move_damaged=True)
+        return self._restore(self.trainer, self._managers(), move_damaged=True)
 
-    def _candidates(
-        self, manager: ocp.CheckpointManager | None
-    ) -> tuple[ocp.CheckpointManager, list[int], bool]:
-        """(manager, steps to try newest first, whether falling back is allowed); the
-        ``manager`` of ``directory`` is needed unless ``restore`` is a step directory."""
+    def _candidates(self, managers: list[ocp.CheckpointManager]) -> tuple[list[Candidate], bool]:
+        """(the steps to try, first first, each with its tier's manager; whether falling
+        back is allowed). ``managers``: each tier's, the persistent first; unused when
+        ``restore`` is a step directory. Where both tiers hold a step, the persistent
+        one's copy is tried first."""
         restore = self.restore
         assert restore is not None  # nothing is restored then
         if restore in ("latest", "best") or isinstance(restore, int):
-            assert manager is not None
+            tiers = [(tier, manager, step) for tier, manager in enumerate(managers)
+                     for step in manager.all_steps()]  # fmt: skip
             if restore == "latest":
-                return manager, sorted(manager.all_steps(), reverse=True), True
+                newest = sorted(tiers, key=lambda t: (-t[2], t[0]))
+                return [(manager, step) for _, manager, step in newest], True
             if restore == "best":
-                return manager, self._by_monitor(manager), True
-            return manager, [int(restore)], False
+                return self._by_monitor(tiers), True
+            held = [(manager, step) for _, manager, step in tiers if step == restore]
+            return (held or [(managers[0], int(restore))])[:1], False  # absent: named
         path = Path(os.fspath(restore)).absolute()  # a step directory, of any run
         if not path.name.isdigit():
             raise ValueError(f"restore={str(restore)!r} is not a step directory (…/<step>).")
         other = ocp.CheckpointManager(
             path.parent, options=ocp.CheckpointManagerOptions(read_only=True, create=False)
         )
-        return other, [int(path.name)], False
+        return [(other, int(path.name))], False
 
-    def _by_monitor(self, manager: ocp.CheckpointManager) -> list[int]:
+    def _by_monitor(self, tiers: list[tuple[int, ocp.CheckpointManager, int]]) -> list[Candidate]:
         scored = []
-        for step in sorted(manager.all_steps()):
+        for tier, manager, step in sorted(tiers, key=lambda t: (t[2], t[0])):
             value = (manager.metrics(step) or {}).get(self.monitor)
             if value is not None:
-                scored.append((value if self.mode == "min" else -value, step))
-        return [step for _, step in sorted(scored)]
+                scored.append((value if self.mode == "min" else -value, step, tier, manager))
+        return [(manager, step) for _, step, _, manager in sorted(scored, key=lambda s: s[:3])]
 
     def _restore(
-        self, trainer: Trainer, manager: ocp.CheckpointManager | None, *, move_damaged: bool
+        self, trainer: Trainer, managers: list[ocp.CheckpointManager], *, move_damaged: bool
     ) -> int | None:
         """Restores the ``restore`` choice into ``trainer``; the step restored, or None."""
-        manager, candidates, fall_back = self._candidates(manager)
-        for step in candidates:
+        candidates, fall_back = self._candidates(managers)
+        for manager, step in candidates:
             damaged: DamagedCheckpoint | None = None
             try:
                 saved = read_step(trainer, manager, step)
@@ -243,8 +262,9 @@ class CheckpointResume(Callback):
     def _set_aside_later_than(self, step: int) -> None:
         """After restoring an older step (best, or by number), the later steps are moved
         aside so new saves from here are not refused; nothing is deleted."""
-        for later in [s for s in self.steps() if s > step]:
-            set_aside(
-                self.manager, later, f"step {later} is later than restored step {step}",
-                label=f"after-{step}", warn=False, print_fn=self.print_fn,
-            )  # fmt: skip
+        for manager in self._managers():
+            for later in [s for s in sorted(manager.all_steps()) if s > step]:
+                set_aside(
+                    manager, later, f"step {later} is later than restored step {step}",
+                    label=f"after-{step}", warn=False, print_fn=self.print_fn,
+                )  # fmt: skip

@@ -1,0 +1,192 @@
+"""OrbaxCheckpoint by the clock (save_every_n_seconds) and in two tiers (local_directory).
+
+Two processes saving by time: tests/test_checkpoint_time_multiprocess.py.
+"""
+
+import shutil
+import time
+from pathlib import Path
+
+import optax
+import pytest
+from test_checkpoint import (
+    Crash,
+    assert_bitwise,
+    grain_data,
+    params,
+    trainer_for,
+    truncate,
+)
+from toy_models import Net, RecordLosses, classification_loss, make_batches
+
+from nnx_spmd_trainer import Callback, Trainer
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+
+
+class SleepAfter(Callback):
+    """Sleeps ``seconds`` after each step in ``steps``: a slow step, as the clock sees it."""
+
+    def __init__(self, steps: set[int], seconds: float) -> None:
+        self.steps, self.seconds = steps, seconds
+
+    def on_train_batch_end(self, step, logs):
+        if step in self.steps:
+            time.sleep(self.seconds)
+
+
+class Saves(OrbaxCheckpoint):
+    """OrbaxCheckpoint noting each step it saves and the tier it went to."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.saved: list[tuple[int, str]] = []
+
+    def save(self, step: int, *, force: bool = False, local: bool = False) -> bool:
+        saved = super().save(step, force=force, local=local)
+        if saved:
+            self.saved.append((step, "local" if local else "persistent"))
+        return saved
+
+
+# -- by the clock ------------------------------------------------------------------------------
+def small_trainer(callbacks: list[Callback], log_every_n_steps: int | None) -> Trainer:
+    return Trainer(
+        Net, optax.sgd(0.1), loss_fn=classification_loss, callbacks=callbacks,
+        log_every_n_steps=log_every_n_steps, track_norms=False,
+    )  # fmt: skip
+
+
+def test_seconds_since_the_last_save_are_checked_at_log_points_only(tmp_path):
+    """Log points every 2 steps. 2.4 s pass after step 5, against save_every_n_seconds=2:
+    the save comes at the next log point, step 6, and none before or after it but the
+    final one."""
+    checkpoint = Saves(tmp_path, save_every_n_seconds=2.0)
+    trainer = small_trainer([checkpoint, SleepAfter({5}, 2.4)], log_every_n_steps=2)
+    batches = make_batches(10)
+    trainer.fit(batches, max_steps=2)  # compiles (its seconds are not the clock's below)
+    trainer.fit(batches[2:], max_steps=10)  # the clock restarts with this fit
+    assert checkpoint.saved == [(2, "persistent"), (6, "persistent"), (10, "persistent")]
+    assert checkpoint.steps() == [2, 6, 10]
+
+
+def test_time_check_every_n_steps_replaces_the_log_points(tmp_path):
+    """Checked every 3 steps: the 2.4 s after step 4 are seen at step 6, with no log point
+    at all (no MetricsLogger, no log_every_n_steps)."""
+    checkpoint = Saves(tmp_path, save_every_n_seconds=2.0, time_check_every_n_steps=3)
+    trainer = small_trainer([checkpoint, SleepAfter({4}, 2.4)], log_every_n_steps=None)
+    batches = make_batches(8)
+    trainer.fit(batches, max_steps=1)
+    trainer.fit(batches[1:], max_steps=8)
+    assert checkpoint.saved == [(1, "persistent"), (6, "persistent"), (8, "persistent")]
+
+
+def test_seconds_with_nowhere_to_check_them_are_refused_naming_the_fixes(tmp_path):
+    checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_seconds=60)
+    trainer = small_trainer([checkpoint], log_every_n_steps=None)
+    with pytest.raises(ValueError, match=r"log_every_n_steps=.*time_check_every_n_steps="):
+        trainer.fit(make_batches(1), max_steps=1)
+    assert checkpoint.steps() == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"save_every_n_seconds": 0}, "save_every_n_seconds must be a positive number"),
+        ({"time_check_every_n_steps": 5}, "needs save_every_n_seconds"),
+        ({"local_every_n_steps": 2}, "local_directory and local_every_n_steps go together"),
+        ({"local_directory": "x/local", "local_every_n_steps": 0}, "must be >= 1"),
+    ],
+)
+def test_bad_settings_are_refused_when_the_callback_is_built(tmp_path, settings, message):
+    with pytest.raises(ValueError, match=message):
+        OrbaxCheckpoint(tmp_path, **settings)
+
+
+def test_a_local_directory_inside_the_persistent_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="must not hold one another"):
+        OrbaxCheckpoint(tmp_path, local_directory=tmp_path / "fast", local_every_n_steps=1)
+
+
+# -- two tiers ---------------------------------------------------------------------------------
+STEPS = 10
+
+
+def two_tiers(root: Path, **kwargs) -> Saves:
+    """Persistent every 4 steps, local every 3: local 3, persistent 4, local 6, ..."""
+    return Saves(
+        root / "persistent", save_every_n_steps=4,
+        local_directory=root / "local", local_every_n_steps=3, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> tuple[list[float], dict]:
+    whole = RecordLosses()
+    trainer = trainer_for(callbacks=[whole])  # FSDP x TP, dropout: its RNG state resumes too
+    trainer.fit(grain_data(), max_steps=STEPS)
+    return whole.losses, params(trainer)
+
+
+@pytest.fixture(scope="module")
+def crashed_at_7(tmp_path_factory) -> Path:
+    """Both tiers as a run that crashed after step 6 left them."""
+    root = tmp_path_factory.mktemp("tiers")
+    checkpoint = two_tiers(root)
+    trainer = trainer_for(callbacks=[checkpoint, Crash(7)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.fit(grain_data(), max_steps=STEPS)
+    assert checkpoint.saved == [(3, "local"), (4, "persistent"), (6, "local")]
+    assert checkpoint.steps() == [4] and checkpoint.local_steps() == [3, 6]
+    return root
+
+
+def resumed(root: Path) -> tuple[Saves, list[float], dict]:
+    after = RecordLosses()
+    checkpoint = two_tiers(root)
+    trainer = trainer_for(callbacks=[checkpoint, after])
+    trainer.fit(grain_data(), max_steps=STEPS)
+    assert trainer.step == STEPS
+    return checkpoint, after.losses, params(trainer)
+
+
+def test_with_both_tiers_intact_the_newer_local_step_is_resumed_bitwise(
+    tmp_path, crashed_at_7, uninterrupted
+):
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    checkpoint, losses, final = resumed(tmp_path)
+    whole_losses, whole_params = uninterrupted
+    assert checkpoint.restored_step == 6
+    assert losses == whole_losses[6:]  # bitwise, step by step
+    assert_bitwise(final, whole_params)
+    assert checkpoint.saved == [(8, "persistent"), (9, "local"), (10, "persistent")]
+
+
+def delete(step_dir: Path) -> None:
+    shutil.rmtree(step_dir)
+
+
+@pytest.mark.parametrize("damage", [truncate, delete])
+def test_a_damaged_or_lost_local_step_falls_back_to_the_persistent_tier_bitwise(
+    tmp_path, crashed_at_7, uninterrupted, damage
+):
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    damage(tmp_path / "local" / "6")
+    if damage is delete:
+        checkpoint, losses, final = resumed(tmp_path)
+    else:
+        with pytest.warns(RuntimeWarning, match=f"checkpoint step 6 at {tmp_path / 'local'}"):
+            checkpoint, losses, final = resumed(tmp_path)
+        assert (tmp_path / "local" / "6.damaged").is_dir()  # set aside in its own tier
+    whole_losses, whole_params = uninterrupted
+    assert checkpoint.restored_step == 4  # the persistent step, newer than local 3
+    assert losses == whole_losses[4:]
+    assert_bitwise(final, whole_params)
+    assert checkpoint.steps() == [4, 8, 10] and checkpoint.local_steps() == [3, 6, 9]
+
+
+def test_the_whole_local_tier_lost_resumes_from_the_persistent_one(tmp_path, crashed_at_7):
+    """A new machine: the fast disk is empty; restore_into reads the persistent tier."""
+    shutil.copytree(crashed_at_7 / "persistent", tmp_path / "persistent")
+    checkpoint = two_tiers(tmp_path)
+    trainer = trainer_for()
+    assert checkpoint.restore_into(trainer) == 4 and trainer.step == 4
