@@ -17,7 +17,9 @@ from nnx_spmd_trainer.nn import moe, remat, stack
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.planner import auto
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
+from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import sharding_table
 from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import ShardingError, path_str
@@ -53,6 +55,7 @@ __all__ = [
     "CallbackList",
     "DataParallel",
     "DirectoryInUse",
+    "EMA",
     "ExpertParallel",
     "ExplicitModeError",
     "History",
@@ -67,6 +70,7 @@ __all__ = [
     "PipelineParallel",
     "SequenceParallel",
     "ShardingError",
+    "SpikeSkip",
     "Strategy",
     "TensorParallel",
     "Trainer",

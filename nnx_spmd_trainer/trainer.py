@@ -4,6 +4,7 @@ are its mixins' (``run_access.RunAccess``, ``layout.LayoutAccess``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -23,8 +24,11 @@ from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
+from nnx_spmd_trainer.planner import ema as ema_lib
+from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
+from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
@@ -40,7 +44,8 @@ class Trainer(LayoutAccess, RunAccess):
         (built under ``nnx.use_eager_sharding(False)`` if annotated; its state
         is moved onto the mesh and ``trainer.model`` is a new object holding
         it), or a ``Plan`` (then give no optimizer, strategy, metrics, seed, grad_accum_steps,
-        wrt, devices, donate, remat or skip_nonfinite_updates: the plan holds them).
+        wrt, devices, donate, remat, skip_nonfinite_updates, ema or skip_spikes: the plan
+        holds them).
       optimizer: any optax ``GradientTransformation``; its ``update`` also gets
         ``value=loss`` (plateau schedules and line searches read it).
       strategy: how state and batches are laid out; default ``DataParallel()``.
@@ -81,6 +86,12 @@ class Trainer(LayoutAccess, RunAccess):
       skip_nonfinite_updates: a step whose loss or new parameters are not finite
         changes neither the weights nor the optimizer's state (``Plan``'s), so a
         ``TerminateOnNaN`` stop leaves the last finite weights in memory. Default ``False``.
+      ema: an ``EMA(decay=..., warmup=...)``: an average of the weights kept in the
+        optimizer's state, on the devices and in every checkpoint; ``ema_weights()``
+        puts it in the model for evaluation, prediction or export (``Plan``'s).
+      skip_spikes: a ``SpikeSkip(z=..., window=...)``: a step whose loss or gradient
+        norm spikes above the recent ones is skipped on the devices; the count is
+        logged as ``train/skipped_spikes`` (``Plan``'s).
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
       init_from: pretrained weights the first state is built from
@@ -147,6 +158,8 @@ class Trainer(LayoutAccess, RunAccess):
         donate: bool | None = DEFAULTS.donate,
         remat: str = DEFAULTS.remat,
         skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
+        ema: EMA | None = DEFAULTS.ema,
+        skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
         memory_budget_bytes: int | None = None,
         init_from: Pretrained | None = None,
         config: Any = None,
@@ -162,6 +175,8 @@ class Trainer(LayoutAccess, RunAccess):
             donate=donate,
             remat=remat,
             skip_nonfinite_updates=skip_nonfinite_updates,
+            ema=ema,
+            skip_spikes=skip_spikes,
         )
         plan, pending = layout.plan_or_chooser(
             model,
@@ -302,6 +317,19 @@ class Trainer(LayoutAccess, RunAccess):
             logits = trainer.predict(test_batches, to_numpy=True)  # [(rows, classes), ...]
         """
         return self._loop.predict(data, to_numpy=to_numpy)
+
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block the model holds the average of its weights (``Trainer(...,
+        ema=EMA(...))``), and its trained weights again after: ``evaluate``, ``predict``,
+        ``export`` and the model itself see the average. Do not ``fit`` inside it.
+
+        Example::
+
+            with trainer.ema_weights():
+                results = trainer.evaluate(held_out)
+                trainer.export("exported_ema")
+        """
+        return ema_lib.swapped_in(self.model, self.optimizer)
 
     def export(
         self,

@@ -32,7 +32,9 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
+from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
+from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.planner.step_compiler import CachedStep, StepCache, step_spec
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
@@ -50,6 +52,21 @@ def tracing_plan() -> Plan | None:
         stacklevel=2,
     )
     return None
+
+
+def wrapped_optimizer(
+    optimizer: optax.GradientTransformation, ema: EMA | None, skip_spikes: SpikeSkip | None
+) -> optax.GradientTransformation:
+    """``optimizer`` inside the ``ema`` and ``skip_spikes`` wrappers asked for; spike
+    skipping outermost, so a skipped step leaves the average alone too."""
+    for name, wrapper, kind in (("ema", ema, EMA), ("skip_spikes", skip_spikes, SpikeSkip)):
+        if wrapper is not None and not isinstance(wrapper, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}(...) or None, got {wrapper!r}.")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        return optimizer  # model_builder names the mistake
+    if ema is not None:
+        optimizer = ema.wrap(optimizer)
+    return skip_spikes.wrap(optimizer) if skip_spikes is not None else optimizer
 
 
 def abstract_batch(batch: Any) -> Any:
@@ -90,6 +107,14 @@ class Plan:
         step mostly the optimizer's), 1.2-1.4x the step time and temporaries of about
         0.4x the state under ``DataParallel``, within noise and none under ``FSDP``.
         Default ``False``.
+      ema: an ``EMA(decay=..., warmup=...)``: the optimizer's state also keeps an
+        exponential moving average of the weights, updated in the step and laid out as
+        the parameters are (``Trainer.ema_weights`` swaps it in). Default ``None``.
+      skip_spikes: a ``SpikeSkip(z=..., window=...)``: a step whose loss or gradient
+        norm is more than ``z`` standard deviations above the last ``window`` accepted
+        steps' changes neither the weights nor the optimizer's state; the statistics
+        live in the optimizer's state, the count in the logs (``train/skipped_spikes``).
+        Default ``None``.
 
     Attributes:
       strategy, mesh: the layout (ask the plan, not the strategy: ``batch_shardings``,
@@ -123,6 +148,8 @@ class Plan:
         donate: bool | None = DEFAULTS.donate,
         remat: str = DEFAULTS.remat,
         skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
+        ema: EMA | None = DEFAULTS.ema,
+        skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
     ) -> None:
         self.settings = PlanSettings(
             optimizer=optimizer,
@@ -135,6 +162,8 @@ class Plan:
             donate=donate,
             remat=remat,
             skip_nonfinite_updates=skip_nonfinite_updates,
+            ema=ema,
+            skip_spikes=skip_spikes,
         )
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
@@ -149,7 +178,8 @@ class Plan:
         self.metrics_class = metrics if metrics is not None else DefaultMetrics
         self.grad_accum_steps, self.wrt = grad_accum_steps, wrt
         self._batch_shardings: dict[Any, Any] = {}
-        self._init = model_builder(model, optimizer, self.state_shardings, self.mesh, seed, wrt)
+        tx = wrapped_optimizer(optimizer, ema, skip_spikes)
+        self._init = model_builder(model, tx, self.state_shardings, self.mesh, seed, wrt)
         self.graphdef = self._init.graphdef
         self.abstract_state = self._init.abstract_state
         self.shardings = self._init.shardings

@@ -1,4 +1,4 @@
-"""PlanSettings: the ten settings a ``Plan`` is made with, and their defaults, written once.
+"""PlanSettings: the twelve settings a ``Plan`` is made with, and their defaults, written once.
 
 ``Plan(...)`` and ``Trainer(...)`` take them as keywords (their signatures' defaults are
 read from ``DEFAULTS``); ``Trainer(plan, ...)`` names the ones given beside a plan
@@ -16,6 +16,8 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
+from nnx_spmd_trainer.planner.ema import EMA
+from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.strategies import Strategy
 
 
@@ -38,6 +40,8 @@ class PlanSettings:
     donate: bool | None = None
     remat: str = "none"
     skip_nonfinite_updates: bool = False
+    ema: EMA | None = None
+    skip_spikes: SpikeSkip | None = None
 
     def given(self) -> list[str]:
         """The names of the settings that are not their defaults, in declaration order.

@@ -19,6 +19,7 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
+from nnx_spmd_trainer.planner import spikes
 from nnx_spmd_trainer.planner.microbatch import join_microbatches, microbatches, rows_sharding
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -242,7 +243,8 @@ def make_train_step(
     the merged objects (``Trainer.train_step``); the metrics are fed its
     ``loss`` and ``aux``. With ``norms``, ``norms`` holds the global norms of
     the ``wrt`` parameters after the step, of the step's change to them, and
-    ``aux["grad_norm"]`` when the step returns it; they stay on the devices.
+    ``aux["grad_norm"]`` when the step returns it; they stay on the devices. With a
+    ``SpikeSkip`` optimizer, every step's ``norms`` also holds ``skipped_spikes``.
     With ``skip_nonfinite``, a step whose loss or new parameters are not finite
     changes nothing but ``COUNTERS`` (``undo_if_not_finite``); its loss and
     metrics are still reported, so ``TerminateOnNaN`` and the logs see it.
@@ -260,6 +262,8 @@ def make_train_step(
         if skip_nonfinite:
             undo_if_not_finite(objects, held, loss, wrt)
         found: dict[str, jax.Array] = {}
+        if (skipped := spikes.skipped_spikes(optimizer.opt_state)) is not None:
+            found["skipped_spikes"] = skipped  # every step: the count at a log point
         if norms:
             after = jax.tree.leaves(nnx.state(model, wrt))
             found["param_norm"] = global_norm(after)
