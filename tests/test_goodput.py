@@ -2,6 +2,8 @@
 
 import time
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from toy_models import Net, classification_loss, make_batches
@@ -35,14 +37,14 @@ def test_the_parts_add_up_to_the_wall_time_of_fit_and_reach_the_history():
 
 
 class Sleepy:
-    """A dataset whose every batch takes 50 ms to read."""
+    """A dataset whose every batch takes ``seconds`` (50 ms) to read."""
 
-    def __init__(self, batches) -> None:
-        self.batches = batches
+    def __init__(self, batches, seconds: float = 0.05) -> None:
+        self.batches, self.seconds = batches, seconds
 
     def __iter__(self):
         for batch in self.batches:
-            time.sleep(0.05)
+            time.sleep(self.seconds)
             yield batch
 
 
@@ -53,6 +55,32 @@ def test_a_slow_dataset_shows_as_input_wait_not_as_step_time():
     seen = parts(trainer)
     assert seen["data_wait"] >= 0.8 * 10 * 0.05
     assert seen["step"] < seen["data_wait"] / 2
+
+
+def heavy_loss(model, batch):
+    """The toy loss, after ~0.1 s of matmuls on the device: a step slower than its input."""
+    x = jnp.full((512, 512), 1e-3)
+    x = jax.lax.fori_loop(0, 10, lambda _, x: jnp.tanh(x @ x), x)
+    loss, metrics = classification_loss(model, batch)
+    return loss + 0.0 * x.sum(), metrics
+
+
+def test_batches_taken_while_a_step_computes_are_step_time_not_input_wait():
+    # Inline taking (prefetch=0): each 20 ms read runs while the previous step computes
+    # on the device, so the devices never wait for it.
+    trainer = Trainer(
+        Net,
+        optax.sgd(0.1),
+        loss_fn=heavy_loss,
+        devices=jax.devices()[:1],
+        prefetch=0,
+        log_every_n_steps=100,  # no log point syncs the devices in between
+    )
+    trainer.fit(make_batches(2), max_steps=2)  # compiled here, not in the timed fit
+    trainer.fit(Sleepy(make_batches(8), seconds=0.02), max_steps=10)
+    seen = parts(trainer)  # of the second fit
+    assert seen["data_wait"] < 0.5 * 8 * 0.02  # at most the first read and a stray one
+    assert seen["step"] >= 8 * 0.02
 
 
 class Sleeper(Callback):

@@ -47,6 +47,10 @@ class InFlight:
         while len(self._pending) > self.limit:
             self._pending.popleft().block_until_ready()
 
+    def running(self) -> bool:
+        """Whether a dispatched step is still computing (asked without waiting)."""
+        return bool(self._pending) and not self._pending[-1].is_ready()
+
     def drain(self) -> None:
         while self._pending:
             self._pending.popleft().block_until_ready()

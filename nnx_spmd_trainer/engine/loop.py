@@ -24,6 +24,7 @@ from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
 from nnx_spmd_trainer.engine.hooks import Logs
 from nnx_spmd_trainer.engine.step_record import StepRecord, batch_shapes
+from nnx_spmd_trainer.planner import flops
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.placement import InFlight
@@ -80,6 +81,8 @@ class Loop:
         self._updates_per_step: dict[Callable[..., Any], int] = {}
         self._last_host_batch: Any = None  # what a changed batch is compared with (BatchMismatch)
         self._last_eval_step = -1
+        # FLOPs per device of each compiled train step, read once from its program.
+        self._step_flops: dict[Callable[..., Any], float | None] = {}
 
     def compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
         """The plan's compiled ``kind`` step ("train", "eval", "predict") for ``batch``,
@@ -225,7 +228,7 @@ class Loop:
             iterator,
             lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
             ahead,
-            waiting=lambda: run.timings.timing("data_wait"),
+            waiting=lambda: run.timings.waiting_for_data(placement.in_flight.running),
             explain=lambda host, error: batch_mismatch(
                 error, f"step {run.step + 1}", self._last_host_batch, host
             ),
@@ -285,16 +288,23 @@ class Loop:
         live = run.objects()
         try:
             step = self.cached_step("train", batch, norms=norms)
+            args = (live.arrays(), metric_log.train, batch)
+            shapes = None if step.fn in self._step_flops else flops.abstract_args(args)
             # A new step traces and compiles in its first call (dispatch is asynchronous).
             timing = run.timings.timing("compile") if step.new else contextlib.nullcontext()
             with timing:
-                outputs = step.fn(live.arrays(), metric_log.train, batch)
+                outputs = step.fn(*args)
+            if shapes is not None:  # read from the program just compiled: a cache hit
+                with run.timings.timing("compile"):
+                    self._step_flops[step.fn] = flops.step_flops(step.fn, shapes)
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         self._last_host_batch = host
         loss = take_step(run, outputs, self.trainer.placement.in_flight)
+        tokens = flops.batch_tokens(batch)
+        run.timings.speed.add_step(tokens=tokens, flops=self._step_flops[step.fn])
         if self.overrides_train_step and step.fn not in self._updates_per_step:
             # An override may update any number of times: one read, in the first step of
             # each compiled step, says how many (the default updates once and reads nothing).

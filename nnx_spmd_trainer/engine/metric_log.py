@@ -23,6 +23,7 @@ from clu import metrics as clu_metrics
 
 from nnx_spmd_trainer import deprecation
 from nnx_spmd_trainer.engine.hooks import Logs
+from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.engine.step_record import StepRecord
 
 #: A 1-D metric of at most this many values is logged one scalar per index.
@@ -118,9 +119,10 @@ class StepPerf:
 
     Time is split without overlap (``timing`` blocks nest; an inner block's time is
     its own, not its outer block's) into ``GOODPUT``: tracing and compiling,
-    waiting for training batches, training steps (dispatch and the waits of the
-    in-flight bound), evaluating, the blocked part of checkpoint saves, other
-    callbacks, and the rest. The parts add up to the wall time of ``fit``.
+    waiting for training batches with no step computing, training steps (dispatch,
+    the waits of the in-flight bound, and batches taken while a step computes),
+    evaluating, the blocked part of checkpoint saves, other callbacks, and the rest.
+    The parts add up to the wall time of ``fit``.
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None) -> None:
@@ -128,6 +130,8 @@ class StepPerf:
         self.devices = list(jax.local_devices() if devices is None else devices)
         #: Seconds over the trainer's life, by ``GOODPUT`` part.
         self.seconds = dict.fromkeys(GOODPUT, 0.0)
+        #: The training steps' tokens and FLOPs, read as rates with the time (``Speed``).
+        self.speed = Speed()
         self._stack = ["other"]  # the part the time now goes to is the last
         self._since = time.perf_counter()
         self.restart()
@@ -137,6 +141,7 @@ class StepPerf:
         now = self._charge()
         self._read_at, self._seconds_read = now, dict(self.seconds)
         self._fit_start, self._seconds_at_fit = now, dict(self.seconds)
+        self.speed.reset()
 
     @property
     def compile_seconds(self) -> float:
@@ -152,6 +157,15 @@ class StepPerf:
         """``with perf.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
         return _Timer(self, what)
 
+    def waiting_for_data(
+        self, stepping: Callable[[], bool]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Taking a batch: its time is ``data_wait``, unless ``stepping()`` says, at its end,
+        that a dispatched step is still computing. Steps finish in order, so the devices
+        were busy the whole time: the batch was taken beside a step, and the time is the
+        step's (``data_wait`` counts only time the devices may have sat idle)."""
+        return _Timer(self, "data_wait", overlapped=(stepping, "step"))
+
     def goodput(self) -> Logs:
         """``goodput/<part>_s``: seconds of each part since ``fit`` began, and
         ``goodput/wall_s``, their sum, the wall time since then."""
@@ -163,7 +177,8 @@ class StepPerf:
         """``perf/compile_time_s`` when a step was compiled since the last read;
         ``perf/data_wait_fraction``, the share of the training time since then
         (compiling and evaluating left out) spent waiting for batches;
-        ``perf/device_memory_gb``; and the ``goodput``."""
+        ``perf/device_memory_gb``; the ``speed`` over that time (``perf/tokens_per_s``,
+        ``perf/flops_per_s_per_device``, ``perf/mfu``); and the ``goodput``."""
         logs = self.goodput()
         now = self._since
         spent = {k: v - self._seconds_read[k] for k, v in self.seconds.items()}
@@ -172,6 +187,7 @@ class StepPerf:
         training = now - self._read_at - spent["compile"] - spent["eval"]
         if training > 0:
             logs["perf/data_wait_fraction"] = min(spent["data_wait"] / training, 1.0)
+        logs.update(self.speed.read(training, self.devices[0] if self.devices else None))
         self._read_at, self._seconds_read = now, dict(self.seconds)
         if (memory := device_memory_gb(self.devices)) is not None:
             logs["perf/device_memory_gb"] = memory
@@ -179,14 +195,18 @@ class StepPerf:
 
 
 class _Timer:
-    def __init__(self, perf: StepPerf, what: str) -> None:
-        self.perf, self.what = perf, what
+    def __init__(
+        self, perf: StepPerf, what: str, *, overlapped: tuple[Callable[[], bool], str] | None = None
+    ) -> None:
+        self.perf, self.what, self.overlapped = perf, what, overlapped
 
     def __enter__(self) -> None:
         self.perf._charge()
         self.perf._stack.append(self.what)
 
     def __exit__(self, *exc: Any) -> None:
+        if self.overlapped is not None and self.overlapped[0]():
+            self.perf._stack[-1] = self.overlapped[1]
         self.perf._charge()
         self.perf._stack.pop()
 
