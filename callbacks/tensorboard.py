@@ -79,7 +79,8 @@ class TensorBoard(Callback):
       and, where the backend reports it, ``perf/device_memory_gb``), at the
       global step it belongs to;
     * ``perf/step_time_s``, ``perf/steps_per_s``, ``perf/examples_per_s`` and,
-      for token batches, ``perf/tokens_per_s`` at each log point of training
+      for token batches, ``perf/tokens_per_s`` (the run's own where its logs carry it,
+      with ``perf/flops_per_s_per_device`` and ``perf/mfu``) at each log point of training
       metrics: host wall time between log points, evaluation and compile time
       excluded, never a per-step sync.
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
@@ -172,7 +173,7 @@ class TensorBoard(Callback):
             examples, tokens = batch_size_and_tokens(record.batch_shapes)
         if examples is not None:
             writer.add_scalar("perf/examples_per_s", examples / seconds, step)
-        if tokens is not None:
+        if tokens is not None and "perf/tokens_per_s" not in logs:  # else the run's own, above
             writer.add_scalar("perf/tokens_per_s", tokens / seconds, step)
 
     def _write_config(self, writer: SummaryWriter, step: int) -> None:

@@ -39,6 +39,9 @@ def training_config() -> ml_collections.ConfigDict:
     config.batch_size = 32  # global: split over the data-parallel axes
     config.grad_accum_steps = 1
     config.compute_dtype = "float32"  # "bfloat16": mixed precision, fp32 master weights
+    # One device's peak FLOP/s, for perf/mfu; 0: the dense peak of the device's kind in
+    # compute_dtype (planner/flops.py's table), and no MFU on a device it lacks (the CPU)
+    config.peak_flops = 0.0
     config.max_steps_in_flight = 2
     # AdamW, linear warmup then cosine decay to end_lr_fraction * learning_rate
     config.learning_rate = 3e-3

@@ -22,6 +22,7 @@ from nnx_spmd_trainer.engine.loop import Loop
 from nnx_spmd_trainer.engine.metric_log import LogSchedule
 from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
+from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
 from nnx_spmd_trainer.planner import ema as ema_lib
@@ -94,6 +95,10 @@ class Trainer(LayoutAccess, RunAccess):
         logged as ``train/skipped_spikes`` (``Plan``'s).
       memory_budget_bytes: for ``strategy="auto"``: the per-device memory a layout's
         compiled step must fit in (default: the device's own limit, where reported).
+      peak_flops: one device's peak FLOP/s, for ``perf/mfu`` at each log point (with
+        ``perf/tokens_per_s`` and ``perf/flops_per_s_per_device``: ``engine.speed``).
+        Default: the dense bf16 peak of the device's kind (``flops.PEAK_FLOPS``); a
+        device not in the table logs no MFU, and says so once.
       init_from: pretrained weights the first state is built from
         (``weights.Pretrained(path, weight_map)``: safetensors, NumPy or Orbax, read
         straight into the layout) instead of the random initialiser; a run that
@@ -161,6 +166,7 @@ class Trainer(LayoutAccess, RunAccess):
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
         memory_budget_bytes: int | None = None,
+        peak_flops: float | None = None,
         init_from: Pretrained | None = None,
         config: Any = None,
     ) -> None:
@@ -192,6 +198,7 @@ class Trainer(LayoutAccess, RunAccess):
             raise TypeError("Trainer needs a loss: pass loss_fn=... or override Trainer.loss_fn.")
         self.config = config
         self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
+        self.run.timings.speed = Speed(peak_flops)
         self.run.initial_state = init_from.state if init_from is not None else None
         self._plan_holder = layout.PlanHolder(
             self.run,

@@ -40,6 +40,7 @@ from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner.auto import Auto
+from nnx_spmd_trainer.planner.flops import peak_flops
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -171,6 +172,7 @@ def _build_trainer(
             seed=config.seed,
             grad_accum_steps=config.grad_accum_steps,
             max_steps_in_flight=config.max_steps_in_flight,
+            peak_flops=peak_flops_of(config),
             config=config,
             init_from=init_from,
         )
@@ -322,6 +324,8 @@ def _train(
         say(bits)
     if waits := history.history.get("perf/data_wait_fraction"):
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
+    if line := speed_line(history.history, trainer.run.timings.speed.note):
+        say(line)
     say(goodput_line(trainer.run.timings.goodput()))
     return result
 
@@ -353,6 +357,40 @@ def corpus_reads_line(before: dict[str, int]) -> str | None:
         f"data: process {jax.process_index()} of {jax.process_count()} read "
         f"{sum(read.values())} bytes of corpus tokens ({parts})"
     )
+
+
+def peak_flops_of(config: ml_collections.ConfigDict) -> float | None:
+    """One device's peak FLOP/s for ``perf/mfu``: ``config.peak_flops``, else the table's
+    dense peak of this device's kind in ``config.compute_dtype``; ``None`` where neither
+    gives one (the CPU): the run then logs no MFU, and its speed line says why."""
+    if given := config.get("peak_flops", 0.0):
+        return float(given)
+    return peak_flops(jax.devices()[0].device_kind, config.get("compute_dtype", "float32"))
+
+
+def speed_line(history: dict[str, list[float]], note: str | None = None) -> str | None:
+    """One line: the median over the log points of the tokens per second, the FLOP/s per
+    device (the compiled step's own count) and the MFU, or ``note``, why there is none;
+    ``None`` where nothing was measured.
+
+    >>> speed_line({"perf/tokens_per_s": [900.0, 1000.0, 1100.0],
+    ...             "perf/flops_per_s_per_device": [2e12, 3e12, 4e12], "perf/mfu": [0.2, 0.3, 0.4]})
+    'speed (median of 3 log points): 1,000 tokens/s, 3 TFLOP/s per device, MFU 30.0%'
+    """
+    tokens = history.get("perf/tokens_per_s", [])
+    flops = history.get("perf/flops_per_s_per_device", [])
+    mfu = history.get("perf/mfu", [])
+    if not tokens and not flops:
+        return None
+    parts = [f"{float(np.median(tokens)):,.0f} tokens/s"] if tokens else []
+    if flops:
+        parts.append(f"{float(np.median(flops)) / 1e12:.3g} TFLOP/s per device")
+    if mfu:
+        parts.append(f"MFU {100 * float(np.median(mfu)):.1f}%")
+    elif note:
+        parts.append(note)
+    points = max(len(tokens), len(flops))
+    return f"speed (median of {points} log points): " + ", ".join(parts)
 
 
 def plan_of(trainer: Trainer, batch: Any) -> Any:
