@@ -75,6 +75,7 @@ def test_a_bad_batch_read_ahead_fails_at_its_own_step():
     with pytest.raises(BatchMismatch, match=r"^step 4: .*5 rows") as caught:
         made.fit(bad, max_steps=6)
     assert isinstance(caught.value.__cause__, ShardingError)
+    assert isinstance(caught.value, ShardingError)  # what a ragged batch raised before 0.2
     assert made.step == 3  # the three good batches before it trained
 
 

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from nnx_spmd_trainer.sharding import ShardingError
+
 
 class BatchMismatch(ValueError):
     """A batch unlike the batches before it, which its step (or placement) could not take.
@@ -32,6 +34,12 @@ class BatchMismatch(ValueError):
     def __init__(self, message: str, where: str, changes: list[tuple[str, str, str]]) -> None:
         super().__init__(message)
         self.where, self.changes = where, changes
+
+
+class BatchShardingMismatch(BatchMismatch, ShardingError):
+    """A ``BatchMismatch`` whose cause is a ``ShardingError`` (a ragged last batch the mesh
+    cannot split): ``except ShardingError``, which caught it before there was a
+    ``BatchMismatch``, still catches it."""
 
 
 def _leaf_layout(x: Any) -> str:
@@ -79,7 +87,8 @@ def batch_mismatch(error: Exception, where: str, previous: Any, batch: Any) -> B
     shown = "; ".join(f"{leaf} was {was}, is {now}" for leaf, was, now in changes[:6])
     more = f"; and {len(changes) - 6} more" if len(changes) > 6 else ""
     cause = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    return BatchMismatch(
+    kind = BatchShardingMismatch if isinstance(error, ShardingError) else BatchMismatch
+    return kind(
         f"{where}: the batch differs from the batches before it: {shown}{more} (the step's "
         f"error: {cause}). Every batch needs the leaves and dtypes of the batches before it, "
         "and sizes the model takes (a new size it takes only traces the step again). The "
