@@ -22,10 +22,12 @@ from .early_stopping import EarlyStopping
 from .lambda_callback import LambdaCallback
 from .lr_monitor import LearningRateMonitor
 from .metrics import MetricsLogger
+from .mlflow_logger import MLflowLogger
 from .nan import TerminateOnNaN
 from .profiler import Profiler
 from .progress import ProgressBar
 from .tensorboard import TensorBoard
+from .wandb_logger import WandbLogger
 
 __all__ = [
     "CSVLogger",
@@ -36,10 +38,12 @@ __all__ = [
     "History",
     "LambdaCallback",
     "LearningRateMonitor",
+    "MLflowLogger",
     "MetricsLogger",
     "OrbaxCheckpoint",
     "Profiler",
     "ProgressBar",
     "TensorBoard",
     "TerminateOnNaN",
+    "WandbLogger",
 ]

@@ -1,0 +1,139 @@
+"""MLflowLogger: the run's metrics, config and plan in an MLflow run that resumes with it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from typing_extensions import override
+
+from .tracker import TrackerLogger, import_tracker
+
+#: MLflow's limit on the params of one ``log_batch`` call.
+_PARAMS_PER_BATCH = 100
+
+
+class MLflowLogger(TrackerLogger):
+    """Logs to MLflow what TensorBoard shows, on process 0 only.
+
+    * every value that reaches ``logs`` (``train/...``, ``eval/...``, ``lr``, the
+      norms, ``perf/...``) as a metric at its global step, one ``log_batch`` per log
+      point;
+    * the run config (``trainer.config``) flattened as params (``model.width``);
+    * the plan report of the train step as the artifact ``plan.txt`` and, with
+      ``strategy="auto"``, the ranking of the layouts as ``layout.md``.
+
+    A resumed run writes into the same MLflow run: its id is in the callback's
+    ``state_dict``, saved with every checkpoint. Steps the killed attempt logged after
+    its last checkpoint are trained again after the resume; MLflow keeps every value it
+    is given, so those steps are not logged a second time: the run keeps the first
+    attempt's values (bitwise the same where the resume is exact), each step once, with
+    no gap. Params already in the resumed run are not logged again (MLflow refuses a
+    changed param value; a changed config shows in the new keys only).
+
+    A tracking server that cannot be reached warns once and training goes on without
+    it. MLflow retries a failed request 7 times with backoff by default; set
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT`` to give up
+    sooner.
+
+    Args:
+      tracking_uri: a server (``http://host:5000``) or a local store
+        (``sqlite:///runs/mlflow.db``); ``None``: MLflow's own default
+        (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``).
+      experiment: the experiment's name; created if missing.
+      run_name: the name of a new run (MLflow makes one up for ``None``).
+      artifact_location: where a new experiment keeps its artifacts (MLflow's default
+        for ``None``: ``./mlruns`` beside a local store).
+      tags: tags of a new run.
+
+    Needs ``pip install nnx-spmd-trainer[mlflow]`` (``mlflow-skinny``, and SQLAlchemy for
+    a ``sqlite:///`` store).
+
+    Example::
+
+        Trainer(..., config=config, callbacks=[
+            MetricsLogger(50), OrbaxCheckpoint("runs/a/ckpt", save_every_n_steps=200),
+            MLflowLogger("sqlite:///runs/mlflow.db", experiment="gpt", run_name="a")])
+        # mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
+    """
+
+    tracker = "MLflow"
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        *,
+        experiment: str = "nnx-spmd-trainer",
+        run_name: str | None = None,
+        artifact_location: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        import_tracker("mlflow", "mlflow")  # a missing package is known when the run is built
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.artifact_location = artifact_location
+        self.tags = dict(tags or {})
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The ``mlflow.MlflowClient`` of ``tracking_uri`` (made on first use)."""
+        if self._client is None:
+            mlflow = import_tracker("mlflow", "mlflow")
+            self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    @override
+    def _open(self, run_id: str | None) -> str:
+        client = self.client
+        if run_id is not None:
+            client.update_run(run_id, status="RUNNING")  # a killed run is left RUNNING
+            return run_id
+        found = client.get_experiment_by_name(self.experiment)
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else client.create_experiment(self.experiment, self.artifact_location)
+        )
+        run = client.create_run(experiment_id, tags=self.tags, run_name=self.run_name)
+        return str(run.info.run_id)
+
+    @override
+    def _logged_steps(self) -> dict[str, int]:
+        assert self.run_id is not None
+        keys = self.client.get_run(self.run_id).data.metrics
+        return {
+            key: max(m.step for m in self.client.get_metric_history(self.run_id, key))
+            for key in keys
+        }
+
+    @override
+    def _log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        assert self.run_id is not None
+        present = self.client.get_run(self.run_id).data.params
+        new = [Param(key, str(value)) for key, value in params.items() if key not in present]
+        for start in range(0, len(new), _PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=new[start : start + _PARAMS_PER_BATCH])
+
+    @override
+    def _log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        assert self.run_id is not None
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    @override
+    def _log_text(self, name: str, text: str) -> None:
+        assert self.run_id is not None
+        self.client.log_text(self.run_id, text, name)
+
+    @override
+    def _close(self, failed: bool) -> None:
+        assert self.run_id is not None
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
