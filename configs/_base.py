@@ -60,4 +60,8 @@ def training_config() -> ml_collections.ConfigDict:
     # task's weight map (the gpt2_hf task reads HF's GPT-2 files); "": random. A resume from
     # the run's own checkpoints wins and never reads it.
     config.init_from = ""
+    # JAX's persistent compilation cache: a directory, "off", or "auto" (the environment's
+    # NNX_SPMD_TRAINER_COMPILE_CACHE, else JAX's own setting, else
+    # $XDG_CACHE_HOME/nnx_spmd_trainer/jax): a rerun reads its compiled programs back
+    config.compile_cache = "auto"
     return config

@@ -25,6 +25,7 @@ from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
+from nnx_spmd_trainer.planner.compile_cache import CompileCacheSetting, use_compile_cache
 from nnx_spmd_trainer.planner import ema as ema_lib
 from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
@@ -104,6 +105,11 @@ class Trainer(LayoutAccess, RunAccess):
         straight into the layout) instead of the random initialiser; a run that
         ``fit`` resumes from its own checkpoints restores those instead.
       config: the run's configuration, for callbacks that record it.
+      compile_cache: where JAX's persistent compilation cache keeps compiled programs
+        for the next run (a directory), or ``"off"``. Default: the environment variable
+        ``NNX_SPMD_TRAINER_COMPILE_CACHE``, else JAX's own cache where configured, else
+        ``$XDG_CACHE_HOME/nnx_spmd_trainer/jax`` (``planner.compile_cache``). JAX's
+        cache is one per process: the last ``Trainer`` built sets it.
 
     The state is built when first needed (``model``, ``optimizer``, ``state``,
     or the first step), so a checkpoint restored at the start of ``fit``
@@ -169,7 +175,9 @@ class Trainer(LayoutAccess, RunAccess):
         peak_flops: float | None = None,
         init_from: Pretrained | None = None,
         config: Any = None,
+        compile_cache: CompileCacheSetting = None,
     ) -> None:
+        use_compile_cache(compile_cache)  # before anything compiles
         settings = PlanSettings(
             optimizer=optimizer,
             strategy=strategy,
