@@ -247,7 +247,8 @@ def pipelined_tiny_gpt(rngs: nnx.Rngs) -> nnx.Module:
 # Issue 32: the experts within each process (rows over the processes), and over both.
 EXPERT_STRATEGIES = {
     "dp2_x_ep4": lambda: Hybrid(DataParallel(2), ExpertParallel(4)),
-    "ep4_x_dp2": lambda: Hybrid(ExpertParallel(4), DataParallel(2)),  # all-to-alls across them
+    # all-to-alls across them: said so, since the mesh keeps experts inside a host otherwise
+    "ep4_x_dp2": lambda: Hybrid(ExpertParallel(4), DataParallel(2), across_hosts={"expert": 2}),
 }
 
 

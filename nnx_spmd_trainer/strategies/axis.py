@@ -70,6 +70,9 @@ class AxisStrategy(Strategy):
     def batch_axes(self) -> tuple[str, ...]:
         return (self.axis,) if self.shards_batch else ()
 
+    def axis_roles(self) -> dict[str, str]:
+        return {self.axis: self.usual_axis}  # a renamed axis keeps its strategy's role
+
     def logical_rules(self) -> sh.Rules:
         user = dict(sh.merge_rules(self.rules))
         # A renamed axis (TensorParallel(axis="tp")) still honours its usual physical

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import data_shard as ds
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies import axis_types as modes
+from nnx_spmd_trainer.strategies import host_layout as hosts
 
 Axes = tuple[tuple[str, int], ...]
 #: What compiles a step: ``jax.jit``, or the rest of a Hybrid's chain ending in it.
@@ -91,6 +92,9 @@ class Strategy(abc.ABC):
     #: ``"explicit"`` (shardings are part of the types: models written with
     #: ``jax.sharding.reshard`` / ``out_sharding=``); see ``strategies.axis_types``.
     axis_types: modes.AxisTypes = "auto"
+    #: ``(mesh axis, hosts it spans)`` pairs placing the axes on several hosts explicitly
+    #: (``Hybrid(..., across_hosts={"data": 2})``); empty: per-layer axes inside a host.
+    across_hosts: tuple[tuple[str, int], ...] = ()
 
     # -- composition: what a Hybrid joins ----------------------------------
     @abc.abstractmethod
@@ -136,12 +140,25 @@ class Strategy(abc.ABC):
                 f"available devices. Choose sizes whose product is {len(devices)}, or "
                 "size=-1 for one axis."
             )
-        return jax.make_mesh(
-            tuple(sizes),
-            tuple(names),
-            axis_types=modes.mesh_axis_types(self.axis_types, len(names)),
-            devices=devices,
+        types = modes.mesh_axis_types(self.axis_types, len(names))
+        roles, across = self.axis_roles(), dict(self.across_hosts)
+        # On several hosts, per-layer axes inside a host whatever their order (host_layout).
+        arranged = hosts.arrange(
+            devices, dict(zip(names, sizes, strict=True)), roles, across, owner=repr(self)
         )
+        if arranged is None:
+            mesh = jax.make_mesh(tuple(sizes), tuple(names), axis_types=types, devices=devices)
+        else:
+            mesh = Mesh(arranged, tuple(names), axis_types=types)
+        hosts.warn_per_layer_axes_across_hosts(mesh, roles, across, owner=repr(self))
+        return mesh
+
+    def axis_roles(self) -> dict[str, str]:
+        """What each mesh axis carries, by its strategy's usual axis name (``"data"``,
+        ``"fsdp"``, ``"model"``, ``"seq"``, ``"expert"``, ``"stage"``): on several hosts
+        ``make_mesh`` keeps the per-layer ones inside a host (``strategies.host_layout``).
+        Default: each axis's own name."""
+        return {name: name for name, _ in self.mesh_axes()}
 
     # -- question 1: init ----------------------------------------------------
     @final
@@ -235,6 +252,7 @@ class Strategy(abc.ABC):
         if proposed is not None:
             return proposed
         axes = tuple(a for a in self.batch_axes() if a in mesh.shape)
+        axes = hosts.batch_axes_outer_first(axes, mesh)  # each process feeds one block of rows
         spec = P(axes) if axes else P()
         return jax.tree.map(lambda _: NamedSharding(mesh, spec), batch)
 

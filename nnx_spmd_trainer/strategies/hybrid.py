@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, final
 
 import jax
@@ -55,6 +55,33 @@ QUESTIONS: dict[str, _Call] = {
 }
 
 
+def _checked_across_hosts(
+    hybrid: Strategy, across_hosts: Mapping[str, int] | None
+) -> tuple[tuple[str, int], ...]:
+    """``across_hosts`` as pairs, refused unless it maps the Hybrid's mesh axes to counts;
+    not given, a nested Hybrid member's."""
+    if across_hosts is None:
+        return tuple(pair for m in getattr(hybrid, "members", ()) for pair in m.across_hosts)
+    if not across_hosts:
+        return ()
+    names = [name for name, _ in hybrid.mesh_axes()]
+    if not isinstance(across_hosts, Mapping):
+        raise TypeError(
+            f"across_hosts={across_hosts!r} must map mesh axes to the hosts each spans, "
+            f"e.g. across_hosts={{{names[0]!r}: 2}}."
+        )
+    unknown = [name for name in across_hosts if name not in names]
+    wrong = {n: h for n, h in across_hosts.items() if not isinstance(h, int) or h < 1}
+    if unknown or wrong:
+        raise ValueError(
+            f"across_hosts={dict(across_hosts)!r}: "
+            + (f"{unknown} are not mesh axes of these members ({names}); " if unknown else "")
+            + (f"host counts {wrong} are not positive integers; " if wrong else "")
+            + f"e.g. across_hosts={{{names[0]!r}: 2}} for a mesh axis over 2 hosts."
+        )
+    return tuple(across_hosts.items())
+
+
 def _joint_axis_types(members: tuple[Strategy, ...], given: object) -> modes.AxisTypes:
     """The Hybrid's mesh axis types: ``given``, else the one its members agree on."""
     if given is not None:
@@ -76,7 +103,12 @@ def _following(member: Strategy, axis_types: modes.AxisTypes) -> Strategy:
     if member.axis_types == axis_types:
         return member
     if isinstance(member, Hybrid):
-        return Hybrid(*member.members, rules=member.rules, axis_types=axis_types)
+        return Hybrid(
+            *member.members,
+            rules=member.rules,
+            axis_types=axis_types,
+            across_hosts=dict(member.across_hosts),
+        )
     names = {f.name for f in dataclasses.fields(member)} if dataclasses.is_dataclass(member) else ()
     if "axis_types" not in names:
         raise TypeError(
@@ -129,22 +161,33 @@ class Hybrid(Strategy):
     disagree are refused); given here, the Hybrid decides and its members are
     rebuilt with it.
 
-    >>> from nnx_spmd_trainer import FSDP, TensorParallel
+    On several hosts the per-layer axes (tensor, sequence, experts, then fsdp)
+    stay inside a host and the data axis spans the hosts, whatever the
+    members' order (``strategies.host_layout``). ``across_hosts`` places them
+    explicitly: ``{mesh axis: hosts it spans}``, the values multiplying to the
+    number of hosts (MaxText's DCN parallelism; ``{"data": 2}`` over 2 hosts
+    with ``FSDP`` inside each is torchtitan's HSDP).
+
+    >>> from nnx_spmd_trainer import FSDP, DataParallel, TensorParallel
     >>> Hybrid(FSDP(4), TensorParallel(2)).mesh_axes()
     (('fsdp', 4), ('model', 2))
     >>> Hybrid(FSDP(4), TensorParallel(2), axis_types="explicit").members[0]
     FSDP(4, axis_types='explicit')
+    >>> Hybrid(DataParallel(2), FSDP(4), across_hosts={"data": 2})
+    Hybrid(DataParallel(2), FSDP(4), across_hosts={'data': 2})
     """
 
     members: tuple[Strategy, ...]
     rules: sh.Rules
     axis_types: modes.AxisTypes
+    across_hosts: tuple[tuple[str, int], ...]
 
     def __init__(
         self,
         *members: Strategy,
         rules: sh.Rules = (),
         axis_types: modes.AxisTypes | None = None,
+        across_hosts: Mapping[str, int] | None = None,
     ) -> None:
         if not members:
             raise ValueError(
@@ -163,6 +206,7 @@ class Hybrid(Strategy):
         object.__setattr__(self, "members", tuple(_following(m, mode) for m in members))
         object.__setattr__(self, "rules", tuple(rules))
         object.__setattr__(self, "axis_types", mode)
+        object.__setattr__(self, "across_hosts", _checked_across_hosts(self, across_hosts))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         raise TypeError(
@@ -177,6 +221,9 @@ class Hybrid(Strategy):
 
     def batch_axes(self) -> tuple[str, ...]:
         return tuple(axis for m in self.members for axis in m.batch_axes())
+
+    def axis_roles(self) -> dict[str, str]:
+        return {axis: role for m in self.members for axis, role in m.axis_roles().items()}
 
     def logical_rules(self) -> sh.Rules:
         user = dict(sh.merge_rules(self.rules))  # the Hybrid's own rules override members'
@@ -263,5 +310,6 @@ class Hybrid(Strategy):
 
     def __repr__(self) -> str:
         rules = [f"rules={self.rules!r}"] if self.rules else []
+        rules += [f"across_hosts={dict(self.across_hosts)!r}"] if self.across_hosts else []
         # The members show the mode: each follows the Hybrid's.
         return f"Hybrid({', '.join([*map(repr, self.members), *rules])})"

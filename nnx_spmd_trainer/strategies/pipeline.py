@@ -108,6 +108,9 @@ class PipelineParallel(Strategy):
     def batch_axes(self) -> tuple[str, ...]:
         return ()  # every stage runs the same rows
 
+    def axis_roles(self) -> dict[str, str]:
+        return {self.axis: self.usual_axis}
+
     def logical_rules(self) -> sh.Rules:
         user = dict(sh.merge_rules(self.rules))
         own = [(n, self.axis) for n in (sh.LAYERS, self.usual_axis) if n not in user]
