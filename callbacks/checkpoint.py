@@ -26,7 +26,7 @@ from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import set_aside
 from .checkpoint_resume import CheckpointResume, Restore
 from .checkpoint_save import CheckpointWriteError, check_writable, writing
-from .checkpoint_timer import SaveTimer
+from .checkpoint_timer import local_tier, save_timer
 from .fingerprint import FingerprintSave, PendingSummary, summarize
 from .preemption import PreemptionNotice, QuietManager
 
@@ -167,10 +167,10 @@ class OrbaxCheckpoint(CheckpointResume):
         self.save_every_n_steps = save_every_n_steps
         self.save_every_n_seconds = save_every_n_seconds
         self.time_check_every_n_steps = time_check_every_n_steps
-        self.local_directory, self.local_every_n_steps = _local_tier(
+        self.local_directory, self.local_every_n_steps = local_tier(
             self.directory, local_directory, local_every_n_steps
         )
-        self._timer = _timer(self.directory, save_every_n_seconds, time_check_every_n_steps)
+        self._timer = save_timer(self.directory, save_every_n_seconds, time_check_every_n_steps)
         self.keep = keep
         self.monitor = monitor
         self.mode = mode
@@ -484,41 +484,3 @@ class OrbaxCheckpoint(CheckpointResume):
         self._lock.release()
         if self._local_lock is not None:
             self._local_lock.release()
-
-
-def _local_tier(
-    directory: Path, local: str | os.PathLike[str] | None, every_n_steps: int | None
-) -> tuple[Path | None, int | None]:
-    """``(local_directory, local_every_n_steps)`` checked: both or neither, and apart."""
-    if (local is None) != (every_n_steps is None):
-        raise ValueError(
-            "local_directory and local_every_n_steps go together: give both for a fast "
-            "local tier saved every n steps, or neither."
-        )
-    if local is None or every_n_steps is None:
-        return None, None
-    if every_n_steps < 1:
-        raise ValueError(f"local_every_n_steps must be >= 1, got {every_n_steps}.")
-    path = Path(local).absolute()
-    if path == directory or directory in path.parents or path in directory.parents:
-        raise ValueError(
-            f"local_directory {path} and directory {directory} must not hold one another: "
-            "each tier lists its own steps. Give two separate directories."
-        )
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"local_directory {path} is a file; give a directory.")
-    return path, every_n_steps
-
-
-def _timer(
-    directory: Path, every_s: float | None, check_every_n_steps: int | None
-) -> SaveTimer | None:
-    if check_every_n_steps is not None and check_every_n_steps < 1:
-        raise ValueError(f"time_check_every_n_steps must be >= 1, got {check_every_n_steps}.")
-    if every_s is None:
-        if check_every_n_steps is not None:
-            raise ValueError("time_check_every_n_steps needs save_every_n_seconds.")
-        return None
-    if not every_s > 0 or not math.isfinite(every_s):
-        raise ValueError(f"save_every_n_seconds must be a positive number, got {every_s}.")
-    return SaveTimer(every_s, check_every_n_steps=check_every_n_steps, topic=str(directory))

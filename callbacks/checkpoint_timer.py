@@ -1,4 +1,5 @@
-"""SaveTimer: whether a checkpoint is due by the clock, one answer for every process.
+"""SaveTimer: whether a checkpoint is due by the clock, one answer for every process; and
+the checks of ``OrbaxCheckpoint``'s timing and local-tier settings.
 
 Processes' clocks disagree (they started apart, a step ends at slightly different
 moments on each), and a save is a collective: every process must save the same step
@@ -16,7 +17,10 @@ distance to the next check.
 
 from __future__ import annotations
 
+import math
+import os
 import time
+from pathlib import Path
 from typing import Protocol
 
 from nnx_spmd_trainer.distributed import agree
@@ -78,3 +82,42 @@ class SaveTimer:
             return False
         mine = time.monotonic() - self._since >= self.every_s
         return bool(agree.broadcast_from_first(self.topic, mine))
+
+
+def local_tier(
+    directory: Path, local: str | os.PathLike[str] | None, every_n_steps: int | None
+) -> tuple[Path | None, int | None]:
+    """``(local_directory, local_every_n_steps)`` checked: both or neither, and apart."""
+    if (local is None) != (every_n_steps is None):
+        raise ValueError(
+            "local_directory and local_every_n_steps go together: give both for a fast "
+            "local tier saved every n steps, or neither."
+        )
+    if local is None or every_n_steps is None:
+        return None, None
+    if every_n_steps < 1:
+        raise ValueError(f"local_every_n_steps must be >= 1, got {every_n_steps}.")
+    path = Path(local).absolute()
+    if path == directory or directory in path.parents or path in directory.parents:
+        raise ValueError(
+            f"local_directory {path} and directory {directory} must not hold one another: "
+            "each tier lists its own steps. Give two separate directories."
+        )
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"local_directory {path} is a file; give a directory.")
+    return path, every_n_steps
+
+
+def save_timer(
+    directory: Path, every_s: float | None, check_every_n_steps: int | None
+) -> SaveTimer | None:
+    """``OrbaxCheckpoint``'s timer from its settings, checked; None when it saves by steps."""
+    if check_every_n_steps is not None and check_every_n_steps < 1:
+        raise ValueError(f"time_check_every_n_steps must be >= 1, got {check_every_n_steps}.")
+    if every_s is None:
+        if check_every_n_steps is not None:
+            raise ValueError("time_check_every_n_steps needs save_every_n_seconds.")
+        return None
+    if not every_s > 0 or not math.isfinite(every_s):
+        raise ValueError(f"save_every_n_seconds must be a positive number, got {every_s}.")
+    return SaveTimer(every_s, check_every_n_steps=check_every_n_steps, topic=str(directory))

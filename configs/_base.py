@@ -54,6 +54,9 @@ def training_config() -> ml_collections.ConfigDict:
     config.max_eval_batches = 8  # cap on held-out batches per evaluation (0: all)
     # Orbax checkpoints under <workdir>/checkpoints; 0: only at the end of the run
     config.checkpoint_every_n_steps = 50
+    # Also save when this many seconds passed since the last save, checked at log points
+    # (process 0's clock decides for all processes); 0: by steps only
+    config.save_every_n_seconds = 0.0
     # Continue from the latest checkpoint in the workdir, if any; False moves them aside
     config.resume = True
     # The first state from a weights file (safetensors, or a directory of them) through the

@@ -30,6 +30,7 @@ from nnx_spmd_trainer.app.job_checks import (
     check_first_batch,
     refused_or_noted,
 )
+from nnx_spmd_trainer.app.run_config import averaging_and_spikes
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
     set_old_checkpoints_aside,
@@ -174,6 +175,7 @@ def _build_trainer(
             grad_accum_steps=config.grad_accum_steps,
             max_steps_in_flight=config.max_steps_in_flight,
             peak_flops=peak_flops_of(config),
+            **averaging_and_spikes(config),
             config=config,
             init_from=init_from,
             compile_cache=config.get("compile_cache", compile_cache.AUTO),

@@ -37,6 +37,7 @@ def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Cal
         callbacks.OrbaxCheckpoint(
             workdir / "checkpoints",
             save_every_n_steps=config.checkpoint_every_n_steps or None,
+            save_every_n_seconds=config.get("save_every_n_seconds") or None,
             restore="latest" if config.resume else None,
             print_fn=say,
         ),

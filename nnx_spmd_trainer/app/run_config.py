@@ -134,6 +134,7 @@ FLOAT_RANGES: dict[str, tuple[float, bool, str]] = {
     "end_lr_fraction": (0.0, True, "the final learning rate as a fraction of the peak"),
     "weight_decay": (0.0, True, "AdamW's decoupled weight decay"),
     "grad_clip_norm": (0.0, False, "the global gradient norm clipped to"),
+    "save_every_n_seconds": (0.0, True, "0: checkpoints by steps only"),
     "peak_flops": (0.0, True, "one device's peak FLOP/s for perf/mfu; 0: the device table's"),
 }
 #: Keys that may be ``None`` as well (the same as 0: off).
