@@ -190,3 +190,30 @@ def test_the_whole_local_tier_lost_resumes_from_the_persistent_one(tmp_path, cra
     checkpoint = two_tiers(tmp_path)
     trainer = trainer_for()
     assert checkpoint.restore_into(trainer) == 4 and trainer.step == 4
+
+
+# -- the command line ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_cli_saves_by_seconds_at_its_log_points(tmp_path):
+    """``--config.save_every_n_seconds`` reaches the job's OrbaxCheckpoint: with a second's
+    thousandth every log point is due, so steps 4-6 are kept (keep=3) where steps alone
+    (``checkpoint_every_n_steps=0``) would have saved the final one only."""
+    from test_cli import _cli
+
+    workdir = tmp_path / "run"
+    proc = _cli(
+        "--config=mlp", "--config.max_steps=6", "--config.log_every_n_steps=1",
+        "--config.checkpoint_every_n_steps=0", "--config.save_every_n_seconds=0.001",
+        f"--workdir={workdir}", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert OrbaxCheckpoint(workdir / "checkpoints").steps() == [4, 5, 6]
+
+
+def test_a_negative_number_of_seconds_is_a_config_error_naming_the_key():
+    import ml_collections
+
+    from nnx_spmd_trainer.app.run_config import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=r"config.save_every_n_seconds=-1.0: must be a finite"):
+        check_config(ml_collections.ConfigDict({"save_every_n_seconds": -1.0}))
