@@ -49,6 +49,14 @@ def training_config() -> ml_collections.ConfigDict:
     config.end_lr_fraction = 0.1
     config.weight_decay = 0.01
     config.grad_clip_norm = 1.0
+    # Spike skipping (SpikeSkip): a step whose loss or gradient norm is more than
+    # skip_spikes_z standard deviations above the last skip_spikes_window accepted steps'
+    # is skipped on the devices (train/skipped_spikes counts them); 0: off
+    config.skip_spikes_z = 0.0
+    config.skip_spikes_window = 100
+    # An average of the weights (EMA, with warmup) kept on the devices and in every
+    # checkpoint; 0: off. Trainer.ema_weights() puts it in the model
+    config.ema_decay = 0.0
     config.log_every_n_steps = 50
     config.eval_every_n_steps = 100
     config.max_eval_batches = 8  # cap on held-out batches per evaluation (0: all)

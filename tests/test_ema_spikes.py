@@ -278,3 +278,19 @@ def test_a_run_killed_after_a_checkpoint_resumes_its_average_and_statistics_bitw
     for key in a.files:
         if key != "first":
             np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+def test_the_cli_keys_make_the_settings_and_a_bad_one_names_its_key():
+    from nnx_spmd_trainer.app.run_config import ConfigError, averaging_and_spikes
+    from nnx_spmd_trainer.configs._base import training_config
+
+    config = training_config()
+    assert averaging_and_spikes(config) == {"ema": None, "skip_spikes": None}  # off by default
+    config.ema_decay, config.skip_spikes_z, config.skip_spikes_window = 0.99, 4.0, 50
+    assert averaging_and_spikes(config) == {
+        "ema": EMA(decay=0.99),
+        "skip_spikes": SpikeSkip(z=4.0, window=50, min_steps=20),
+    }
+    config.ema_decay = 1.0
+    with pytest.raises(ConfigError, match=r"^config\.ema_decay=1\.0: .*decay must be in"):
+        averaging_and_spikes(config)

@@ -13,6 +13,8 @@ import optax
 
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.nn.attention import FORMS
+from nnx_spmd_trainer.planner.ema import EMA
+from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,
@@ -127,6 +129,7 @@ INT_RANGES: dict[str, tuple[int, str]] = {
     "max_eval_batches": (0, "0: every held-out batch"),
     "warmup_steps": (0, "steps of linear warmup"),
     "memory_budget_bytes": (0, "per device, for strategy=auto; 0: the device's own"),
+    "skip_spikes_window": (2, "accepted steps the spike statistics cover"),
 }
 #: Float keys: the least value, whether it may equal it, what it means.
 FLOAT_RANGES: dict[str, tuple[float, bool, str]] = {
@@ -134,6 +137,8 @@ FLOAT_RANGES: dict[str, tuple[float, bool, str]] = {
     "end_lr_fraction": (0.0, True, "the final learning rate as a fraction of the peak"),
     "weight_decay": (0.0, True, "AdamW's decoupled weight decay"),
     "grad_clip_norm": (0.0, False, "the global gradient norm clipped to"),
+    "skip_spikes_z": (0.0, True, "standard deviations above the recent mean that skip a step"),
+    "ema_decay": (0.0, True, "the EMA of the weights' decay, below 1; 0: no EMA"),
     "save_every_n_seconds": (0.0, True, "0: checkpoints by steps only"),
     "peak_flops": (0.0, True, "one device's peak FLOP/s for perf/mfu; 0: the device table's"),
 }
@@ -184,6 +189,28 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             )
     if "compute_dtype" in config:
         compute_dtype(config)
+
+
+def averaging_and_spikes(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The ``Trainer``'s ``ema`` and ``skip_spikes`` from ``config.ema_decay`` and
+    ``config.skip_spikes_z`` / ``skip_spikes_window`` (0: off), or a ``ConfigError``.
+
+    >>> averaging_and_spikes(ml_collections.ConfigDict({"ema_decay": 0.99}))
+    {'ema': EMA(decay=0.99, warmup=True), 'skip_spikes': None}
+    """
+    decay, z = config.get("ema_decay", 0.0), config.get("skip_spikes_z", 0.0)
+    window = config.get("skip_spikes_window", 100)
+    try:
+        ema = EMA(decay=decay) if decay else None
+    except ValueError as error:
+        raise ConfigError(f"config.ema_decay={decay!r}: {error} Pass e.g. 0.999.") from None
+    try:
+        spikes = SpikeSkip(z=z, window=window, min_steps=min(20, window)) if z else None
+    except ValueError as error:
+        raise ConfigError(
+            f"config.skip_spikes_z={z!r}, config.skip_spikes_window={window!r}: {error}"
+        ) from None
+    return {"ema": ema, "skip_spikes": spikes}
 
 
 def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
