@@ -61,7 +61,9 @@ class OrbaxCheckpoint(CheckpointResume):
     Saving blocks training only while the arrays are copied off the devices;
     the write goes on in the background and is waited for at the end of
     ``fit`` and on an exception. A step whose loss is not finite, or any step
-    after ``trainer.progress.nonfinite_step``, is never saved.
+    after ``trainer.progress.nonfinite_step``, is never saved, unless the trainer
+    skips non-finite updates (``skip_nonfinite_updates=True``): then such a step
+    changed nothing, and the state of the finite steps is saved.
 
     At the start of ``fit`` it restores ``restore``: ``"latest"`` (default),
     ``"best"`` (by ``monitor``), a step number, a step directory (of any
@@ -252,7 +254,13 @@ class OrbaxCheckpoint(CheckpointResume):
     # -- saving --------------------------------------------------------------------------
     def _savable(self, step: int, manager: ocp.CheckpointManager) -> bool:
         trainer = self.trainer
-        if trainer.progress.nonfinite_step is not None or step in manager.all_steps():
+        if step in manager.all_steps():
+            return False
+        if trainer.plan.skip_nonfinite_updates:
+            # A non-finite step changed nothing: the state is the finite steps' (and the
+            # saved state's own finiteness check still runs, _check_last_saved).
+            return True
+        if trainer.progress.nonfinite_step is not None:
             return False
         record = trainer.last_step  # the step saved: saving waits for it anyway
         return record is None or math.isfinite(record.loss_value())
@@ -298,8 +306,9 @@ class OrbaxCheckpoint(CheckpointResume):
         }
 
         def summarize_state() -> None:
-            # Callback arrays are fingerprinted, but only the run's own state must be finite.
-            summary = summarize(fingerprinted, finite=run.arrays())
+            # Callback arrays are fingerprinted, but only the run's own state must be finite
+            # (its train metrics may average a NaN step skip_nonfinite_updates skipped).
+            summary = summarize(fingerprinted, finite=run.state)
             pending.set(summary)
             self._last_saved = (manager, step, summary["finite"])
 

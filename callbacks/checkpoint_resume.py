@@ -147,6 +147,11 @@ class CheckpointResume(Callback):
                 state = self.trainer.run_state(abstract=True).state
                 check_same_model(Path(manager.directory) / str(step), step, state)
 
+    def resumes(self) -> bool:
+        """Whether the next ``fit`` would restore a step (read-only: nothing is created)."""
+        with self._step_to_resume() as (_, step):
+            return step is not None
+
     @contextlib.contextmanager
     def _step_to_resume(self) -> Iterator[tuple[ocp.CheckpointManager | None, int | None]]:
         """(a read-only manager, the step the next ``fit`` would restore first), closed

@@ -57,6 +57,8 @@ def training_config() -> ml_collections.ConfigDict:
     # An average of the weights (EMA, with warmup) kept on the devices and in every
     # checkpoint; 0: off. Trainer.ema_weights() puts it in the model
     config.ema_decay = 0.0
+    # A step whose loss or new parameters are not finite changes nothing (weights, optimizer)
+    config.skip_nonfinite_updates = False
     config.log_every_n_steps = 50
     config.eval_every_n_steps = 100
     config.max_eval_batches = 8  # cap on held-out batches per evaluation (0: all)
@@ -67,6 +69,12 @@ def training_config() -> ml_collections.ConfigDict:
     config.save_every_n_seconds = 0.0
     # Continue from the latest checkpoint in the workdir, if any; False moves them aside
     config.resume = True
+    # What writes the metrics: any of tensorboard, csv, mlflow, wandb, comma-separated.
+    # mlflow: to mlflow_uri ("": sqlite:///<workdir>/mlflow.db); wandb: to
+    # wandb_project (WANDB_MODE=offline keeps it on disk). Both continue their run on resume.
+    config.loggers = "tensorboard,csv"
+    config.mlflow_uri = ""
+    config.wandb_project = ""
     # The first state from a weights file (safetensors, or a directory of them) through the
     # task's weight map (the gpt2_hf task reads HF's GPT-2 files); "": random. A resume from
     # the run's own checkpoints wins and never reads it.

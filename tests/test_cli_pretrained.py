@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -65,3 +67,55 @@ def test_export_format_without_export_is_refused_in_one_line(tmp_path):
     proc = _cli(*TINY, "--export_format=safetensors", f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
     assert_refused(proc, "--export_format=safetensors without --export=DIR")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_or_foreign_init_from_is_refused_in_one_line_with_nothing_written(tmp_path):
+    # Before: a Python traceback from TensorBoard.on_train_begin (where the state is first
+    # built), exit 1, after config.json, tb/, checkpoints/ and the run lock were written.
+    config = shrink(load("gpt2_hf"))
+    sizes = config.gpt2_hf
+    gpt2 = GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
+                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
+    good = hf_weights(gpt2, seed=3)
+    truncated = tmp_path / "truncated.safetensors"
+    safetensors.numpy.save_file(good, str(truncated))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    foreign = tmp_path / "foreign.safetensors"  # another model's names
+    safetensors.numpy.save_file({"encoder.weight": good["wte.weight"]}, str(foreign))
+    flags = [f"--config.gpt2_hf.{k}={v}" for k, v in sizes.items()]
+    for path, problem in ((truncated, "damaged or unreadable"), (foreign, "missing from")):
+        run = tmp_path / f"run_{path.stem}"
+        proc = _cli("--config=gpt2_hf", "--config.max_steps=1", *flags,
+                    f"--config.init_from={path}", f"--workdir={run}", cwd=tmp_path)  # fmt: skip
+        assert_refused(proc, f"config.init_from='{path}'")
+        assert problem in proc.stderr.splitlines()[-1]
+        assert not run.exists()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 KiB tmpfs: every file bigger than that fails with ENOSPC (needs root: skipped
+    where mounting is not allowed)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)],
+                          capture_output=True, check=False)  # fmt: skip
+    if made.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, full_disk):
+    # Before: a raw "OSError: [Errno 28] No space left on device" traceback from weights/save.py.
+    sizes = shrink(load("gpt2_hf")).gpt2_hf
+    flags = [f"--config.gpt2_hf.{k}={v}" for k, v in sizes.items()]
+    export_dir = full_disk / "export"
+    proc = _cli("--config=gpt2_hf", "--config.max_steps=1", *flags, f"--workdir={tmp_path / 'run'}",
+                f"--export={export_dir}", "--export_format=safetensors", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"nnx-spmd-train: error: --export={export_dir}: ") and "space" in line
+    assert list(export_dir.glob("*")) == []  # nothing half-written
+    assert (tmp_path / "run" / "checkpoints").exists()  # the trained run is kept

@@ -20,7 +20,7 @@ from toy_models import (
 )
 
 from nnx_spmd_trainer import FSDP, Hybrid, TensorParallel, Trainer
-from nnx_spmd_trainer.callbacks import TerminateOnNaN
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint, TerminateOnNaN
 
 NAN_AT = 2  # the batch of step 3
 
@@ -80,3 +80,30 @@ def test_a_skipped_step_under_fsdp_x_tp_with_accumulation_trains_on_like_optax_w
     params, losses = train_reference(Net, optax.sgd(0.1), finite_only(made), scaled_loss)
     assert_params_match(trainer, params, rtol=1e-5)
     np.testing.assert_allclose(finite_only(record.losses), losses, rtol=1e-5)
+
+
+def test_a_checkpoint_after_a_skipped_nan_step_saves_the_finite_weights(tmp_path):
+    # Before: OrbaxCheckpoint refused every save after a non-finite loss, even when the
+    # skipped step had left the weights finite.
+    guard = TerminateOnNaN()
+    checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_steps=100, async_save=False)
+    trainer = Trainer(
+        Net,
+        optax.sgd(0.1),
+        loss_fn=scaled_loss,
+        callbacks=[guard, checkpoint],
+        skip_nonfinite_updates=True,
+    )
+    made = batches(8)
+    with pytest.warns(RuntimeWarning, match=r"at step 3.*skip_nonfinite_updates"):
+        trainer.fit(made, max_steps=8)
+    assert checkpoint.steps() == [trainer.step]  # the final save, after the stop
+    restored = Trainer(
+        Net,
+        optax.sgd(0.1),
+        loss_fn=scaled_loss,
+        callbacks=[OrbaxCheckpoint(tmp_path, async_save=False)],
+    )
+    restored.fit(made[:0], max_steps=trainer.step)  # restores, trains nothing
+    params, _ = train_reference(Net, optax.sgd(0.1), finite_only(made[: trainer.step]), scaled_loss)
+    assert_params_match(restored, params, rtol=1e-5)

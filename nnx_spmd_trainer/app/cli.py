@@ -125,7 +125,16 @@ def _main(argv: Sequence[str]) -> int:
         return 0
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
         assert result.trainer is not None
-        path = export(result, flags.FLAGS.export, flags.FLAGS.export_format)
+        try:
+            path = export(result, flags.FLAGS.export, flags.FLAGS.export_format)
+        except OSError as error:  # a full disk, a read-only directory: no partial file left
+            fail(
+                f"--export={flags.FLAGS.export}: the parameters could not be written: "
+                f"{error}. The run's checkpoints in {workdir} hold them: free space or choose "
+                "another --export directory and run the same command again (it resumes from "
+                "them and trains nothing more).",
+                status=1,
+            )
         if jax.process_index() == 0 and flags.FLAGS.export_format == "safetensors":
             say(
                 f"parameters exported to {path} under the task's weight map's names; "

@@ -28,6 +28,7 @@ from nnx_spmd_trainer.app.job_checks import (
     blamed_on,
     check_checkpoints_are_of_this_model,
     check_first_batch,
+    check_init_from,
     refused_or_noted,
 )
 from nnx_spmd_trainer.app.run_config import averaging_and_spikes
@@ -112,6 +113,7 @@ def run(
     batch = check_first_batch(config, layout.spec, trainer, splits)
     if config.resume:
         check_checkpoints_are_of_this_model(run_callbacks, notes)
+    check_init_from(config, init_from, trainer, run_callbacks, notes)
     if notes is not None:
         return _dry_run(trainer, batch, splits, notes)
     started = _started_line(config, workdir, trainer, strategy, layout.why, splits)
@@ -175,6 +177,7 @@ def _build_trainer(
             grad_accum_steps=config.grad_accum_steps,
             max_steps_in_flight=config.max_steps_in_flight,
             peak_flops=peak_flops_of(config),
+            skip_nonfinite_updates=config.skip_nonfinite_updates,
             **averaging_and_spikes(config),
             config=config,
             init_from=init_from,

@@ -13,7 +13,7 @@ import ml_collections
 from jax.experimental import multihost_utils
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Trainer, callbacks, data  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Trainer, callbacks, data, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
 
 
@@ -95,3 +95,32 @@ def check_checkpoints_are_of_this_model(run_callbacks: list[Any], notes: list[st
         # Every process has looked before any creates the directory: they all saw the
         # same files, so all opened the same Orbax managers (whose barriers count).
         multihost_utils.sync_global_devices("checkpoints checked against the model")
+
+
+def check_init_from(
+    config: ml_collections.ConfigDict,
+    init_from: Any,  # weights.Pretrained
+    trainer: Trainer,
+    run_callbacks: list[Any],
+    notes: list[str] | None,
+) -> None:
+    """``config.init_from`` must fit the model (names, shapes, an undamaged file), unless
+    the run resumes from its own checkpoints, which win and never read it."""
+    if init_from is None:
+        return
+    resumes = config.resume and any(
+        isinstance(callback, callbacks.OrbaxCheckpoint) and callback.resumes()
+        for callback in run_callbacks
+    )
+    if resumes:
+        return
+    with refused_or_noted(notes, tasks.ConfigError):
+        try:
+            init_from.check(trainer.plan)
+        except weights.WeightsMismatch as error:  # one line, as the CLI's refusals are
+            problems = " ".join(line.strip() for line in str(error).splitlines())
+            raise tasks.ConfigError(
+                f"config.init_from={config.init_from!r}: {problems} Pass weights of "
+                f"config.model={config.model!r}, or --config.init_from='' to start from "
+                "random weights."
+            ) from error

@@ -68,13 +68,18 @@ def load_weights(
     source = _as_source(source)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(targets)
     by_path = {path_str(p): leaf for p, leaf in leaves}
-    problems = check(weight_map, by_path, source)
-    if problems:
-        raise WeightsMismatch(problems, where=repr(source))
+    _raise_problems(weight_map, by_path, source)
     resolved = weight_map.resolve(source.tensors())
     tensors = _Renamed(source, resolved)
     arrays = [_build(weight_map.targets[path], leaf, tensors) for path, leaf in by_path.items()]
     return jax.tree.unflatten(treedef, arrays)
+
+
+def _raise_problems(weight_map: WeightMap, by_path: dict[str, Any], source: WeightSource) -> None:
+    """``WeightsMismatch`` naming every problem of ``source`` for the targets ``by_path``."""
+    problems = check(weight_map, by_path, source)
+    if problems:
+        raise WeightsMismatch(problems, where=repr(source))
 
 
 class _Renamed:
@@ -131,6 +136,15 @@ class Pretrained:
     source: WeightSource | str | os.PathLike[str]
     weight_map: WeightMap
     fresh: nnx.filterlib.Filter = nnx.Nothing
+
+    def check(self, plan: Plan) -> None:
+        """Raises the ``WeightsMismatch`` that ``state`` would (a damaged or truncated file,
+        another model's names or shapes), from the source's headers: no array is built."""
+        targets = param_targets(plan, self.fresh)
+        by_path = {
+            path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(targets)[0]
+        }
+        _raise_problems(self.weight_map, by_path, _as_source(self.source))
 
     def state(self, plan: Plan) -> nnx.State:
         """The plan's whole initial state, with the parameters from the source."""

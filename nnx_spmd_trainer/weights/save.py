@@ -183,10 +183,22 @@ def save_safetensors(
     reader = _DeviceArrays(arrays)
     writer = jax.process_index() == 0
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") if writer else open(os.devnull, "wb") as f:
-        f.write(_header(order, metadata if metadata is not None else {"format": "pt"}))
-        for data in _rebuilt(order, tiles, reader):
-            f.write(np.ascontiguousarray(data).data)  # little-endian hosts: the file's order
+    failed: OSError | None = None  # a full disk: no partial file is left behind
+    try:
+        with open(tmp, "wb") if writer else open(os.devnull, "wb") as f:
+            f.write(_header(order, metadata if metadata is not None else {"format": "pt"}))
+            for data in _rebuilt(order, tiles, reader):  # several processes: a collective
+                if failed is None:  # each; after a failed write, only read on in step
+                    try:
+                        f.write(np.ascontiguousarray(data).data)  # little-endian: the file's
+                    except OSError as error:
+                        failed = error
+    except OSError as error:  # the header's write, or the close's flush
+        failed = failed or error
+    if failed is not None:
+        if writer:
+            tmp.unlink(missing_ok=True)
+        raise failed
     if writer:
         os.replace(tmp, path)
     return path
