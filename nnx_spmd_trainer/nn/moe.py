@@ -47,6 +47,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.nn.moe_dropless import dropless_experts
 
 __all__ = ["EXPERTS", "METRIC_NAMES", "MoE", "expert_axes", "moe_losses", "moe_metrics"]
 
@@ -110,7 +111,10 @@ class MoE(nnx.Module):
         ``(experts, mlp, None)`` (tensor parallelism splits each expert's ``mlp``).
       top_k: experts per token; their router weights are renormalised to sum to 1.
       capacity_factor: each expert takes at most
-        ``ceil(capacity_factor * seq * top_k / E)`` tokens per sequence.
+        ``ceil(capacity_factor * seq * top_k / E)`` tokens per sequence. ``None``:
+        dropless, every token reaches its ``top_k`` experts (tokens sorted by expert,
+        ``jax.lax.ragged_dot``; ``nn.moe_dropless`` says which collective each backend
+        uses under an expert axis).
       load_balance_weight: the coefficient of the Switch/GShard load-balance
         loss ``E * sum_e(fraction routed to e * mean router probability of e)``.
       z_loss_weight: the coefficient of the router z-loss ``mean(logsumexp(logits)**2)``.
@@ -131,7 +135,7 @@ class MoE(nnx.Module):
         num_experts: int,
         *,
         top_k: int = 2,
-        capacity_factor: float = 1.25,
+        capacity_factor: float | None = 1.25,
         load_balance_weight: float = 1e-2,
         z_loss_weight: float = 0.0,
         rngs: nnx.Rngs,
@@ -140,8 +144,11 @@ class MoE(nnx.Module):
     ) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts={num_experts}.")
-        if capacity_factor <= 0:
-            raise ValueError(f"MoE: capacity_factor={capacity_factor} must be positive.")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(
+                f"MoE: capacity_factor={capacity_factor} must be positive, or None for "
+                "dropless routing."
+            )
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.dtype = dtype
@@ -161,18 +168,27 @@ class MoE(nnx.Module):
         )
 
     def capacity(self, seq_len: int) -> int:
-        """Tokens each expert takes per sequence."""
+        """Tokens each expert takes per sequence (dropless blocks have no capacity)."""
+        if self.capacity_factor is None:
+            raise ValueError("MoE: a dropless block (capacity_factor=None) has no capacity.")
         return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        num_experts, capacity = self.num_experts, self.capacity(x.shape[1])
         logits = jnp.einsum(
             "bsd,de->bse", x.astype(jnp.float32), self.router[...].astype(jnp.float32)
         )
         probs = jax.nn.softmax(logits, axis=-1)
         weights, chosen_ids = jax.lax.top_k(probs, self.top_k)  # (b, s, k)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        chosen = jax.nn.one_hot(chosen_ids, num_experts, dtype=jnp.int32)  # (b, s, k, e)
+        chosen = jax.nn.one_hot(chosen_ids, self.num_experts, dtype=jnp.int32)  # (b, s, k, e)
+        if self.capacity_factor is None:
+            y = dropless_experts(
+                x.astype(self.dtype), weights, chosen_ids, self.wi[...], self.wo[...],
+                expert_axes=expert_axes(),
+            )  # fmt: skip
+            self._sow_stats(logits, probs, chosen, chosen)  # nothing dropped
+            return y.astype(x.dtype)
+        capacity = self.capacity(x.shape[1])
         # Slots counted along the sequence, every first choice before any second one.
         b, s, k, e = chosen.shape
         by_priority = chosen.transpose(0, 2, 1, 3).reshape(b, k * s, e)
