@@ -391,9 +391,9 @@ class OrbaxCheckpoint(CheckpointResume):
         if refused:
             raise ValueError(refused)
         if jax.process_index() == 0:  # one holder per job: the others write only shards
-            self._lock.acquire()  # DirectoryInUse naming the other run's process
-            if self._local_lock is not None:
-                self._local_lock.acquire()
+            for lock in (self._lock, self._local_lock):
+                if lock is not None:
+                    _take(lock)
         if self._restored_into is self.trainer and not self._fitted:
             # restore_into(trainer) already restored: fit goes on from there.
             assert self.restored_step is not None
@@ -493,3 +493,17 @@ class OrbaxCheckpoint(CheckpointResume):
         self._lock.release()
         if self._local_lock is not None:
             self._local_lock.release()
+
+
+def _take(lock: RunLock) -> None:
+    """``lock.acquire()``: ``DirectoryInUse`` naming the other run's process, or a
+    directory this process cannot write as a ``CheckpointWriteError`` (an ``OSError``),
+    raised before the first step, with nothing trained."""
+    try:
+        lock.acquire()
+    except OSError as error:
+        raise CheckpointWriteError(
+            f"OrbaxCheckpoint cannot write {lock.directory} ({error.strerror}), so no "
+            "checkpoint could be saved; nothing was trained. Give a directory this process "
+            "can write, or fix its permissions (a read-only or full file system)."
+        ) from error

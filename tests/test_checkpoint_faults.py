@@ -13,10 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import optax
 import pytest
 from conftest import environment_for_own_devices
+from toy_models import Net, classification_loss, make_batches
 
+from nnx_spmd_trainer import Trainer
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+from nnx_spmd_trainer.callbacks.checkpoint_save import CheckpointWriteError
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +183,29 @@ def test_ctrl_c_during_an_async_save_exits_130_at_once_and_the_next_run_resumes(
     assert "resuming from checkpoint step 4" in again.stdout
     assert "final after 8 steps" in again.stdout
     assert OrbaxCheckpoint(workdir / "checkpoints").steps() == [4, 8]
+
+
+def test_a_read_only_directory_outside_the_cli_is_a_checkpoint_write_error_before_any_step(
+    tmp_path,
+):
+    # Before: a raw OSError from RunLock.acquire.
+    if os.geteuid() == 0 and shutil.which("chattr") is None:
+        pytest.skip("root ignores permissions, and no chattr is here to make a directory immutable")
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+    trainer = Trainer(Net, optax.sgd(0.1), loss_fn=classification_loss,
+                      callbacks=[OrbaxCheckpoint(directory)])  # fmt: skip
+    try:
+        with pytest.raises(CheckpointWriteError, match=rf"OrbaxCheckpoint cannot write {directory}"
+                           r" \(.*\).*nothing was trained"):  # fmt: skip
+            trainer.fit(make_batches(2), max_steps=2)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(directory)], check=False)
+        else:
+            directory.chmod(0o755)
+    assert trainer.step == 0
