@@ -8,7 +8,6 @@ uninterrupted run's history.
 from __future__ import annotations
 
 import io
-import os
 import signal
 import socket
 import struct
@@ -26,6 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_callbacks_helpers import make_batches, make_trainer
 
 from nnx_spmd_trainer import distributed
+from nnx_spmd_trainer.app.job_callbacks import make_loggers
+from nnx_spmd_trainer.app.run_config import ConfigError
 from nnx_spmd_trainer.callbacks import (
     LambdaCallback,
     LearningRateMonitor,
@@ -35,6 +36,7 @@ from nnx_spmd_trainer.callbacks import (
     TensorBoard,
     WandbLogger,
 )
+from nnx_spmd_trainer.configs import _base
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")  # MLflow's sqlite:/// store
@@ -70,7 +72,12 @@ def only_run(client):
 def test_mlflow_holds_the_tensorboard_scalars_the_config_and_the_plan(tmp_path):
     logger = mlflow_logger(tmp_path, run_name="a")
     trainer = make_trainer(
-        [MetricsLogger(2), LearningRateMonitor(schedule=optax.constant_schedule(0.1)), TensorBoard(tmp_path / "tb"), logger],
+        [
+            MetricsLogger(2),
+            LearningRateMonitor(schedule=optax.constant_schedule(0.1)),
+            TensorBoard(tmp_path / "tb"),
+            logger,
+        ],
         optax.sgd(0.1),
         config=ml_collections.ConfigDict(CONFIG),
     )
@@ -177,6 +184,8 @@ WORKER = """
 import sys
 sys.path.insert(0, {tests!r})
 from nnx_spmd_trainer import distributed
+from nnx_spmd_trainer.app.job_callbacks import make_loggers
+from nnx_spmd_trainer.app.run_config import ConfigError
 assert distributed.initialize()
 import jax, optax
 from pathlib import Path
@@ -301,3 +310,43 @@ def test_wandb_offline_holds_the_metrics_and_a_resumed_run_keeps_its_id(tmp_path
     assert [s for s, _ in rows["train/loss"]] == [6, 8]
     np.testing.assert_allclose([v for _, v in rows["train/loss"]],
                                resumed.history.history["train/loss"][-2:], rtol=0)  # fmt: skip
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+def test_the_cli_builds_the_loggers_config_loggers_names(tmp_path):
+    config = _base.training_config()
+    default = make_loggers(config, tmp_path)
+    assert [type(c).__name__ for c in default] == ["TensorBoard", "CSVLogger"]
+    config.loggers = "csv, mlflow"
+    _, mlflow_one = make_loggers(config, tmp_path)
+    assert mlflow_one.tracking_uri == f"sqlite:///{tmp_path.absolute() / 'mlflow.db'}"
+    config.mlflow_uri = "http://127.0.0.1:5000"
+    assert make_loggers(config, tmp_path)[1].tracking_uri == "http://127.0.0.1:5000"
+    config.loggers = "tensorboard,mlfow"
+    with pytest.raises(ConfigError, match=r"config.loggers=.*'mlfow' is not a logger; use"):
+        make_loggers(config, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_cli_logs_to_mlflow_what_it_writes_to_metrics_csv(tmp_path):
+    import csv
+
+    from conftest import environment_for_own_devices
+
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnx_spmd_trainer", f"--workdir={workdir}", "--config=mlp",
+         "--config.max_steps=4", "--config.log_every_n_steps=1", "--config.loggers=csv,mlflow"],
+        env=environment_for_own_devices(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not (workdir / "tb").exists()  # not asked for
+    with (workdir / "metrics.csv").open() as f:
+        rows = [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f)
+                if r.get("train/loss")]  # fmt: skip
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_name == "run" and run.data.params["max_steps"] == "4"
+    logged = history(client, run.info.run_id, "train/loss")
+    assert [s for s, _ in logged] == [s for s, _ in rows] == [1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v in logged], [v for _, v in rows], rtol=1e-6)

@@ -10,6 +10,7 @@ import ml_collections
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Callback, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app.console import say
+from nnx_spmd_trainer.app.run_config import ConfigError
 
 
 class BaselineReport(Callback):
@@ -27,9 +28,42 @@ class BaselineReport(Callback):
             )
 
 
+#: ``config.loggers``' names: each a writer of the run's logs, built from the config.
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")
+
+
+def make_loggers(config: ml_collections.ConfigDict, workdir: Path) -> list[Callback]:
+    """The writers ``config.loggers`` names (``"tensorboard,csv,mlflow"``); a ``ConfigError``
+    names an unknown one, or one whose package is missing, before anything is written."""
+    names = [name.strip() for name in str(config.get("loggers", "tensorboard,csv")).split(",")]
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown:
+        raise ConfigError(
+            f"config.loggers={config.loggers!r}: {', '.join(map(repr, unknown))} is not a "
+            f"logger; use a comma-separated list of {', '.join(LOGGERS)}."
+        )
+    build = {
+        "tensorboard": lambda: callbacks.TensorBoard(workdir / "tb"),
+        "csv": lambda: callbacks.CSVLogger(workdir / "metrics.csv", append=config.resume),
+        "mlflow": lambda: callbacks.MLflowLogger(
+            config.get("mlflow_uri") or f"sqlite:///{workdir.absolute() / 'mlflow.db'}",
+            run_name=workdir.name,
+            artifact_location=str(workdir.absolute() / "mlflow-artifacts"),
+        ),
+        "wandb": lambda: callbacks.WandbLogger(
+            config.get("wandb_project") or None, name=workdir.name, dir=workdir
+        ),
+    }
+    try:
+        return [build[name]() for name in dict.fromkeys(names)]
+    except ImportError as error:
+        raise ConfigError(f"config.loggers={config.loggers!r}: {error}") from error
+
+
 def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Callback]:
-    """Metrics every ``log_every_n_steps``, lr, NaN guard, checkpoints, TensorBoard, progress,
-    CSV."""
+    """Metrics every ``log_every_n_steps``, lr, NaN guard, checkpoints, progress, and the
+    writers of ``config.loggers`` (TensorBoard and CSV by default)."""
+    loggers = make_loggers(config, workdir)
     return [
         callbacks.MetricsLogger(config.log_every_n_steps),
         callbacks.LearningRateMonitor(),
@@ -41,7 +75,6 @@ def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Cal
             restore="latest" if config.resume else None,
             print_fn=say,
         ),
-        callbacks.TensorBoard(workdir / "tb"),
         callbacks.ProgressBar(plain=True),  # a line per log point in CI logs too
-        callbacks.CSVLogger(workdir / "metrics.csv", append=config.resume),
+        *loggers,
     ]
