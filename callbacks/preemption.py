@@ -6,6 +6,7 @@ import itertools
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -22,7 +23,7 @@ _notice = threading.Event()
 _checks = itertools.count(1)
 
 
-def listen_early() -> None:
+def listen_early(noticed: Callable[[], bool] = lambda: False) -> None:
     """Remembers a SIGTERM from now on instead of dying of it (main thread only).
 
     For entry points, called first: a notice that comes while the program imports,
@@ -30,9 +31,13 @@ def listen_early() -> None:
     (``PreemptionNotice``), not lost. In a multi-process job
     ``jax.distributed.initialize`` replaces this handler with XLA's; a notice
     remembered before that is handed over to XLA by ``PreemptionNotice.listen``.
+    ``noticed()``, asked once this handler is in place (no gap between the two), says
+    whether the handler before it caught a SIGTERM (``nnx_spmd_train``'s, during imports).
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _remember)
+        if noticed():
+            _notice.set()
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:

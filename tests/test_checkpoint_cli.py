@@ -190,3 +190,19 @@ def test_a_script_killed_mid_epoch_resumes_bitwise(tmp_path, source):
     for key in whole.files:
         if key not in ("losses", "first"):
             np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
+
+
+def test_a_sigterm_during_the_imports_stops_before_any_step_and_exits_0(tmp_path):
+    # Before: the command died of it (exit 143) while JAX was still being imported.
+    script = Path(sys.executable).parent / "nnx-spmd-train"  # the entry point users run
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(script), f"--workdir={workdir}", *SMALL], env=environment(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(0.3)  # importing JAX alone takes longer
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM before any step" in output, output[-3000:]
+    assert not list((workdir / "checkpoints").glob("*/commit_success.txt"))

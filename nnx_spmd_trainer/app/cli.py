@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax  # importing is fine: the backend starts (and reads XLA_FLAGS) on first use
@@ -165,23 +165,29 @@ def local_launch(argv: Sequence[str]) -> distributed.Launch | None:
         fail(str(error))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(
+    argv: Sequence[str] | None = None, *, sigterm_noticed: Callable[[], bool] = lambda: False
+) -> None:
     """The console entry point: parses flags (absl) and runs; exits non-zero on failure.
 
-    Call it once per process (absl parses flags once).
+    Call it once per process (absl parses flags once). ``sigterm_noticed()``: whether a
+    SIGTERM came before this was called (``nnx_spmd_train.main``, during the imports);
+    a training run then stops before its first step, as it would for one that came later.
     """
     argv = list(sys.argv if argv is None else argv)
     if argv[1:2] == ["corpus"]:  # nnx-spmd-train corpus IN... --out DIR: app/corpus.py
+        _default_sigterm(sigterm_noticed)  # no training here: a SIGTERM ends it as before
         sys.exit(corpus.main(argv[2:]))
     argv = normalize_argv(argv)
     if "--help" in argv or "-h" in argv:
         print(usage(argv))
         sys.exit(0)
     if (launch := local_launch(argv)) is not None:
+        _default_sigterm(sigterm_noticed)
         sys.exit(launch.run())
     # From here a SIGTERM is a preemption notice, whenever it comes (imports, restore,
     # compilation): fit acts on it at its first check (callbacks/preemption.py).
-    callbacks.preemption.listen_early()
+    callbacks.preemption.listen_early(sigterm_noticed)
     config_flags.DEFINE_config_file(
         "config",
         default=None,  # normalize_argv always names one
@@ -218,6 +224,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "run the same command to resume\n"
         )
         exit_at_once(130)  # 128 + SIGINT, as a shell reports it
+
+
+def _default_sigterm(noticed: Callable[[], bool]) -> None:
+    """SIGTERM's default action back (death, 143), and taken now if one came already."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if noticed():
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":
