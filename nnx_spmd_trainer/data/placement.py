@@ -49,7 +49,7 @@ class InFlight:
 
     def running(self) -> bool:
         """Whether a dispatched step is still computing (asked without waiting)."""
-        return bool(self._pending) and not self._pending[-1].is_ready()
+        return bool(self._pending) and not self._pending[-1].is_ready()  # type: ignore[attr-defined]
 
     def drain(self) -> None:
         while self._pending:
