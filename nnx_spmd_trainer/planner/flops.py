@@ -165,7 +165,7 @@ def batch_tokens(batch: Any) -> int | None:
     True
     """
     for leaf in jax.tree.leaves(batch):
-        shape = getattr(leaf, "shape", ())
+        shape: tuple[int, ...] = tuple(getattr(leaf, "shape", ()))
         if len(shape) == 2 and np.issubdtype(getattr(leaf, "dtype", np.float32), np.integer):
             return int(shape[0]) * int(shape[1])
     return None

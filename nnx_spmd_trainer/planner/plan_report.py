@@ -193,8 +193,10 @@ class PlanReport:
             if self.step_time_bound_s is not None
             else ""
         )
+        devices = math.prod(self.mesh.values())
         lines.append(
-            f"  per step and device: {self.flops:.3g} FLOPs, {self.bytes_accessed:.3g} bytes{bound}"
+            f"  per step and device: {self.flops:.3g} FLOPs ({self.flops * devices:.3g} on "
+            f"{devices} devices), {self.bytes_accessed:.3g} bytes{bound}"
         )
         lines.append(f"  layout of the largest leaf: {self.picture}")
         lines.extend(f"  {line}" for line in (self.pipeline, self.sequence) if line)
