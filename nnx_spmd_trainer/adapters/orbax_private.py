@@ -8,6 +8,7 @@ assumption against the installed Orbax.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,29 @@ class QuietManager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         del step
         return False
+
+
+_CLOSED_LOOP = "Event loop is closed"
+_quieted = False
+
+
+def quiet_reads_after_a_failed_restore() -> None:
+    """Orbax closes its event loop when a restore fails while TensorStore reads of the
+    same step are still in flight; each read that ends afterwards reports
+    ``RuntimeError: Event loop is closed`` as an unraisable exception from TensorStore's
+    callback (nothing is lost: the step is already known to be unreadable and set
+    aside). Installs, once, a ``sys.unraisablehook`` that drops exactly those (no object,
+    that message) and hands every other one to the hook before it."""
+    global _quieted
+    if _quieted:
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        closed = isinstance(error, RuntimeError) and str(error) == _CLOSED_LOOP
+        if not (closed and unraisable.object is None):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    _quieted = True
