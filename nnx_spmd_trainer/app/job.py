@@ -402,7 +402,8 @@ def speed_line(history: dict[str, list[float]], note: str | None = None) -> str 
     elif note:
         parts.append(note)
     points = max(len(tokens), len(flops))
-    return f"speed (median of {points} log points): " + ", ".join(parts)
+    plural = "s" if points != 1 else ""
+    return f"speed (median of {points} log point{plural}): " + ", ".join(parts)
 
 
 def plan_of(trainer: Trainer, batch: Any) -> Any:
