@@ -32,6 +32,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Trainers defer to that JAX setting (planner/compile_cache.py, rule 3), even where a shell
+# exports a cache directory for the library: tests never write the user's default cache.
+os.environ["NNX_SPMD_TRAINER_COMPILE_CACHE"] = "auto"
 
 
 def environment_for_own_devices() -> dict[str, str]:
