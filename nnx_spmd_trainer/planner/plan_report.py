@@ -194,9 +194,10 @@ class PlanReport:
             else ""
         )
         devices = math.prod(self.mesh.values())
+        over = f"{self.flops * devices:.3g} on {devices} device{'s' if devices != 1 else ''}"
         lines.append(
-            f"  per step and device: {self.flops:.3g} FLOPs ({self.flops * devices:.3g} on "
-            f"{devices} devices), {self.bytes_accessed:.3g} bytes{bound}"
+            f"  per step and device: {self.flops:.3g} FLOPs ({over}), "
+            f"{self.bytes_accessed:.3g} bytes{bound}"
         )
         lines.append(f"  layout of the largest leaf: {self.picture}")
         lines.extend(f"  {line}" for line in (self.pipeline, self.sequence) if line)
