@@ -236,7 +236,9 @@ def test_the_ragged_exchange_hands_the_collective_offsets_that_compute_one_devic
         return jnp.sum(jnp.einsum("bsk,bskd->bsd", weights, picked) ** 2)
 
     want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(x, wi, wo)
-    with jax.set_mesh(mesh), strategy.trace_context(mesh):
+    # With a "batch" rule in force the shard_map is manual over the data axis too.
+    rows_rule = nnx.logical_axis_rules([("batch", ("data", "expert"))])
+    with jax.set_mesh(mesh), rows_rule, strategy.trace_context(mesh):
         got = jax.jit(jax.value_and_grad(
             lambda x, wi, wo: loss(x, wi, wo, expert_axes=("expert",),
                                    exchange="ragged_all_to_all"), argnums=(0, 1, 2)

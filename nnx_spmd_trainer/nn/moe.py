@@ -16,6 +16,10 @@ each way, so each device runs only its own experts on every token routed to
 them. Without an expert axis the weights are laid out as any other leaf
 (replicated, or split by FSDP's fallback) and no tokens move.
 
+``MoE(..., capacity_factor=None)`` drops nothing: each device sorts its token choices
+by expert and runs the experts with ``jax.lax.ragged_dot`` (``moe_dropless``, which
+says which collective each backend uses under an expert axis).
+
 Routing groups are whole sequences: a token's slot in its expert's buffer is
 counted along its own sequence (first choices of every token before any
 second choice, as GShard orders them), and ``capacity`` is per sequence. So

@@ -37,8 +37,11 @@ class ExpertParallel(AxisStrategy):
     - Tracing (``trace_context``): the logical name ``experts`` maps to this
       axis, so ``MoE`` exchanges its dispatched tokens ``(batch, experts,
       capacity, embed)`` over it: an ``all_to_all`` sends each token to its
-      experts' devices and another brings the outputs back. A rule for
-      ``experts`` in an enclosing ``nnx.logical_axis_rules`` wins.
+      experts' devices and another brings the outputs back. A dropless block
+      (``capacity_factor=None``) sends each expert's sorted rows instead:
+      ``ragged_all_to_all`` on GPU/TPU, an ``all_to_all`` padded to the worst case on
+      CPU (``nn.moe_dropless``). A rule for ``experts`` in an enclosing
+      ``nnx.logical_axis_rules`` wins.
 
     The step is one program over global arrays and routing is decided per
     sequence (``moe``), so every layout computes the one-device result.
