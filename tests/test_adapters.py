@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -139,6 +140,25 @@ def test_cluster_detection_finds_what_jax_initialize_would(opt_in):
         f"{JAX}: read JAX's detection again and follow it."
     )
     assert ours == (1 if opt_in else 4) and named == 4
+
+
+def test_jax_keeps_cudnn_attention_and_its_float32_lse_where_the_adapter_reads_it():
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    assert jax_private.cudnn_attention() is not None, (
+        f"jax_private.cudnn_attention calls jax._src.cudnn.fused_attention_stablehlo."
+        f"dot_product_attention with {jax_private.CUDNN_ATTENTION_KEYWORDS}, {JAX}: find "
+        "cuDNN's attention with its float32 log-sum-exp, or let ring attention use einsums."
+    )
+    assert {"CAUSAL", "NO_MASK"} <= set(fused.MaskType.__members__)
+    # The kernels' names, which Plan.report looks for in a compiled step.
+    names = set(fused._custom_name_maps.values())
+    assert "__cudnn$fmhaSoftmax" in names
+    assert all(n.startswith(jax_private.CUDNN_ATTENTION_TARGET) for n in names), names
+    # Why the public API will not do: its log-sum-exp comes back in the inputs' dtype.
+    q = jnp.ones((1, 4, 1, 8), jnp.bfloat16)
+    _, lse = jax.nn.dot_product_attention(q, q, q, implementation="xla", return_residual=True)
+    assert lse.dtype == jnp.bfloat16
 
 
 # -- orbax_private -------------------------------------------------------------------------

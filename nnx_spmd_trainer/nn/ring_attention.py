@@ -29,6 +29,19 @@ local queries, keys, values, output and log-sum-exp and runs a second ring,
 in which the key/value chunks travel with their gradient accumulators and
 are home after ``N`` hops.
 
+Blocks on cuDNN (``block_implementation``): on a GPU with bf16/fp16 inputs and a
+head dim cuDNN's flash kernel takes, each block of the forward ring is one call
+of cuDNN's fused attention returning its output and float32 log-sum-exp
+(``adapters.jax_private.cudnn_attention``: the public
+``jax.nn.dot_product_attention(..., implementation="cudnn", return_residual=True)``
+casts that log-sum-exp to bf16, too coarse to merge by), and the blocks are
+merged by their log-sum-exps. Packed rows go to cuDNN too: the segment mask as
+``mask=`` (cuDNN adds it as a bias), the causal mask of a diagonal block as its
+own mask type. The backward ring keeps the einsum blocks (fp32 scores, given the
+merged log-sum-exp). Elsewhere (the CPU, fp32) every block is the einsum form,
+the exact reference; ``blocks="xla"`` runs the merge of the cuDNN path with
+``jax.nn.dot_product_attention``'s XLA blocks, so it is tested where cuDNN is absent.
+
 Packed rows (``segment_ids``): each key/value chunk travels with its segment
 ids, every block masks a query from the keys of other segments, and a block
 whose query and key half-chunks hold no segment in common in any row (their
@@ -42,7 +55,7 @@ right keeps non-decreasing ids and padding blocks meet only padding.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +63,16 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["SKIP", "ring_attention", "ring_blocks", "ring_schedule"]
+from nnx_spmd_trainer.adapters import jax_private
+
+__all__ = [
+    "BLOCKS",
+    "SKIP",
+    "block_implementation",
+    "ring_attention",
+    "ring_blocks",
+    "ring_schedule",
+]
 
 _SKIP, _DIAGONAL, _FULL = 0, 1, 2
 #: ``ring_schedule``'s mark of a block never computed.
@@ -60,10 +82,44 @@ SKIP = _SKIP
 _MASKED = -1e30
 
 
+#: How ring attention computes a block: fp32 einsums (the reference, everywhere), cuDNN's
+#: fused kernel (a GPU), or ``jax.nn.dot_product_attention``'s XLA form merged as cuDNN's is.
+BLOCKS = ("einsum", "cudnn", "xla")
+#: The largest head dim ``block_implementation`` gives cuDNN (its flash kernel's limit
+#: before Hopper; Hopper takes 256).
+CUDNN_MAX_HEAD_DIM = 128
+
+
 class _Ring(NamedTuple):
     axis: str
     size: int
     balanced: bool
+    blocks: str = "einsum"
+    segmented: bool = False  # segment ids given: the fused blocks take the segment mask
+
+
+def block_implementation(
+    dtype: Any, head_dim: int, block_length: int, *, backend: str | None = None
+) -> Literal["cudnn", "einsum"]:
+    """How ring attention computes its blocks by default: ``"cudnn"`` (cuDNN's fused
+    kernel) on a GPU for bf16/fp16 inputs whose head dim is a multiple of 8 up to
+    ``CUDNN_MAX_HEAD_DIM`` and whose half-chunks (``block_length`` tokens) are even, when
+    JAX still offers the kernel with its float32 log-sum-exp; ``"einsum"`` otherwise
+    (the CPU, fp32: cuDNN refuses fp32). ``backend``: ``jax.default_backend()`` if None.
+
+    >>> block_implementation(jnp.bfloat16, 64, 512, backend="gpu")
+    'cudnn'
+    >>> block_implementation(jnp.float32, 64, 512, backend="gpu")
+    'einsum'
+    >>> block_implementation(jnp.bfloat16, 64, 512, backend="cpu")
+    'einsum'
+    """
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    shape_ok = head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM and block_length % 2 == 0
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    if half and shape_ok and on_gpu and jax_private.cudnn_attention() is not None:
+        return "cudnn"
+    return "einsum"
 
 
 def _chunk_ids(ring: _Ring, device: jax.Array) -> jax.Array:
@@ -136,6 +192,56 @@ def _accumulate(state, q, k, v, q_seg, k_seg, kind):  # type: ignore[no-untyped-
     return lax.switch(kind, [lambda state: state, block(True), block(False)], state)
 
 
+def _fused(ring: _Ring, q, k, v, q_seg, k_seg, diagonal: bool):  # type: ignore[no-untyped-def]
+    """One block by a fused kernel: (output, fp32 log-sum-exp ``[b, h, q]``)."""
+    mask = None
+    if ring.segmented:  # True to keep: a query sees the keys of its own segment
+        mask = q_seg[:, None, :, None] == k_seg[:, None, None, :]
+    if ring.blocks == "cudnn":
+        attend = jax_private.cudnn_attention()
+        assert attend is not None  # block_implementation chose cudnn only where it is
+        return attend(q, k, v, mask, causal=diagonal)
+    out, lse = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=diagonal, implementation="xla", return_residual=True
+    )
+    return out, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
+
+
+def _merge(ring: _Ring, state, q, k, v, q_seg, k_seg, kind):  # type: ignore[no-untyped-def]
+    """One fused block merged into ``state = (out, lse)`` (fp32) by the log-sum-exps: a
+    row masked whole in a block has a finite lse near the kernel's mask value, so a real
+    block's weight wipes it out (no NaN)."""
+
+    def block(diagonal: bool):  # type: ignore[no-untyped-def]
+        def run(state):  # type: ignore[no-untyped-def]
+            out, lse = state
+            out_b, lse_b = _fused(ring, q, k, v, q_seg, k_seg, diagonal)
+            new = jnp.logaddexp(lse, lse_b)
+            keep, add = (jnp.swapaxes(jnp.exp(x - new), 1, 2)[..., None] for x in (lse, lse_b))
+            return out * keep + out_b.astype(jnp.float32) * add, new
+
+        return run
+
+    return lax.switch(kind, [lambda state: state, block(True), block(False)], state)
+
+
+def _fresh(ring: _Ring, b: int, t: int, h: int, d: int) -> tuple[jax.Array, ...]:
+    """The empty state of a query half-chunk: (out, max, denominator) for the einsum
+    blocks, (out, lse) for the fused ones."""
+    out, low = jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, h, t), -jnp.inf, jnp.float32)
+    if ring.blocks == "einsum":
+        return out, low, jnp.zeros((b, h, t), jnp.float32)
+    return out, low
+
+
+def _finished(ring: _Ring, state) -> tuple[jax.Array, jax.Array]:  # type: ignore[no-untyped-def]
+    """A half-chunk's (output, log-sum-exp) from its state."""
+    if ring.blocks == "einsum":
+        out, m, den = state
+        return out / jnp.swapaxes(den, 1, 2)[..., None], m + jnp.log(den)
+    return state
+
+
 def _shift(ring: _Ring, *xs: jax.Array) -> tuple[jax.Array, ...]:
     """Every array one hop along the ring: device ``i`` receives device ``i-1``'s."""
     perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
@@ -145,19 +251,16 @@ def _shift(ring: _Ring, *xs: jax.Array) -> tuple[jax.Array, ...]:
 def _forward(ring: _Ring, q, k, v, seg):  # type: ignore[no-untyped-def]
     me = lax.axis_index(ring.axis)
     q_ids, qs, q_segs = _chunk_ids(ring, me), _halves(q), _halves(seg)
-    b, t, h, d = qs[0].shape
-    fresh = (
-        jnp.zeros((b, t, h, d), jnp.float32),
-        jnp.full((b, h, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, h, t), jnp.float32),
-    )
+    fresh = _fresh(ring, *qs[0].shape)
 
     def visit(states, k, v, k_seg, owner):  # type: ignore[no-untyped-def]
         k_ids, ks, vs, k_segs = _chunk_ids(ring, owner), _halves(k), _halves(v), _halves(k_seg)
 
         def block(st, i, j):  # type: ignore[no-untyped-def]
             kind = _kind(q_ids[i], k_ids[j], q_segs[i], k_segs[j])
-            return _accumulate(st, qs[i], ks[j], vs[j], q_segs[i], k_segs[j], kind)
+            if ring.blocks == "einsum":
+                return _accumulate(st, qs[i], ks[j], vs[j], q_segs[i], k_segs[j], kind)
+            return _merge(ring, st, qs[i], ks[j], vs[j], q_segs[i], k_segs[j], kind)
 
         return tuple(
             functools.reduce(lambda st, j, i=i: block(st, i, j), (0, 1), states[i]) for i in (0, 1)
@@ -171,9 +274,8 @@ def _forward(ring: _Ring, q, k, v, seg):  # type: ignore[no-untyped-def]
     states = visit((fresh, fresh), k, v, seg, me)  # the local block first: no hop
     carry: Any = (states, k, v, seg)
     (states, *_), _ = lax.scan(step, carry, jnp.arange(1, ring.size))
-    outs = [o / jnp.swapaxes(den, 1, 2)[..., None] for o, _, den in states]
-    lse = jnp.concatenate([m + jnp.log(den) for _, m, den in states], axis=-1)
-    return jnp.concatenate(outs, axis=1).astype(q.dtype), lse
+    outs, lses = zip(*(_finished(ring, st) for st in states), strict=True)
+    return jnp.concatenate(outs, axis=1).astype(q.dtype), jnp.concatenate(lses, axis=-1)
 
 
 # -- backward --------------------------------------------------------------------------
@@ -289,6 +391,7 @@ def ring_attention(
     *,
     balanced: bool = True,
     segment_ids: jax.Array | None = None,
+    blocks: str | None = None,
 ) -> jax.Array:
     """Exact causal attention over ``[batch, seq, heads, head_dim]`` arrays whose
     sequence is split over mesh axis ``axis`` of the current mesh (``jax.set_mesh``).
@@ -300,15 +403,21 @@ def ring_attention(
     ``axis``; ``causal_attention`` calls it under ``SequenceParallel(...,
     attention="ring")``. ``segment_ids`` (``[batch, seq]``, 0 = padding): each
     query attends to its own segment's keys only; blocks no segment spans are skipped.
+    ``blocks``: how each block is computed (``BLOCKS``); None: ``block_implementation``.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    ring = _Ring(axis, dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis], balanced)
-    if query.shape[1] % (2 * ring.size):
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
+    if query.shape[1] % (2 * size):
         raise ValueError(
-            f"ring attention splits the sequence into 2 x {ring.size} half-chunks over mesh "
+            f"ring attention splits the sequence into 2 x {size} half-chunks over mesh "
             f"axis {axis!r}; a sequence of length {query.shape[1]} is not divisible by "
-            f"{2 * ring.size}. Pad the sequence, or use attention='all_gather'."
+            f"{2 * size}. Pad the sequence, or use attention='all_gather'."
         )
+    if blocks is None:
+        blocks = block_implementation(query.dtype, query.shape[-1], query.shape[1] // (2 * size))
+    if blocks not in BLOCKS:
+        raise ValueError(f"ring_attention(blocks={blocks!r}): choose one of {BLOCKS} or None")
+    ring = _Ring(axis, size, balanced, blocks, segment_ids is not None)
     spec = P(None, axis)
     segments = _renumbered(query.shape[:2] if segment_ids is None else segment_ids)
 

@@ -132,7 +132,8 @@ class PlanReport:
       pipeline: under ``PipelineParallel``, its stages, layers per stage,
         microbatches, bubble fraction and stacked bytes per device; else ``""``.
       sequence: under ``SequenceParallel``, the attention form in force (all-gather
-        or ring) and the count of the collective carrying keys and values; else ``""``.
+        or ring) and the count of the collective carrying keys and values (the ring's
+        also how its blocks ran: cuDNN's fused kernel or einsums); else ``""``.
     """
 
     strategy: str
@@ -282,7 +283,8 @@ def build(
         )
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     largest = max(leaves, key=lambda row: math.prod(row["shape"]))
-    counted = collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    counted = collectives(hlo)
     return PlanReport(
         strategy=repr(plan.strategy),
         mesh=mesh,
@@ -299,5 +301,5 @@ def build(
         suggestions=suggestions(mesh, plan.grad_accum_steps) if fits is False else [],
         picture=layout_picture(largest, mesh),
         pipeline=pipeline.report_line(plan.strategy, plan.mesh, plan.state_targets()),
-        sequence=sequence.report_line(plan.strategy, plan.mesh, counted),
+        sequence=sequence.report_line(plan.strategy, plan.mesh, counted, hlo),
     )

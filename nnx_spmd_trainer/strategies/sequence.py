@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.adapters.jax_private import CUDNN_ATTENTION_TARGET
 from nnx_spmd_trainer.nn.attention import FORMS, LENGTH_NAMES, attention_form
 from nnx_spmd_trainer.nn.ring_attention import ring_blocks
 from nnx_spmd_trainer.strategies.axis import AxisStrategy
@@ -152,10 +153,14 @@ def sequence_of(strategy: Any) -> SequenceParallel | None:
     return next((s for s in found if s is not None), None)
 
 
-def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]]) -> str:
+def report_line(
+    strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]], hlo: str = ""
+) -> str:
     """What ``Plan.report`` says of a split sequence: the attention form in force and the
-    collective that carries its keys and values (counted in the compiled step); ``""``
-    without a ``SequenceParallel`` on a mesh axis of more than one device."""
+    collective that carries its keys and values (counted in the compiled step); for the
+    ring, how its blocks ran: cuDNN's fused kernel where the compiled step ``hlo`` calls
+    it, else the einsum blocks (``ring_attention.block_implementation``). ``""`` without
+    a ``SequenceParallel`` on a mesh axis of more than one device."""
     member = sequence_of(strategy)
     if member is None or mesh.shape.get(member.axis, 1) < 2:
         return ""
@@ -166,6 +171,7 @@ def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]
             f"ring (keys and values passed round {member.axis!r}, 1/{n} of them per device; "
             f"balanced causal order, {min(blocks)}-{max(blocks)} blocks per device): "
             f"collective-permute x{collectives.get('collective-permute', {}).get('count', 0)}"
+            f"; {_ring_blocks_said(hlo)}"
         )
     else:
         how = (
@@ -173,3 +179,11 @@ def report_line(strategy: Any, mesh: Mesh, collectives: dict[str, dict[str, int]
             f"per device): all-gather x{collectives.get('all-gather', {}).get('count', 0)}"
         )
     return f"sequence: split over {member.axis!r} ({n} devices), attention {how}"
+
+
+def _ring_blocks_said(hlo: str) -> str:
+    """The ring's blocks as the compiled step runs them: cuDNN kernels are custom calls."""
+    kernels = hlo.count(f'custom_call_target="{CUDNN_ATTENTION_TARGET}')
+    if kernels:
+        return f"blocks cudnn (fused attention, {kernels} kernel call sites in the step)"
+    return "blocks einsum (fp32 scores)"
