@@ -25,8 +25,8 @@ from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import auto, step
-from nnx_spmd_trainer.planner.compile_cache import CompileCacheSetting, use_compile_cache
 from nnx_spmd_trainer.planner import ema as ema_lib
+from nnx_spmd_trainer.planner.compile_cache import CompileCacheSetting, use_compile_cache
 from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
