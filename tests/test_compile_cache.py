@@ -85,7 +85,7 @@ def test_by_default_every_program_is_cached_in_the_user_cache_directory(jax_opti
 def test_an_argument_beats_the_environment_which_beats_jax(jax_options, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "from-env"))
     assert use_compile_cache() == tmp_path / "from-env"
-    assert use_compile_cache("auto") == tmp_path / "from-env"
+    assert use_compile_cache(" Auto") == tmp_path / "from-env"
     assert use_compile_cache(tmp_path / "given") == tmp_path / "given"
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "given")
     f, x, _ = fresh_program()

@@ -103,7 +103,7 @@ def compile_cache_directory() -> Path | None:
 
 def _chosen(setting: CompileCacheSetting) -> str | os.PathLike[str]:
     """``OFF``, ``AUTO`` or a directory: ``setting``, else the environment's."""
-    if setting is None or setting == AUTO:
+    if setting is None or (isinstance(setting, str) and setting.strip().lower() == AUTO):
         setting = os.environ.get(ENV_VAR) or AUTO
         where = f"{ENV_VAR}={setting!r}"
     else:
