@@ -187,6 +187,37 @@ def test_a_killed_process_is_named_within_30_s_on_a_host_name_coordinator(tmp_pa
     procs[1].wait()
 
 
+def test_a_killed_coordinator_leaves_jaxs_one_fatal_line_without_pythons_thread_dump(tmp_path):
+    """Process 0 hosts the coordination service: killed, JAX aborts process 1 at once with
+    one fatal line naming the cause. Before, Python's fault handler (absl's) then dumped
+    every thread over it."""
+    port = distributed.free_port()
+    procs, logs = [], [tmp_path / f"log.{task}" for task in range(2)]
+    for task, log in enumerate(logs):
+        flags = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+        with log.open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    command(tmp_path / "run", "--config.max_steps=10000", *flags,
+                            f"--process_id={task}", export=False),
+                    env=environment(), stdout=out, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+    marker = tmp_path / "run" / "checkpoints" / "4" / "commit_success.txt"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert all(p.poll() is None for p in procs), logs[1].read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    procs[0].send_signal(signal.SIGKILL)
+    status = procs[1].wait(timeout=60)
+    output = logs[1].read_text()
+    assert status != 0, output[-3000:]
+    assert "JAX distributed service detected fatal errors" in output, output[-3000:]
+    assert "Fatal Python error" not in output and "Thread 0x" not in output, output[-3000:]
+    procs[0].wait()
+
+
 def test_one_process_stopped_during_its_restore_exits_0_leaving_the_checkpoints(
     tmp_path, two_process_job
 ):

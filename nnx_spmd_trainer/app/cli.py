@@ -36,6 +36,7 @@ job beside it: ``command_line`` (argv, ``--help``), ``host_devices``, ``interrup
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -98,11 +99,16 @@ def _main(argv: Sequence[str]) -> int:
         flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None
     )
     simulate_host_devices(max(1, config.num_devices // processes))
-    distributed.initialize(
+    joined = distributed.initialize(
         flags.FLAGS.coordinator_address,
         flags.FLAGS.num_processes if flags.FLAGS.coordinator_address else None,
         flags.FLAGS.process_id,
     )
+    if joined and not os.environ.get("PYTHONFAULTHANDLER"):
+        # JAX aborts a process whose coordinator (process 0) was killed, after one fatal
+        # line that says so; Python's dump of every thread (absl turns it on) would bury
+        # that line under a hundred. PYTHONFAULTHANDLER=1 keeps the dump.
+        faulthandler.disable()
     try:
         with distributed.lost_peers_named():  # a collective failed: was a process lost?
             result = run(
