@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from nnx_spmd_trainer.planner import flops
 from nnx_spmd_trainer.sharding import path_str, shard_shape
 from nnx_spmd_trainer.strategies import pipeline, sequence
 
@@ -23,16 +24,20 @@ _INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + 
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 
-#: Dense bf16 peak FLOP/s and memory bandwidth (bytes/s) per device, by device kind.
-HARDWARE: dict[str, tuple[float, float]] = {
-    "H200": (989.5e12, 4.8e12),
-    "H100": (989.5e12, 3.35e12),
-    "A100": (312e12, 2.0e12),
-    "L4": (121e12, 0.3e12),
-    "TPU v4": (275e12, 1.2e12),
-    "TPU v5 lite": (197e12, 0.82e12),
-    "TPU v5p": (459e12, 2.76e12),
-    "TPU v6 lite": (918e12, 1.64e12),
+#: Memory bandwidth (bytes/s) of one device, by ``flops.device_name`` (vendor datasheets);
+#: with ``flops.peak_flops`` (bf16) it bounds a step's time from its cost analysis.
+MEMORY_BANDWIDTH: dict[str, float] = {
+    "H100 SXM": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H100 NVL": 3.9e12,
+    "H200 SXM": 4.8e12,
+    "H200 NVL": 4.8e12,
+    "A100": 2.0e12,
+    "B200": 8.0e12,
+    "TPU v4": 1.2e12,
+    "TPU v5e": 0.82e12,
+    "TPU v5p": 2.76e12,
+    "TPU v6e": 1.64e12,
 }
 
 
@@ -274,10 +279,10 @@ def build(
     fits, verdict = _budget_line(memory["peak"], budget)
     cost = _cost(compiled)
     kind = devices[0].device_kind if devices else "?"
-    peak_flops = next((v for k, v in HARDWARE.items() if k.lower() in kind.lower()), None)
+    name, flops_per_s = flops.device_name(kind), flops.peak_flops(kind)
     bound = None
-    if peak_flops is not None:
-        flops_per_s, bandwidth = peak_flops
+    if name in MEMORY_BANDWIDTH and flops_per_s is not None:
+        bandwidth = MEMORY_BANDWIDTH[name]
         bound = max(
             cost.get("flops", 0.0) / flops_per_s, cost.get("bytes accessed", 0.0) / bandwidth
         )
