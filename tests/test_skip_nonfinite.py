@@ -7,9 +7,11 @@ non-finite one (``train_reference``): what ``optax.apply_if_finite`` computes.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from toy_models import (
     Net,
     RecordLosses,
@@ -107,3 +109,20 @@ def test_a_checkpoint_after_a_skipped_nan_step_saves_the_finite_weights(tmp_path
     restored.fit(made[:0], max_steps=trainer.step)  # restores, trains nothing
     params, _ = train_reference(Net, optax.sgd(0.1), finite_only(made[: trainer.step]), scaled_loss)
     assert_params_match(restored, params, rtol=1e-5)
+
+
+def test_the_cli_key_turns_it_on_and_a_diverged_run_still_saves_finite_weights(tmp_path):
+    # Before: no config key; and OrbaxCheckpoint refused every save after the NaN step.
+    from test_cli import load, shrink
+
+    from nnx_spmd_trainer.app import job
+
+    config = shrink(load("mlp"))
+    config.update(skip_nonfinite_updates=True, learning_rate=1e30, max_steps=4)
+    with pytest.warns(RuntimeWarning, match="skip_nonfinite_updates"):
+        result = job.run(config, tmp_path / "run")
+    assert result.trainer.plan.skip_nonfinite_updates
+    params = jax.tree.leaves(nnx.state(result.trainer.model, nnx.Param))
+    assert all(np.isfinite(np.asarray(p)).all() for p in params)
+    saved = OrbaxCheckpoint(tmp_path / "run" / "checkpoints").steps()
+    assert saved and saved[-1] == result.trainer.step
