@@ -16,7 +16,7 @@ from flax import nnx
 from test_cli import load, shrink
 from test_weights_gpt2 import hf_weights
 
-from nnx_spmd_trainer.app import job
+from nnx_spmd_trainer.app import job, tasks
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2Config
 from nnx_spmd_trainer.weights import (
     SafetensorsSource,
@@ -150,5 +150,9 @@ def test_init_from_a_gpt2_file_with_a_tensor_moved_into_wte_is_refused(tmp_path)
     safetensors.numpy.save_file(hf_weights(gpt2), str(path))
     moved = move_smallest_into(path, host="wte.weight")
     config.update(init_from=str(path), max_steps=1)
-    with pytest.raises(WeightsMismatch, match=rf"{path}: {moved}: its bytes .* overlap wte"):
+    # refused before the run writes anything, naming the key (the CLI: one line, exit 2)
+    with pytest.raises(tasks.ConfigError, match=rf"config\.init_from=.*{moved}: its bytes .* "
+                       "overlap wte") as refused:  # fmt: skip
         job.run(config, tmp_path / "run")
+    assert isinstance(refused.value.__cause__, WeightsMismatch)
+    assert not (tmp_path / "run").exists()
