@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import moe_layouts  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from floor import Loss, hand_written_loops, interleaved_rounds  # noqa: E402
@@ -80,14 +81,10 @@ from gpu import H100_BF16_PEAK, flops_per_token, token_batches  # noqa: E402
 from run_all import table, versions  # noqa: E402
 
 from nnx_spmd_trainer import (  # noqa: E402
-    FSDP,
     DataParallel,
-    ExpertParallel,
-    Hybrid,
     PipelineParallel,
     Plan,
     SequenceParallel,
-    TensorParallel,
     Trainer,
 )
 from nnx_spmd_trainer.app.models import GPT, gpt  # noqa: E402
@@ -270,14 +267,7 @@ def moe_part(steps: int) -> list[dict]:
     tokens = rng.integers(0, vocab, size=(steps + 1, batch, seq + 1)).astype(np.int32)
     data = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data[0])
-    layouts = {
-        "FSDP(8)": FSDP(8),
-        "ExpertParallel(8)": ExpertParallel(8),
-        "Hybrid(DataParallel(2), ExpertParallel(4))": Hybrid(DataParallel(2), ExpertParallel(4)),
-        "Hybrid(ExpertParallel(2), FSDP(2), TensorParallel(2))": Hybrid(
-            ExpertParallel(2), FSDP(2), TensorParallel(2)
-        ),
-    }
+    layouts = moe_layouts.layouts()
     rows, mib = [], 2.0**20
     for name, strategy in layouts.items():
         plan = Plan(factory, optax.adamw(1e-3), strategy=strategy, loss_fn=gpt.loss_fn,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -25,23 +24,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from moe_layouts import StepTimes  # noqa: E402
 
-from nnx_spmd_trainer import Callback, DataParallel, ExpertParallel, Trainer  # noqa: E402
+from nnx_spmd_trainer import DataParallel, ExpertParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.nn.moe import MoE, moe_losses  # noqa: E402
 from nnx_spmd_trainer.nn.moe_dropless import exchange_for  # noqa: E402
-
-
-class StepTimes(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.last = 0.0
-
-    def on_train_batch_begin(self, step: int, logs: dict) -> None:
-        self.last = time.perf_counter()
-
-    def on_train_batch_end(self, step: int, logs: dict) -> None:
-        jax.block_until_ready(self.trainer.state)
-        self.times.append(time.perf_counter() - self.last)
 
 
 class MoEStack(nnx.Module):

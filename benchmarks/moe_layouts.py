@@ -31,6 +31,7 @@ from nnx_spmd_trainer import (  # noqa: E402
     ExpertParallel,
     Hybrid,
     Plan,
+    Strategy,
     TensorParallel,
     Trainer,
 )
@@ -49,6 +50,18 @@ class StepTimes(Callback):
     def on_train_batch_end(self, step: int, logs: dict) -> None:
         jax.block_until_ready(self.trainer.state)
         self.times.append(time.perf_counter() - self.last)
+
+
+def layouts() -> dict[str, Strategy]:
+    """The expert layouts against FSDP(8), by name (``gpu_speed.py``'s MoE part too)."""
+    return {
+        "FSDP(8)": FSDP(8),
+        "ExpertParallel(8)": ExpertParallel(8),
+        "Hybrid(DataParallel(2), ExpertParallel(4))": Hybrid(DataParallel(2), ExpertParallel(4)),
+        "Hybrid(ExpertParallel(2), FSDP(2), TensorParallel(2))": Hybrid(
+            ExpertParallel(2), FSDP(2), TensorParallel(2)
+        ),
+    }
 
 
 def main() -> None:
@@ -75,14 +88,6 @@ def main() -> None:
     tokens = rng.integers(0, vocab, size=(args.steps + 1, args.batch, args.seq + 1))
     batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens.astype(np.int32)]
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
-    layouts = {
-        "FSDP(8)": FSDP(8),
-        "ExpertParallel(8)": ExpertParallel(8),
-        "Hybrid(DataParallel(2), ExpertParallel(4))": Hybrid(DataParallel(2), ExpertParallel(4)),
-        "Hybrid(ExpertParallel(2), FSDP(2), TensorParallel(2))": Hybrid(
-            ExpertParallel(2), FSDP(2), TensorParallel(2)
-        ),
-    }
     print(
         f"MoE GPT: {args.layers} MoE blocks x {args.experts} experts (top-2), embed "
         f"{args.embed}, ff {args.ff}, seq {args.seq}, batch {args.batch}; "
@@ -91,7 +96,7 @@ def main() -> None:
     print("| layout | state MiB/device | peak MiB/device | all-gather MiB | "
           "all-reduce MiB | all-to-all MiB | step ms (median) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for name, strategy in layouts.items():
+    for name, strategy in layouts().items():
         plan = Plan(factory, optax.adamw(1e-3), strategy=strategy, loss_fn=gpt.loss_fn,
                     metrics=metrics)  # fmt: skip
         report = plan.report(shapes)

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, Trainer, path_str, sharding_table
 
+from .plan_text import last_step_plan_report
 from .throughput import Throughput, batch_size_and_tokens
 
 
@@ -200,15 +201,10 @@ class TensorBoard(Callback):
 
     def _write_plan_report(self, step: int) -> None:
         self._plan_due = False
-        record = self.trainer.last_step
-        if record is None or (writer := self.writer) is None:
+        if (writer := self.writer) is None:
             return
-        try:  # a cache hit of the step just compiled; a text must never stop the run
-            report = self.trainer.plan.report(
-                record.batch_shapes, train_step=self.trainer.train_step
-            )
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(f"TensorBoard: no plan report ({error!r}).", stacklevel=2)
+        report = last_step_plan_report(self.trainer, "TensorBoard")
+        if report is None:
             return
         writer.add_text("plan", _code(str(report)), step)
 

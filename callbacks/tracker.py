@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
 
+from .plan_text import last_step_plan_report
 from .tensorboard import flatten_config
 
 T = TypeVar("T")
@@ -133,15 +134,10 @@ class TrackerLogger(Callback):
         if not self._plan_due:
             return
         self._plan_due = False
-        record = self.trainer.last_step
-        if record is None or not self._active:
+        if not self._active:
             return
-        try:  # a cache hit of the step just compiled; a text must never stop the run
-            report = self.trainer.plan.report(
-                record.batch_shapes, train_step=self.trainer.train_step
-            )
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(f"{type(self).__name__}: no plan report ({error!r}).", stacklevel=2)
+        report = last_step_plan_report(self.trainer, type(self).__name__)
+        if report is None:
             return
         self._guarded("log the plan", lambda: self._log_text("plan.txt", str(report)))
 

@@ -16,11 +16,16 @@ from nnx_spmd_trainer.app import job, tasks
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2Config
 
 
+def gpt2_config(config) -> GPT2Config:
+    """The HF config of the ``gpt2_hf`` job's model sizes."""
+    sizes = config.gpt2_hf
+    return GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
+                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
+
+
 def test_init_from_starts_the_job_from_the_file_and_a_task_without_a_map_is_refused(tmp_path):
     config = shrink(load("gpt2_hf"))
-    sizes = config.gpt2_hf
-    gpt2 = GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
-                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
+    gpt2 = gpt2_config(config)
     w = hf_weights(gpt2, seed=3)
     path = tmp_path / "model.safetensors"
     safetensors.numpy.save_file(w, str(path))
@@ -74,9 +79,7 @@ def test_a_damaged_or_foreign_init_from_is_refused_in_one_line_with_nothing_writ
     # built), exit 1, after config.json, tb/, checkpoints/ and the run lock were written.
     config = shrink(load("gpt2_hf"))
     sizes = config.gpt2_hf
-    gpt2 = GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
-                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
-    good = hf_weights(gpt2, seed=3)
+    good = hf_weights(gpt2_config(config), seed=3)
     truncated = tmp_path / "truncated.safetensors"
     safetensors.numpy.save_file(good, str(truncated))
     truncated.write_bytes(truncated.read_bytes()[:-100])

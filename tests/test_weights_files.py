@@ -14,10 +14,10 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 from test_cli import load, shrink
+from test_cli_pretrained import gpt2_config
 from test_weights_gpt2 import hf_weights
 
 from nnx_spmd_trainer.app import job, tasks
-from nnx_spmd_trainer.app.models.gpt2_hf import GPT2Config
 from nnx_spmd_trainer.weights import (
     SafetensorsSource,
     WeightMap,
@@ -143,11 +143,8 @@ def test_init_from_a_gpt2_file_with_a_tensor_moved_into_wte_is_refused(tmp_path)
     """The issue's run: the smallest tensor's offsets in the middle of ``wte.weight`` used
     to load through ``--config.init_from`` without a word, and train on those bytes."""
     config = shrink(load("gpt2_hf"))
-    sizes = config.gpt2_hf
-    gpt2 = GPT2Config(vocab_size=sizes.vocab_size, n_positions=sizes.n_positions,
-                      n_embd=sizes.n_embd, n_layer=sizes.n_layer, n_head=sizes.n_head)  # fmt: skip
     path = tmp_path / "model.safetensors"
-    safetensors.numpy.save_file(hf_weights(gpt2), str(path))
+    safetensors.numpy.save_file(hf_weights(gpt2_config(config)), str(path))
     moved = move_smallest_into(path, host="wte.weight")
     config.update(init_from=str(path), max_steps=1)
     # refused before the run writes anything, naming the key (the CLI: one line, exit 2)
