@@ -165,6 +165,7 @@ def _build_trainer(
 ) -> Trainer:
     """The job's ``Trainer``; what it refuses is a ``ConfigError`` naming the key."""
     splits = task.splits
+    settings = averaging_and_spikes(config)  # a ConfigError naming its own key
     try:  # the state is built lazily: this traces the model, allocates nothing
         return Trainer(
             task.model,
@@ -178,7 +179,7 @@ def _build_trainer(
             max_steps_in_flight=config.max_steps_in_flight,
             peak_flops=peak_flops_of(config),
             skip_nonfinite_updates=config.skip_nonfinite_updates,
-            **averaging_and_spikes(config),
+            **settings,
             config=config,
             init_from=init_from,
             compile_cache=config.get("compile_cache", compile_cache.AUTO),

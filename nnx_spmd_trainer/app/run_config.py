@@ -203,7 +203,7 @@ def averaging_and_spikes(config: ml_collections.ConfigDict) -> dict[str, Any]:
     try:
         ema = EMA(decay=decay) if decay else None
     except ValueError as error:
-        raise ConfigError(f"config.ema_decay={decay!r}: {error} Pass e.g. 0.999.") from None
+        raise ConfigError(f"config.ema_decay={decay!r}: {error}") from None
     try:
         spikes = SpikeSkip(z=z, window=window, min_steps=min(20, window)) if z else None
     except ValueError as error:
