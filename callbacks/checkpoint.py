@@ -21,6 +21,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from typing_extensions import override
 
 from nnx_spmd_trainer import Logs, RunLock, RunState, as_position, deprecation
+from nnx_spmd_trainer.adapters import orbax_private
 
 from .checkpoint_items import callback_items, jsonable, on_devices, versions
 from .checkpoint_restore import set_aside
@@ -197,6 +198,8 @@ class OrbaxCheckpoint(CheckpointResume):
         self._preemption = PreemptionNotice()
         #: A preemption notice stopped the last ``fit`` before its first step (nothing written).
         self.stopped_before_a_step = False
+        # A failed restore leaves Orbax's reads to end on its closed event loop (noise).
+        orbax_private.quiet_reads_after_a_failed_restore()
         self._lock = RunLock(self.directory)  # one run writes the directory at a time
         self._local_lock = RunLock(self.local_directory) if self.local_directory else None
 

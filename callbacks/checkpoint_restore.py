@@ -87,7 +87,6 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
             )
         )
     except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-        orbax_private.quiet_reads_after_a_failed_restore()
         raise unreadable(error) from error
     saved["meta"] = meta
     try:

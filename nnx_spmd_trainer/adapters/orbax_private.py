@@ -78,8 +78,9 @@ def quiet_reads_after_a_failed_restore() -> None:
     same step are still in flight; each read that ends afterwards reports
     ``RuntimeError: Event loop is closed`` as an unraisable exception from TensorStore's
     callback (nothing is lost: the step is already known to be unreadable and set
-    aside). Installs, once, a ``sys.unraisablehook`` that drops exactly those (no object,
-    that message) and hands every other one to the hook before it."""
+    aside). Installs, once (``OrbaxCheckpoint`` does, when made), a ``sys.unraisablehook``
+    that drops exactly those (no object, that message) and hands every other one to the
+    hook before it."""
     global _quieted
     if _quieted:
         return
