@@ -173,16 +173,16 @@ def test_bad_settings_name_the_fix():
         Trainer(Net, optax.sgd(0.1), loss_fn=classification_loss, skip_spikes=3.0)
 
 
+def spike_trainer(**settings) -> Trainer:
+    """Adam under FSDP x TP with the EMA and the spike rule (what the reference runs)."""
+    return Trainer(Net, optax.adam(1e-2), strategy=FSDP_TP, loss_fn=scaled_loss,
+                   ema=EMA(decay=0.9), skip_spikes=RULE, **settings)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory) -> tuple[Trainer, dict, Path]:
     directory = tmp_path_factory.mktemp("spikes")
-    trainer = Trainer(
-        Net,
-        optax.adam(1e-2),
-        strategy=FSDP_TP,
-        loss_fn=scaled_loss,
-        ema=EMA(decay=0.9),
-        skip_spikes=RULE,
+    trainer = spike_trainer(
         log_every_n_steps=5,
         track_norms=False,  # the count is logged without the norms
         callbacks=[OrbaxCheckpoint(directory, save_every_n_steps=5)],
@@ -208,14 +208,7 @@ def test_an_outlier_batch_is_skipped_like_a_one_device_loop_skipping_it(spike_ru
 
 def test_the_statistics_and_the_average_survive_a_checkpoint_round_trip(spike_run):
     trained, _, directory = spike_run
-    restored = Trainer(
-        Net,
-        optax.adam(1e-2),
-        strategy=FSDP_TP,
-        loss_fn=scaled_loss,
-        ema=EMA(decay=0.9),
-        skip_spikes=RULE,
-    )
+    restored = spike_trainer()
     assert OrbaxCheckpoint(directory).restore_into(restored) == 10
     want, got = spike_arrays(trained), spike_arrays(restored)
     assert int(got["skipped"]) == 1 and int(got["seen"]) == 9
