@@ -31,6 +31,7 @@ from nnx_spmd_trainer import (
     Trainer,
     path_str,
 )
+from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import gpt
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config
 from nnx_spmd_trainer.nn.attention import causal_attention
@@ -213,6 +214,21 @@ def test_packed_equals_each_document_alone(strategy, scan, reference):
     np.testing.assert_allclose(trained_losses(per_token, PACKED), losses, atol=1e-5)
     np.testing.assert_allclose(loss, losses.mean(), atol=1e-6)
     assert_grads_close(got, grads, scan)
+
+
+def test_the_accuracy_counts_the_trained_targets_alone():
+    """Each piece alone (no segments, its row's tail left out) against the packed rows,
+    padding and the targets across boundaries in them, through the Trainer's metrics."""
+    model = built(holding_initial_state)
+    docs = [doc for row in PIECES for doc in row]
+    alone = [np.asarray(model(doc[None, :-1])).argmax(-1)[0] == doc[1:] for doc in docs]
+    want = np.concatenate(alone).mean()
+    trainer = Trainer(holding_initial_state, optax.sgd(0.1), loss_fn=gpt.loss_fn,
+                      strategy=DataParallel(8), metrics=tasks.Metrics)  # fmt: skip
+    assert trainer.evaluate([PACKED])["accuracy"] == pytest.approx(want, abs=1e-6)
+    chunked = functools.partial(gpt.chunked_loss_fn, chunk_size=4)
+    got = nnx.jit(lambda m, b: chunked(m, b)[1]["accuracy"])(model, PACKED)
+    assert float(got) == pytest.approx(want, abs=1e-6)
 
 
 def test_dropping_the_segment_ids_lets_documents_see_each_other(reference):

@@ -352,6 +352,15 @@ def _token_mean(losses: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
     )
 
 
+def _token_accuracy(correct: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Each token's correctness ``[batch, seq]``; over a packed batch, its mean over the
+    trained targets (a scalar, counted once per row as the loss is): its padding and the
+    targets across a document boundary are not predictions the loss asks for."""
+    if target_weights(batch) is None:
+        return correct
+    return _token_mean(correct.astype(jnp.float32), batch)
+
+
 def loss_fn(
     model: nnx.Module, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -360,7 +369,8 @@ def loss_fn(
     (``segment_ids``, ``positions``), the mean over its targets within a document
     (``target_weights``).
 
-    ``aux`` holds each token's correctness, averaged per token by the metrics. A model with
+    ``aux`` holds each token's correctness, averaged per token by the metrics (over a
+    packed batch, its trained targets' mean accuracy: ``_token_accuracy``). A model with
     MoE blocks adds their auxiliary losses and reports their metrics (``moe.moe_losses``).
     """
     logits = model(batch["inputs"], **packed_inputs(batch)).astype(jnp.float32)
@@ -368,7 +378,7 @@ def loss_fn(
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     extra, moe_aux = moe_losses(model)
     return _token_mean(losses, batch) + extra, {
-        "accuracy": jnp.argmax(logits, axis=-1) == targets,
+        "accuracy": _token_accuracy(jnp.argmax(logits, axis=-1) == targets, batch),
         **moe_aux,
     }
 
@@ -395,4 +405,7 @@ def chunked_loss_fn(
         dtype=None if head.dtype is None else jnp.dtype(head.dtype),
     )
     extra, moe_aux = moe_losses(model)
-    return _token_mean(losses, batch) + extra, {"accuracy": predictions == targets, **moe_aux}
+    return _token_mean(losses, batch) + extra, {
+        "accuracy": _token_accuracy(predictions == targets, batch),
+        **moe_aux,
+    }
