@@ -17,6 +17,7 @@ from tensorboardX.summary import hparams as hparams_summary
 from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs, Trainer, path_str, sharding_table
+from nnx_spmd_trainer.adapters import tensorboardx_private
 
 from .plan_text import last_step_plan_report
 from .throughput import Throughput, batch_size_and_tokens
@@ -228,7 +229,7 @@ class TensorBoard(Callback):
         if hparams and metrics:
             # Into this run's own event file (add_hparams would start a second run that
             # repeats the scalars); the metrics are the scalars already written here.
-            file_writer = writer._get_file_writer()
+            file_writer = tensorboardx_private.event_file_writer(writer)
             for summary in hparams_summary(hparams, metrics):
                 file_writer.add_summary(summary, self.trainer.step)
 

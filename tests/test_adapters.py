@@ -19,13 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import scalar
 
-from nnx_spmd_trainer.adapters import grain_private, jax_private, orbax_private
+from nnx_spmd_trainer.adapters import (
+    grain_private,
+    jax_private,
+    orbax_private,
+    tensorboardx_private,
+)
 from nnx_spmd_trainer.distributed.agree import Agreement
 
 JAX = f"checked against jax 0.10.2 (installed: {jax.__version__})"
 ORBAX = "checked against orbax-checkpoint 0.12.8"
 GRAIN = "checked against grain 0.2.18"
+TENSORBOARDX = "checked against tensorboardX 2.6.5"
 
 
 # -- jax_private ---------------------------------------------------------------------------
@@ -262,3 +271,19 @@ def test_grain_saves_each_process_position_in_the_file_the_adapter_names(tmp_pat
         f"{GRAIN}: change grain_private.position_file."
     )
     assert json.loads(file.read_text()) == iterator.get_state()
+
+
+# -- tensorboardx_private ------------------------------------------------------------------
+def test_a_summary_added_to_the_writers_file_writer_lands_in_its_one_event_file(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    writer.add_scalar("a", 1.0, 1)
+    tensorboardx_private.event_file_writer(writer).add_summary(scalar("b", 2.0), 2)
+    writer.close()
+    files = list(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 1, f"{sorted(p.name for p in tmp_path.rglob('*'))}, {TENSORBOARDX}"
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"a", "b"}, (
+        f"{events.Tags()}, {TENSORBOARDX}: change tensorboardx_private.event_file_writer."
+    )
+    assert [(e.step, e.value) for e in events.Scalars("b")] == [(2, 2.0)]

@@ -10,11 +10,13 @@ Orbax and Grain, and reaches the few private ones it needs through these modules
   commit marker of a finished step.
 * ``grain_private``: the layout of a Grain iterator's saved position (``next_index``)
   and of the per-process files Grain checkpoints it into.
+* ``tensorboardx_private``: the ``FileWriter`` of a ``SummaryWriter``'s own event file
+  (the hparams summary goes there, not into a run of its own).
 
 Each function or class names the private thing it touches and why no public API
 does the job; ``tests/test_adapters.py`` checks every assumption against the
 installed library and names the version it was checked against (jax 0.10.2,
-orbax-checkpoint 0.12.8, grain 0.2.18: pyproject.toml caps Orbax and Grain at the
-next minor). These modules are public to ``callbacks/`` (the one part of the core
+orbax-checkpoint 0.12.8, grain 0.2.18, tensorboardX 2.6.5: pyproject.toml caps Orbax
+and Grain at the next minor). These modules are public to ``callbacks/`` (the one part of the core
 they may import besides the package's ``__all__``); users need not touch them.
 """
