@@ -4,7 +4,8 @@ Which step to restore (``"latest"``, ``"best"``, a step number or a step directo
 restoring it into a trainer (the ``fit`` that starts, or any trainer by
 ``restore_into``), falling back past damaged steps, and, after an older step is
 restored, the later ones set aside. Reading and checking one step is
-``checkpoint_restore``'s; saving, the manager and the hooks are ``OrbaxCheckpoint``'s.
+``checkpoint_restore``'s; saving and the managers are ``checkpoint_writer``'s (its
+subclass), the hooks ``OrbaxCheckpoint``'s.
 """
 
 from __future__ import annotations
