@@ -36,6 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.gpt.moe_experts = 0
     config.gpt.moe_top_k = 2
     config.gpt.moe_every = 1
+    # Each expert takes this many times its even share of tokens, the rest dropped; 0:
+    # dropless (every token routed, moe.MoE(capacity_factor=None)).
+    config.gpt.moe_capacity_factor = 1.25
     config.eval_fraction = 0.1  # the end of the text (or each corpus's last documents) held out
     config.data = data_config()
     return config

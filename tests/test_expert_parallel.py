@@ -7,6 +7,8 @@ The reference is the same model trained with plain optax on one device
 float noise of the attention key bias's zero gradient (PITFALLS).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,7 +265,20 @@ def test_the_strategy_string_and_the_gpt_config_name_the_expert_layout():
     config = default.get_config()
     assert tasks.gpt_moe(config) == {}  # the shipped default: dense blocks
     config.gpt.update(moe_experts=4, moe_every=2)
-    assert tasks.gpt_moe(config) == {"moe_experts": 4, "moe_top_k": 2, "moe_every": 2}
+    assert tasks.gpt_moe(config) == {
+        "moe_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_capacity_factor": 1.25
+    }  # fmt: skip
+    config.gpt.moe_capacity_factor = 0.0  # dropless: every MoE block routes every token
+    keywords = tasks.gpt_moe(config)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(
+            lambda: GPT(**TINY, num_layers=2, dropout_rate=0.0, rngs=nnx.Rngs(0), **keywords)
+        )
+    assert [b.moe.capacity_factor for b in model.blocks if hasattr(b, "moe")] == [None]
+    config.gpt.moe_capacity_factor = -1.0
+    with pytest.raises(tasks.ConfigError, match=r"moe_capacity_factor=-1.0: must be a number >= 0"):
+        tasks.gpt_moe(config)
+    config.gpt.moe_capacity_factor = 1.25
     config.gpt.moe_top_k = 5
     with pytest.raises(tasks.ConfigError, match=r"moe_top_k=5.*1 <= top_k <= experts"):
         tasks.gpt_moe(config)
@@ -277,7 +292,7 @@ def test_the_default_job_trains_a_moe_gpt_with_its_experts_split(tmp_path):
     proc = cli(
         "--config.strategy=data=2,expert=4", "--config.gpt.moe_experts=4",
         "--config.gpt.moe_every=2", "--config.gpt.num_layers=2", *TINY_GPT[:-1],
-        "--workdir=out", cwd=tmp_path,
+        "--config.gpt.moe_capacity_factor=0", "--workdir=out", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mesh {'data': 2, 'expert': 4} (Hybrid(DataParallel(2), ExpertParallel(4))" in (
@@ -285,6 +300,8 @@ def test_the_default_job_trains_a_moe_gpt_with_its_experts_split(tmp_path):
     )
     assert "final after 2 steps: eval loss" in proc.stdout
     assert "moe_dropped_fraction" in proc.stdout, proc.stdout[-2000:]  # the MoE metrics logged
+    # Dropless (capacity factor 0): no token of any step is dropped.
+    assert re.findall(r"train/moe_dropped_tokens=(\S+)", proc.stdout) == ["0", "0"], proc.stdout
 
 
 # -- auto ---------------------------------------------------------------------------------------

@@ -202,8 +202,10 @@ def gpt_moe(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The GPT's mixture-of-experts keywords from ``config.gpt.moe_*``, checked; none
     where ``moe_experts`` is 0 or absent (every block dense).
 
+    ``moe_capacity_factor`` 0 is dropless (``MoE(capacity_factor=None)``).
+
     >>> gpt_moe(ml_collections.ConfigDict({"gpt": {"moe_experts": 4, "moe_top_k": 2}}))
-    {'moe_experts': 4, 'moe_top_k': 2, 'moe_every': 1}
+    {'moe_experts': 4, 'moe_top_k': 2, 'moe_every': 1, 'moe_capacity_factor': 1.25}
     """
     sizes = config.gpt
     experts = sizes.get("moe_experts", 0)
@@ -221,7 +223,17 @@ def gpt_moe(config: ml_collections.ConfigDict) -> dict[str, Any]:
             "config.gpt.moe_experts with config.gpt.scan_layers=True: MoE blocks are not "
             "stacked yet; pass --config.gpt.scan_layers=False."
         )
-    return {"moe_experts": experts, "moe_top_k": top_k, "moe_every": every}
+    capacity = sizes.get("moe_capacity_factor", 1.25)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not capacity >= 0:
+        raise ConfigError(
+            f"config.gpt.moe_capacity_factor={capacity!r}: must be a number >= 0 (each "
+            "expert takes that many times its even share of tokens, the rest dropped; 0: "
+            "dropless, every token routed), e.g. --config.gpt.moe_capacity_factor=1.25."
+        )
+    return {
+        "moe_experts": experts, "moe_top_k": top_k, "moe_every": every,
+        "moe_capacity_factor": float(capacity) or None,
+    }  # fmt: skip
 
 
 @register("gpt2_hf")

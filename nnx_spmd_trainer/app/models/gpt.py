@@ -98,6 +98,7 @@ class TransformerBlock(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         moe_experts: int = 0,
         moe_top_k: int = 2,
+        moe_capacity_factor: float | None = 1.25,
     ) -> None:
         xavier = nnx.initializers.xavier_uniform()
         zeros = nnx.initializers.zeros_init()
@@ -122,7 +123,10 @@ class TransformerBlock(nnx.Module):
         self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
         self.layer_norm2 = _layer_norm(embed_dim, rngs, dtype)
         if moe_experts:  # a mixture of experts in place of the MLP (moe.MoE)
-            self.moe = MoE(embed_dim, ff_dim, moe_experts, top_k=moe_top_k, rngs=rngs, **precision)
+            self.moe = MoE(
+                embed_dim, ff_dim, moe_experts, top_k=moe_top_k,
+                capacity_factor=moe_capacity_factor, rngs=rngs, **precision,
+            )  # fmt: skip
             self.dropout2 = nnx.Dropout(dropout_rate, rngs=rngs)
             return
         self.linear1 = nnx.Linear(
@@ -190,6 +194,10 @@ class GPT(nnx.Module):
     (``remat.remat``): the backward pass recomputes what the policy does not
     save, block by block. ``"none"``: everything is kept.
 
+    ``moe_experts``: every ``moe_every``-th block routes each token to ``moe_top_k`` of
+    that many expert MLPs (``moe.MoE``), each taking ``moe_capacity_factor`` times its
+    even share of tokens; ``None``: every token is routed (dropless).
+
     >>> with nnx.use_eager_sharding(False):
     ...     model = GPT(vocab_size=16, seq_len=8, embed_dim=32, num_heads=4, ff_dim=64,
     ...                 num_layers=2, dropout_rate=0.0, rngs=nnx.Rngs(0), scan_layers=True)
@@ -217,6 +225,7 @@ class GPT(nnx.Module):
         moe_experts: int = 0,
         moe_top_k: int = 2,
         moe_every: int = 1,
+        moe_capacity_factor: float | None = 1.25,
     ) -> None:
         if moe_experts and scan_layers:
             raise ValueError("GPT: moe_experts with scan_layers=True is not supported yet.")
@@ -244,7 +253,7 @@ class GPT(nnx.Module):
         def make_block(block_rngs: nnx.Rngs, experts: int = 0) -> TransformerBlock:
             return block_class(
                 embed_dim, num_heads, ff_dim, dropout_rate, block_rngs, **precision,
-                moe_experts=experts, moe_top_k=moe_top_k,
+                moe_experts=experts, moe_top_k=moe_top_k, moe_capacity_factor=moe_capacity_factor,
             )  # fmt: skip
 
         def experts_of(layer: int) -> int:  # every moe_every-th block is a MoE block
