@@ -169,6 +169,13 @@ def test_dropless_under_expert_layouts_trains_as_one_device(layout, reference):
     np.testing.assert_allclose(recorder.losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_params_match(trainer, ref_params, rtol=1e-5)
     assert trainer.model.moe.wi.get_value().sharding.spec[0] == "expert"
+    # The trainer's own step routes each device's own rows: it traces the block with the
+    # rows split over every batch axis (the data axis too), so a device's block holds the
+    # choices of ROWS / devices rows, not of the rows of its whole expert group.
+    hlo = trainer.plan.lower(batches(1)[0]).compile().as_text()
+    own = f"f32[1,{ROWS // devices * SEQ * TOP_K},{EMBED}]"
+    moved = [line for line in hlo.splitlines() if " all-to-all(" in line]
+    assert sum(line.count(own) for line in moved) == 4 * 4, moved
 
     # The gradients themselves, at the initial parameters, under the layout's mesh and rules.
     mesh = mesh_of(strategy, devices)

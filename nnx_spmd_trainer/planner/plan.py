@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.planner import plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
@@ -206,9 +207,14 @@ class Plan:
         return self._batch_shardings[key]
 
     @contextlib.contextmanager
-    def trace_context(self) -> Iterator[None]:
-        """What is in force while a step is traced: the strategy's ``trace_context``."""
-        with self.strategy.trace_context(self.mesh):
+    def trace_context(self, batch_shardings: Any = None) -> Iterator[None]:
+        """What is in force while a step is traced: the strategy's ``trace_context``; with
+        the ``batch_shardings``, a ``batch`` rule naming the mesh axes that split the rows
+        (``sharding.tracing_rules``), for a layer that routes rows itself (the dropless
+        MoE's ``shard_map``, manual over them: each device routes only its own rows)."""
+        leading = [sh.dimension_axes(s.spec, 1)[0] for s in jax.tree.leaves(batch_shardings)]
+        rows: sh.Rules = (("batch", leading[0]),) if leading and leading[0] else ()
+        with self.strategy.trace_context(self.mesh), sh.tracing_rules(rows):
             yield
 
     def compile_step(
@@ -220,13 +226,17 @@ class Plan:
         donate_argnums: tuple[int, ...] = (),
     ) -> Callable[..., Any]:
         """``step_fn(state_arrays, metrics, batch)`` jitted as the strategy compiles it:
-        wrapped by its ``transform_step``, traced inside ``trace_context()``, with the
-        state in this plan's shardings, the metrics replicated and the batch in
-        ``batch_shardings(batch)``."""
-        wrapped = step.traced_within(self.strategy.transform_step(step_fn), self.trace_context)
+        wrapped by its ``transform_step``, traced inside ``trace_context`` (given the
+        batch's shardings), with the state in this plan's shardings, the metrics
+        replicated and the batch in ``batch_shardings(batch)``."""
+        batch_shardings = self.batch_shardings(batch)
+        wrapped = step.traced_within(
+            self.strategy.transform_step(step_fn),
+            functools.partial(self.trace_context, batch_shardings),
+        )
         return self.strategy.compile_step(
             wrapped,
-            in_shardings=(self.leaf_shardings, self.replicated, self.batch_shardings(batch)),
+            in_shardings=(self.leaf_shardings, self.replicated, batch_shardings),
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
