@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from typing_extensions import override
@@ -32,9 +34,10 @@ class MLflowLogger(TrackerLogger):
     changed param value; a changed config shows in the new keys only).
 
     A tracking server that cannot be reached warns once and training goes on without
-    it. MLflow retries a failed request 7 times with backoff by default; set
-    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT`` to give up
-    sooner.
+    it: one request with a ``connect_timeout_s`` limit asks the server first (MLflow
+    itself retries a failed request 7 times with backoff, minutes, before it gives up;
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT`` set that
+    for a server that answers, then fails).
 
     Args:
       tracking_uri: a server (``http://host:5000``) or a local store
@@ -45,6 +48,8 @@ class MLflowLogger(TrackerLogger):
       artifact_location: where a new experiment keeps its artifacts (MLflow's default
         for ``None``: ``./mlruns`` beside a local store).
       tags: tags of a new run.
+      connect_timeout_s: how long an ``http(s)://`` server has to answer the first
+        request before the run goes on without it.
 
     Needs ``pip install nnx-spmd-trainer[mlflow]`` (``mlflow-skinny``, and SQLAlchemy for
     a ``sqlite:///`` store).
@@ -67,6 +72,7 @@ class MLflowLogger(TrackerLogger):
         run_name: str | None = None,
         artifact_location: str | None = None,
         tags: dict[str, str] | None = None,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         super().__init__()
         import_tracker("mlflow", "mlflow")  # a missing package is known when the run is built
@@ -75,6 +81,7 @@ class MLflowLogger(TrackerLogger):
         self.run_name = run_name
         self.artifact_location = artifact_location
         self.tags = dict(tags or {})
+        self.connect_timeout_s = connect_timeout_s
         self._client: Any = None
 
     @property
@@ -87,6 +94,8 @@ class MLflowLogger(TrackerLogger):
 
     @override
     def _open(self, run_id: str | None) -> str:
+        if self.tracking_uri and self.tracking_uri.startswith(("http://", "https://")):
+            _check_answers(self.tracking_uri, self.connect_timeout_s)
         client = self.client
         if run_id is not None:
             client.update_run(run_id, status="RUNNING")  # a killed run is left RUNNING
@@ -137,3 +146,18 @@ class MLflowLogger(TrackerLogger):
     def _close(self, failed: bool) -> None:
         assert self.run_id is not None
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+def _check_answers(uri: str, timeout_s: float) -> None:
+    """Raises ``ConnectionError`` unless something answers an HTTP request at ``uri``
+    within ``timeout_s`` (any status: a server behind a proxy may refuse ``/``)."""
+    try:
+        urllib.request.urlopen(uri, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as error:  # URLError, refused, timed out, a bad URI
+        reason = getattr(error, "reason", error)
+        raise ConnectionError(
+            f"no MLflow server answers at {uri} within {timeout_s:g} s ({reason}); start "
+            "it (mlflow server ...) or give a reachable tracking_uri / --config.mlflow_uri"
+        ) from error
