@@ -32,6 +32,9 @@ def training_config() -> ml_collections.ConfigDict:
     config.strategy = "data"
     # How a seq member attends over the split sequence: "all_gather" or "ring"
     config.sequence_attention = "all_gather"
+    # Mesh axes placed across hosts by hand: "data=2" (axis=hosts it spans, comma-separated;
+    # Hybrid(across_hosts=)). "": the mesh follows the hosts by itself.
+    config.across_hosts = ""
     config.memory_budget_bytes = 0  # per device, for strategy "auto"; 0: the device's own
     config.num_devices = 8  # simulated on the CPU when no accelerator is present
     config.seed = 0

@@ -164,8 +164,14 @@ def test_check_writable_writes_nothing(tmp_path):
         ({"batch_size": 16, "grad_accum_steps": 4}, "with config.grad_accum_steps=4: "),
         ({"strategy": "data=3"}, "config.strategy='data=3': .*does not fit"),
         ({"max_steps": -1}, "config.max_steps=-1"),
+        ({"strategy": "data=2,model=4", "across_hosts": "data=2"},
+         r"config.across_hosts='data=2': .*asks for 2 hosts, .* on 1 process of \[8\]"),
+        ({"across_hosts": "data"}, r"config.across_hosts='data': 'data' is not axis=hosts"),
+        ({"strategy": "data=2,model=4", "across_hosts": "stage=2"},
+         r"config.across_hosts='stage=2': .*\['stage'\] are not mesh axes"),
+        ({"strategy": "auto", "across_hosts": "data=2"}, "not those 'auto' chooses"),
     ],
-)
+)  # fmt: skip
 def test_run_refuses_before_writing_anything(tmp_path, change, message):
     config = shrink(load("mlp"))
     config.strategy = "data"

@@ -39,6 +39,18 @@ def test_a_dry_run_of_two_processes_prints_one_plan_and_exits_0(tmp_path):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+@pytest.mark.serial
+def test_two_processes_place_the_axis_across_hosts_asks_for(tmp_path):
+    """``--config.across_hosts`` reaches the strategy: the plan names it, and the mesh is
+    built with the data axis over the two processes."""
+    proc = _cli(*MLP, "--config.strategy=data=2,model=4", "--config.across_hosts=data=2",
+                "--num_processes=2", "--dry_run", "--workdir=run", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    plans = [line for line in proc.stdout.splitlines() if " plan: " in f" {line}"]
+    assert plans == ["[0] plan: Hybrid(DataParallel(2), TensorParallel(4), across_hosts="
+                     "{'data': 2}) on mesh {'data': 2, 'model': 4} (cpu)"]  # fmt: skip
+
+
 # -- item 6: Ctrl-C inside a save -------------------------------------------------------------
 # The CLI, with SIGINT sent DELAY seconds into Orbax's save of step AT: the signal lands
 # in the save's blocking part, inside Orbax's own event loop and threads (where, from

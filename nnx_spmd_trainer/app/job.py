@@ -136,23 +136,31 @@ class _LayoutAsked(NamedTuple):
 
 
 def _layout_asked(config: ml_collections.ConfigDict) -> _LayoutAsked:
-    """``config.strategy`` as the job runs it; a ``ConfigError`` naming it if it cannot."""
+    """``config.strategy`` (with ``config.across_hosts``) as the job runs it; a
+    ``ConfigError`` naming the key if it cannot."""
+    across = config.get("across_hosts", "")
     with blamed_on(f"config.strategy={config.strategy!r}"):
         # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
         spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
-        strategy: Strategy | Auto
         if spec == "auto":  # chosen later, holding each process to DataParallel's rows
-            strategy = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
+            if across:
+                raise tasks.ConfigError(
+                    f"config.across_hosts={across!r} places the axes of a strategy spec "
+                    "(--config.strategy=data=2,fsdp=4), not those 'auto' chooses."
+                )
+            auto = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
             shard = DataParallel().data_shard(DataParallel().make_mesh())
-        else:
-            strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
-            # Which rows this process reads is a question of the layout: the strategy says.
-            # The trainer's placement.data_shard would say the same, but the data is needed
-            # before there is a trainer: a task builds its model with its data (the GPT's
-            # vocabulary is its text's), and "auto" chooses the layout on that data. So the
-            # strategy answers on the mesh the trainer's plan will build from the same
-            # devices; from the trainer on, trainer.placement is asked.
-            shard = strategy.data_shard(strategy.make_mesh())
+            return _LayoutAsked(spec, why, auto, shard)
+        strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
+    with blamed_on(f"config.across_hosts={across!r}" if across else f"config.strategy={spec!r}"):
+        strategy = tasks.spanning_hosts(strategy, across)
+        # Which rows this process reads is a question of the layout: the strategy says.
+        # The trainer's placement.data_shard would say the same, but the data is needed
+        # before there is a trainer: a task builds its model with its data (the GPT's
+        # vocabulary is its text's), and "auto" chooses the layout on that data. So the
+        # strategy answers on the mesh the trainer's plan will build from the same
+        # devices; from the trainer on, trainer.placement is asked.
+        shard = strategy.data_shard(strategy.make_mesh())
     return _LayoutAsked(spec, why, strategy, shard)
 
 

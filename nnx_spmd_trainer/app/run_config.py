@@ -107,6 +107,32 @@ def parse_strategy(spec: str, sequence_attention: str = "all_gather") -> Strateg
     return members[0] if len(members) == 1 else Hybrid(*members)
 
 
+def spanning_hosts(strategy: Strategy, spec: str) -> Strategy:
+    """``strategy`` as a ``Hybrid`` whose ``across_hosts`` is ``spec`` (``config.across_hosts``):
+    comma-separated ``axis=hosts``, each mesh axis and the number of hosts it spans;
+    ``""``: ``strategy`` as given (the mesh follows the hosts by itself).
+
+    >>> spanning_hosts(parse_strategy("data=2,fsdp=4"), "data=2")
+    Hybrid(DataParallel(2), FSDP(4), across_hosts={'data': 2})
+    >>> spanning_hosts(parse_strategy("model=8"), "model:2")
+    Hybrid(TensorParallel(8), across_hosts={'model': 2})
+    """
+    hosts: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, count = part.replace(":", "=").partition("=")
+        try:
+            hosts[name.strip()] = int(count)
+        except ValueError:
+            raise ConfigError(
+                f"config.across_hosts={spec!r}: {part!r} is not axis=hosts (a mesh axis and "
+                "the number of hosts it spans), e.g. --config.across_hosts=data=2."
+            ) from None
+    if not hosts:
+        return strategy
+    members = strategy.members if isinstance(strategy, Hybrid) else (strategy,)
+    return Hybrid(*members, across_hosts=hosts)
+
+
 def compute_dtype(config: ml_collections.ConfigDict) -> Any:
     """``config.compute_dtype`` as a JAX dtype: ``float32``, or ``bfloat16``/``float16``
     for mixed precision (parameters and optimizer state stay float32)."""

@@ -128,10 +128,11 @@ def arrange(
     kind, groups = host_groups(devices)
     if len(groups) == 1 or len({len(g) for g in groups}) > 1:
         if math.prod(across_hosts.values()) > 1:
+            plural = ("es" if kind == "process" else "s") if len(groups) > 1 else ""
             raise ShardingError(
                 f"{owner} across_hosts={dict(across_hosts)} asks for "
                 f"{math.prod(across_hosts.values())} hosts, but the {len(devices)} devices are "
-                f"on {len(groups)} {kind}{'es' if kind == 'process' else 's'} of "
+                f"on {len(groups)} {kind}{plural} of "
                 f"{sorted({len(g) for g in groups})} devices. Drop across_hosts, or run one "
                 "process per host with the same devices each."
             )
