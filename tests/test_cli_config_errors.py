@@ -81,6 +81,19 @@ def test_an_occupied_export_path_is_one_line_exit_2(tmp_path):
     assert (tmp_path / "out" / "params").read_text() == "earlier"
 
 
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--export=out", "--export_ema"], "--export_ema: this run keeps no average"),
+        (["--export_ema", "--config.ema_decay=0.9"], "--export_ema without --export=DIR"),
+    ],
+)
+def test_export_ema_without_an_average_or_a_directory_is_one_line_exit_2(tmp_path, args, key):
+    proc = _cli(*TINY, *args, f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_refused(proc, key)
+    assert tree(tmp_path) == set()  # refused before anything is trained or written
+
+
 # -- in this process: every key's range, and run() checking before it writes ---------------
 @pytest.mark.parametrize(
     "key, value, fix",

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -175,3 +176,32 @@ def test_cli_exports_the_trained_mlp(tmp_path):
     assert all(np.isfinite(v).all() for v in restored.values())
     # A second run onto the export is refused before training: the same check_export_path
     # refusal as test_cli_config_errors.test_an_occupied_export_path_is_one_line_exit_2.
+
+
+@pytest.mark.slow
+def test_the_cli_exports_the_average_of_the_weights_with_export_ema(tmp_path):
+    """``--export_ema`` writes the EMA the run's last checkpoint holds in its optimizer
+    state, not the trained parameters the same checkpoint holds."""
+    args = ("--config=mlp", "--config.max_steps=3", "--config.batch_size=16",
+            "--config.eval_every_n_steps=0", "--config.max_eval_batches=1",
+            "--config.ema_decay=0.5", f"--workdir={tmp_path / 'run'}",
+            f"--export={tmp_path / 'export'}", "--export_ema")  # fmt: skip
+    proc = _cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the average of the parameters (EMA) exported to {tmp_path / 'export'}" in (
+        proc.stdout
+    )
+    exported = ocp.PyTreeCheckpointer().restore(tmp_path / "export")
+    # The checkpoint of step 3, read with plain Orbax: the model's and the average's leaves.
+    step = tmp_path / "run" / "checkpoints" / "3" / "state"
+    saved = ocp.PyTreeCheckpointer().restore(step)
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(saved)}
+    for layer, params in exported.items():
+        for name, value in params.items():
+            trained = [v for k, v in flat.items() if k.startswith("['model']") and
+                       f"['{layer}']['{name}']" in k]  # fmt: skip
+            average = [v for k, v in flat.items() if "['ema']" in k and
+                       f"['{layer}']['{name}']" in k]  # fmt: skip
+            assert len(trained) == 1 and len(average) == 1, (layer, name, sorted(flat))
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(average[0]))
+            assert not np.array_equal(np.asarray(value), np.asarray(trained[0]))

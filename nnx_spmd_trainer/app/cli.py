@@ -87,10 +87,15 @@ def _main(argv: Sequence[str]) -> int:
                     "--export."
                 ) from None
             check_writable(flags.FLAGS.export, "--export")
-        elif flags.FLAGS["export_format"].present:
+        elif flags.FLAGS["export_format"].present or flags.FLAGS.export_ema:
+            given = "--export_ema" if flags.FLAGS.export_ema else "--export_format"
             raise tasks.ConfigError(
-                f"--export_format={flags.FLAGS.export_format} without --export=DIR: "
-                "say where to write the parameters."
+                f"{given} without --export=DIR: say where to write the parameters."
+            )
+        if flags.FLAGS.export_ema and not config.get("ema_decay"):
+            raise tasks.ConfigError(
+                "--export_ema: this run keeps no average of the weights; give "
+                "--config.ema_decay=0.999 (say), or export the trained weights without it."
             )
     except tasks.ConfigError as error:
         fail(str(error))
@@ -132,7 +137,9 @@ def _main(argv: Sequence[str]) -> int:
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
         assert result.trainer is not None
         try:
-            path = export(result, flags.FLAGS.export, flags.FLAGS.export_format)
+            path = export(
+                result, flags.FLAGS.export, flags.FLAGS.export_format, ema=flags.FLAGS.export_ema
+            )
         except OSError as error:  # a full disk, a read-only directory: no partial file left
             fail(
                 f"--export={flags.FLAGS.export}: the parameters could not be written: "
@@ -141,14 +148,15 @@ def _main(argv: Sequence[str]) -> int:
                 "them and trains nothing more).",
                 status=1,
             )
+        what = "the average of the parameters (EMA)" if flags.FLAGS.export_ema else "parameters"
         if jax.process_index() == 0 and flags.FLAGS.export_format == "safetensors":
             say(
-                f"parameters exported to {path} under the task's weight map's names; "
+                f"{what} exported to {path} under the task's weight map's names; "
                 f"load them with safetensors.numpy.load_file({str(path)!r})"
             )
         elif jax.process_index() == 0:
             say(
-                f"parameters exported to {path}; load them with plain Orbax: "
+                f"{what} exported to {path}; load them with plain Orbax: "
                 f"orbax.checkpoint.PyTreeCheckpointer().restore({str(path)!r})"
             )
     return 0
@@ -214,6 +222,12 @@ def main(
         list(EXPORT_FORMATS),
         "With --export: a plain Orbax checkpoint (orbax), or DIR/model.safetensors under "
         "the task's weight map's names (safetensors; gpt2_hf: Hugging Face's GPT-2).",
+    )
+    flags.DEFINE_bool(
+        "export_ema",
+        False,
+        "With --export and --config.ema_decay: export the average of the weights (EMA) in "
+        "place of the trained ones.",
     )
     flags.DEFINE_integer("num_processes", 1, "Processes of the job (alone: launched here).")
     flags.DEFINE_bool(

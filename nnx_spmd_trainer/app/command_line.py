@@ -142,6 +142,7 @@ def usage(argv: Sequence[str]) -> str:
             "  --export=DIR        write the trained parameters as a plain Orbax checkpoint",
             "  --export_format=safetensors  ... or as DIR/model.safetensors under the task's",
             "                      weight map's names (gpt2_hf: Hugging Face's GPT-2)",
+            "  --export_ema        ... the average of the weights (--config.ema_decay) instead",
             "  --num_processes=N   run as N processes of one JAX job on this machine",
             "                      (on a cluster: one per host, with --coordinator_address",
             "                      and --process_id, or JAX's cluster detection)",

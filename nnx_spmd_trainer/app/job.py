@@ -3,6 +3,7 @@ trained, evaluated and reported (``run``: ``nnx-spmd-train`` without the flags).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -286,20 +287,26 @@ def check_export_format(
         )
 
 
-def export(result: RunResult, directory: str | os.PathLike[str], export_format: str) -> Path:
+def export(
+    result: RunResult, directory: str | os.PathLike[str], export_format: str, *, ema: bool = False
+) -> Path:
     """The trained parameters written under ``directory`` (``--export``): a plain Orbax
     checkpoint there (``export_params``), or, with ``"safetensors"``, the file
     ``directory/model.safetensors`` through the task's weight map (Hugging Face's names
-    and shapes for gpt2_hf: ``transformers`` loads the directory). Every process calls it.
+    and shapes for gpt2_hf: ``transformers`` loads the directory). ``ema``
+    (``--export_ema``): the average of the weights (``config.ema_decay``) in their place.
+    Every process calls it.
     """
-    if result.trainer is None:
+    trainer = result.trainer
+    if trainer is None:
         raise ValueError("this run trained nothing (a dry run): there is nothing to export")
-    if export_format != "safetensors":
-        return export_params(result.trainer.model, directory)
-    if result.weight_map is None:
-        raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    return result.trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=result.weight_map)
+    with trainer.ema_weights() if ema else contextlib.nullcontext():
+        if export_format != "safetensors":
+            return export_params(trainer.model, directory)
+        if result.weight_map is None:
+            raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=result.weight_map)
 
 
 def _train(
