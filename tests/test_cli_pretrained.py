@@ -12,7 +12,7 @@ from test_cli import _cli, load, shrink
 from test_cli_config_errors import TINY, assert_refused
 from test_weights_gpt2 import hf_weights
 
-from nnx_spmd_trainer.app import job, tasks
+from nnx_spmd_trainer.app import job, job_export, tasks
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2Config
 
 
@@ -44,7 +44,9 @@ def test_init_from_starts_the_job_from_the_file_and_a_task_without_a_map_is_refu
     )
     assert result.history.steps["train/loss"][-1] == 1
     # --export_format=safetensors: HF's file again, its names and shapes, bit for bit (lr 0).
-    exported = job.export(result, tmp_path / "export", "safetensors")
+    exported = job_export.export(
+        result.trainer, tmp_path / "export", "safetensors", weight_map=result.weight_map
+    )
     assert exported == tmp_path / "export" / "model.safetensors"
     back = safetensors.numpy.load_file(str(exported))
     assert back.keys() == w.keys()

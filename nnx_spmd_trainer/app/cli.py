@@ -60,7 +60,8 @@ from nnx_spmd_trainer.app.command_line import (
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.interrupts import ORBAX_LOG, exit_at_once, interrupt
-from nnx_spmd_trainer.app.job import EXPORT_FORMATS, export, run
+from nnx_spmd_trainer.app.job import run
+from nnx_spmd_trainer.app.job_export import EXPORT_FORMATS, export
 from nnx_spmd_trainer.app.workdir import check_writable
 from nnx_spmd_trainer.io.export import check_export_path
 from nnx_spmd_trainer.sharding import ShardingError
@@ -88,7 +89,11 @@ def _main(argv: Sequence[str]) -> int:
                 ) from None
             check_writable(flags.FLAGS.export, "--export")
         elif flags.FLAGS["export_format"].present or flags.FLAGS.export_ema:
-            given = "--export_ema" if flags.FLAGS.export_ema else "--export_format"
+            given = (
+                "--export_ema"
+                if flags.FLAGS.export_ema
+                else f"--export_format={flags.FLAGS.export_format}"
+            )
             raise tasks.ConfigError(
                 f"{given} without --export=DIR: say where to write the parameters."
             )
@@ -138,8 +143,9 @@ def _main(argv: Sequence[str]) -> int:
         assert result.trainer is not None
         try:
             path = export(
-                result, flags.FLAGS.export, flags.FLAGS.export_format, ema=flags.FLAGS.export_ema
-            )
+                result.trainer, flags.FLAGS.export, flags.FLAGS.export_format,
+                weight_map=result.weight_map, ema=flags.FLAGS.export_ema,
+            )  # fmt: skip
         except OSError as error:  # a full disk, a read-only directory: no partial file left
             fail(
                 f"--export={flags.FLAGS.export}: the parameters could not be written: "

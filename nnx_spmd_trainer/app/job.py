@@ -3,7 +3,6 @@ trained, evaluated and reported (``run``: ``nnx-spmd-train`` without the flags).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -32,6 +31,7 @@ from nnx_spmd_trainer.app.job_checks import (
     check_init_from,
     refused_or_noted,
 )
+from nnx_spmd_trainer.app.job_export import check_export_format
 from nnx_spmd_trainer.app.run_config import averaging_and_spikes
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
@@ -41,7 +41,6 @@ from nnx_spmd_trainer.app.workdir import (
 from nnx_spmd_trainer.data.corpus import TOKENS_FILE
 from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.data_shard import DataShard
-from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.planner import compile_cache
 from nnx_spmd_trainer.planner.auto import Auto
 from nnx_spmd_trainer.planner.flops import peak_flops
@@ -262,51 +261,6 @@ def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.P
     if not Path(path).exists():
         raise tasks.ConfigError(f"{key}: there is no file or directory there.")
     return weights.Pretrained(path, task.weight_map)
-
-
-#: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, or the
-#: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf).
-EXPORT_FORMATS = ("orbax", "safetensors")
-#: The file ``export(..., "safetensors")`` writes in the ``--export`` directory (HF's name).
-SAFETENSORS_FILE = "model.safetensors"
-
-
-def check_export_format(
-    config: ml_collections.ConfigDict, task: tasks.Task, export_format: str
-) -> None:
-    """A ``ConfigError`` naming ``--export_format`` where it is unknown, or where it is
-    ``"safetensors"`` and the task has no weight map to write the names through."""
-    key = f"--export_format={export_format}"
-    if export_format not in EXPORT_FORMATS:
-        raise tasks.ConfigError(f"{key}: must be one of {', '.join(EXPORT_FORMATS)}.")
-    if export_format == "safetensors" and task.weight_map is None:
-        raise tasks.ConfigError(
-            f"{key}: config.model={config.model!r} has no weight map to write a safetensors "
-            "file's names through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); "
-            "use --export_format=orbax."
-        )
-
-
-def export(
-    result: RunResult, directory: str | os.PathLike[str], export_format: str, *, ema: bool = False
-) -> Path:
-    """The trained parameters written under ``directory`` (``--export``): a plain Orbax
-    checkpoint there (``export_params``), or, with ``"safetensors"``, the file
-    ``directory/model.safetensors`` through the task's weight map (Hugging Face's names
-    and shapes for gpt2_hf: ``transformers`` loads the directory). ``ema``
-    (``--export_ema``): the average of the weights (``config.ema_decay``) in their place.
-    Every process calls it.
-    """
-    trainer = result.trainer
-    if trainer is None:
-        raise ValueError("this run trained nothing (a dry run): there is nothing to export")
-    with trainer.ema_weights() if ema else contextlib.nullcontext():
-        if export_format != "safetensors":
-            return export_params(trainer.model, directory)
-        if result.weight_map is None:
-            raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        return trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=result.weight_map)
 
 
 def _train(

@@ -1,0 +1,60 @@
+"""``--export``: the trained parameters (or their average) written after a run, in a
+plain Orbax checkpoint or the task's pretrained file format."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import ml_collections
+
+from nnx_spmd_trainer import Trainer, weights
+from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.io.export import export_params
+
+#: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, or the
+#: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf).
+EXPORT_FORMATS = ("orbax", "safetensors")
+#: The file ``export(..., "safetensors")`` writes in the ``--export`` directory (HF's name).
+SAFETENSORS_FILE = "model.safetensors"
+
+
+def check_export_format(
+    config: ml_collections.ConfigDict, task: tasks.Task, export_format: str
+) -> None:
+    """A ``ConfigError`` naming ``--export_format`` where it is unknown, or where it is
+    ``"safetensors"`` and the task has no weight map to write the names through."""
+    key = f"--export_format={export_format}"
+    if export_format not in EXPORT_FORMATS:
+        raise tasks.ConfigError(f"{key}: must be one of {', '.join(EXPORT_FORMATS)}.")
+    if export_format == "safetensors" and task.weight_map is None:
+        raise tasks.ConfigError(
+            f"{key}: config.model={config.model!r} has no weight map to write a safetensors "
+            "file's names through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); "
+            "use --export_format=orbax."
+        )
+
+
+def export(
+    trainer: Trainer,
+    directory: str | os.PathLike[str],
+    export_format: str,
+    *,
+    weight_map: weights.WeightMap | None = None,
+    ema: bool = False,
+) -> Path:
+    """``trainer``'s parameters written under ``directory`` (``--export``): a plain Orbax
+    checkpoint there (``export_params``), or, with ``"safetensors"``, the file
+    ``directory/model.safetensors`` through the task's ``weight_map`` (Hugging Face's
+    names and shapes for gpt2_hf: ``transformers`` loads the directory). ``ema``
+    (``--export_ema``): the average of the weights (``config.ema_decay``) in their place.
+    Every process calls it.
+    """
+    with trainer.ema_weights() if ema else contextlib.nullcontext():
+        if export_format != "safetensors":
+            return export_params(trainer.model, directory)
+        if weight_map is None:
+            raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=weight_map)
