@@ -212,7 +212,11 @@ class Plan:
         the ``batch_shardings``, a ``batch`` rule naming the mesh axes that split the rows
         (``sharding.tracing_rules``), for a layer that routes rows itself (the dropless
         MoE's ``shard_map``, manual over them: each device routes only its own rows)."""
-        leading = [sh.dimension_axes(s.spec, 1)[0] for s in jax.tree.leaves(batch_shardings)]
+        leading = [
+            sh.dimension_axes(s.spec, 1)[0]
+            for s in jax.tree.leaves(batch_shardings)
+            if isinstance(s, NamedSharding)
+        ]
         rows: sh.Rules = (("batch", leading[0]),) if leading and leading[0] else ()
         with self.strategy.trace_context(self.mesh), sh.tracing_rules(rows):
             yield
