@@ -152,7 +152,8 @@ def _layout_asked(config: ml_collections.ConfigDict) -> _LayoutAsked:
             shard = DataParallel().data_shard(DataParallel().make_mesh())
             return _LayoutAsked(spec, why, auto, shard)
         strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
-    with blamed_on(f"config.across_hosts={across!r}" if across else f"config.strategy={spec!r}"):
+    key = f"config.across_hosts={across!r}" if across else f"config.strategy={config.strategy!r}"
+    with blamed_on(key):
         strategy = tasks.spanning_hosts(strategy, across)
         # Which rows this process reads is a question of the layout: the strategy says.
         # The trainer's placement.data_shard would say the same, but the data is needed
