@@ -1,8 +1,8 @@
 """Annotations + logical-axis rules -> PartitionSpec, with named errors.
 
 Pure functions over shapes, axis names and sizes, unit-tested against a plain
-``{axis: size}`` mapping; only ``traced_axes`` reads the rules and mesh in force
-while a step is traced (Flax's, and the trainer's ``tracing_rules``).
+``{axis: size}`` mapping. Which axes split a layer while a step is traced (the rules
+and mesh in force) is ``nn/tracing.py``'s.
 
 Resolution of one annotated name, in order:
 
@@ -24,14 +24,10 @@ Which rows each process feeds (``data_shard_of``) lives in ``data_shard.py``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import jax
-from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -388,31 +384,3 @@ def dimension_axes(spec: P, ndim: int | None = None) -> tuple[tuple[str, ...], .
     """
     entries = [_axis_names(entry) for entry in spec]
     return tuple(entries + [()] * ((len(entries) if ndim is None else ndim) - len(entries)))
-
-
-#: Rules the trainer puts in force for the library's own layers while it traces a step
-#: (``tracing_rules``), read by ``traced_axes`` after Flax's. Not Flax's: there a rule for
-#: ``batch`` alone would make a user's ``with_logical_constraint(x, ("batch", "embed"))``
-#: replicate ``embed``, where it does nothing without rules.
-_TRACING_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("tracing", default=())
-
-
-@contextlib.contextmanager
-def tracing_rules(rules: Rules) -> Iterator[None]:
-    """Inside the block ``traced_axes`` also reads ``rules`` (Flax's context first)."""
-    token = _TRACING_RULES.set(rules)
-    try:
-        yield
-    finally:
-        _TRACING_RULES.reset(token)
-
-
-def traced_axes(*logical: str) -> tuple[str, ...]:
-    """The mesh axes of size > 1 that the first of ``logical`` with a rule in force maps to,
-    on the mesh being traced: how a layer learns, inside a step, which axes split it."""
-    rules = {**dict(_TRACING_RULES.get()), **dict(flax_spmd.get_logical_axis_rules())}
-    target = next((rules[n] for n in logical if rules.get(n) is not None), None)
-    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
-    return tuple(n for n in names if sizes.get(n, 1) > 1)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.nn import tracing
 from nnx_spmd_trainer.nn.ring_attention import ring_attention
 
 __all__ = [
@@ -88,7 +88,7 @@ def length_axes() -> tuple[str, ...]:
     >>> length_axes()  # no rules, no mesh
     ()
     """
-    return sh.traced_axes(*LENGTH_NAMES)
+    return tracing.traced_axes(*LENGTH_NAMES)
 
 
 def _pinned(x: jax.Array, spec: P) -> jax.Array:

@@ -50,7 +50,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.nn import tracing
 from nnx_spmd_trainer.nn.moe_dropless import dropless_experts
 
 __all__ = ["EXPERTS", "METRIC_NAMES", "MoE", "expert_axes", "moe_losses", "moe_metrics"]
@@ -75,7 +75,7 @@ def expert_axes() -> tuple[str, ...]:
     >>> expert_axes()  # no rules, no mesh
     ()
     """
-    return sh.traced_axes(EXPERTS)
+    return tracing.traced_axes(EXPERTS)
 
 
 def _exchange(x: jax.Array, *, to_experts: bool) -> jax.Array:

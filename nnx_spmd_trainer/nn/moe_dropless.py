@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.nn import tracing
 
 __all__ = ["Exchange", "dropless_experts", "exchange_for"]
 
@@ -84,7 +84,7 @@ def dropless_experts(
             f"MoE: the experts map to several mesh axes {expert_axes}; map them to one."
         )
     expert_axis = expert_axes[0] if expert_axes else None
-    rows_axes = sh.traced_axes("batch")
+    rows_axes = tracing.traced_axes("batch")
     if expert_axis is not None and expert_axis not in rows_axes:
         rows_axes = (*rows_axes, expert_axis)  # each expert device routes its own rows
     kind = exchange or exchange_for(jax.default_backend())

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.nn import remat as remat_lib
+from nnx_spmd_trainer.nn import tracing
 from nnx_spmd_trainer.planner import plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
 from nnx_spmd_trainer.planner.ema import EMA
@@ -210,7 +211,7 @@ class Plan:
     def trace_context(self, batch_shardings: Any = None) -> Iterator[None]:
         """What is in force while a step is traced: the strategy's ``trace_context``; with
         the ``batch_shardings``, a ``batch`` rule naming the mesh axes that split the rows
-        (``sharding.tracing_rules``), for a layer that routes rows itself (the dropless
+        (``nn.tracing.tracing_rules``), for a layer that routes rows itself (the dropless
         MoE's ``shard_map``, manual over them: each device routes only its own rows)."""
         leading = [
             sh.dimension_axes(s.spec, 1)[0]
@@ -218,7 +219,7 @@ class Plan:
             if isinstance(s, NamedSharding)
         ]
         rows: sh.Rules = (("batch", leading[0]),) if leading and leading[0] else ()
-        with self.strategy.trace_context(self.mesh), sh.tracing_rules(rows):
+        with self.strategy.trace_context(self.mesh), tracing.tracing_rules(rows):
             yield
 
     def compile_step(
