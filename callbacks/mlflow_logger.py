@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -150,14 +152,20 @@ class MLflowLogger(TrackerLogger):
 
 def _check_answers(uri: str, timeout_s: float) -> None:
     """Raises ``ConnectionError`` unless something answers an HTTP request at ``uri``
-    within ``timeout_s`` (any status: a server behind a proxy may refuse ``/``)."""
+    within ``timeout_s``: any status (a server behind a proxy may refuse ``/``), or a TLS
+    handshake this probe cannot verify (MLflow may, with its own certificates). The
+    URI's credentials are left out of the probe (urllib would read them as the host)."""
+    parts = urllib.parse.urlsplit(uri)
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
     try:
-        urllib.request.urlopen(uri, timeout=timeout_s).close()
+        urllib.request.urlopen(bare, timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return  # it answered
     except (OSError, ValueError) as error:  # URLError, refused, timed out, a bad URI
         reason = getattr(error, "reason", error)
+        if isinstance(reason, ssl.SSLError):
+            return  # a TLS server answered
         raise ConnectionError(
-            f"no MLflow server answers at {uri} within {timeout_s:g} s ({reason}); start "
+            f"no MLflow server answers at {bare} within {timeout_s:g} s ({reason}); start "
             "it (mlflow server ...) or give a reachable tracking_uri / --config.mlflow_uri"
         ) from error

@@ -5,9 +5,9 @@
 Trains ``Net`` (DataParallel over both processes' devices) to step 10 three times, each
 process writing ``ROOT.<process>.json``:
 
-1. with ``ROOT/persistent`` every 4 steps and ``ROOT/local`` every 3, crashing after
-   step 7 (an exception in both processes, as a crash of the job): persistent 4, local 3
-   and 6 are left;
+1. with ``ROOT/persistent`` every 4 steps and ``ROOT/local`` every 3, failing after
+   step 7 (an exception in both processes: the saves in flight complete, step 7 is not
+   saved): persistent 4, local 3 and 6 are left;
 2. again with the same checkpoints: it resumes from the newest step of either tier,
    local 6, and trains steps 7 to 10;
 3. uninterrupted, without checkpoints: the losses run 2 must repeat.

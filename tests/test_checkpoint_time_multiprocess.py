@@ -31,13 +31,15 @@ def test_two_processes_save_by_process_0s_clock_at_the_same_steps(tmp_path):
     assert OrbaxCheckpoint(checkpoints).steps() == [2, 6, 10]
 
 
-def test_two_processes_crash_and_resume_from_the_newer_local_tier_as_one_run(tmp_path):
+def test_two_processes_failing_after_step_7_resume_from_the_newer_local_tier_as_one_run(
+    tmp_path,
+):
     root, log = tmp_path / "tiers", io.StringIO()
     status = distributed.Launch([sys.executable, str(TIERS_WORKER), str(root)], 2, out=log).run()
     assert status == 0, log.getvalue()[-4000:]
     seen = [json.loads(Path(f"{root}.{p}.json").read_text()) for p in (0, 1)]
     for each in seen:
-        assert each["left"] == {"persistent": [4], "local": [3, 6]}  # the crash after step 7
+        assert each["left"] == {"persistent": [4], "local": [3, 6]}  # failed after step 7
         assert each["restored"] == 6  # local 6, newer than persistent 4
         assert each["after"] == each["whole"][6:]  # bitwise, steps 7 to 10
         assert each["persistent"] == [4, 8, 10] and each["local"] == [3, 6, 9]

@@ -183,6 +183,8 @@ def test_check_writable_writes_nothing(tmp_path):
         ({"strategy": "data=2,model=4", "across_hosts": "stage=2"},
          r"config.across_hosts='stage=2': .*\['stage'\] are not mesh axes"),
         ({"strategy": "auto", "across_hosts": "data=2"}, "not those 'auto' chooses"),
+        ({"across_hosts": "data=2,data=1"}, r"across_hosts='data=2,data=1' names 'data' twice"),
+        ({"strategy": "data=3", "across_hosts": "data=2"}, "config.strategy='data=3': "),
     ],
 )  # fmt: skip
 def test_run_refuses_before_writing_anything(tmp_path, change, message):

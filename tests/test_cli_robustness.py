@@ -41,8 +41,8 @@ def test_a_dry_run_of_two_processes_prints_one_plan_and_exits_0(tmp_path):
 
 @pytest.mark.serial
 def test_two_processes_place_the_axis_across_hosts_asks_for(tmp_path):
-    """``--config.across_hosts`` reaches the strategy: the plan names it, and the mesh is
-    built with the data axis over the two processes."""
+    """``--config.across_hosts`` reaches the strategy of a two-process job: its plan names
+    it (``tests/test_mesh_hosts.py`` shows what ``across_hosts`` does to the mesh)."""
     proc = _cli(*MLP, "--config.strategy=data=2,model=4", "--config.across_hosts=data=2",
                 "--num_processes=2", "--dry_run", "--workdir=run", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from toy_models import RecordLosses, assert_params_match, train_reference
 
 from nnx_spmd_trainer import DataParallel, ExpertParallel, Hybrid, Trainer
-from nnx_spmd_trainer.nn import moe_dropless
+from nnx_spmd_trainer.nn import moe_dropless, tracing
 from nnx_spmd_trainer.nn.moe import MoE, moe_losses, moe_metrics
 
 EMBED, FF, EXPERTS, TOP_K = 8, 16, 4, 2
@@ -98,6 +98,19 @@ def test_dropless_is_the_weighted_sum_of_every_tokens_top_k_experts():
     assert float(dropping_metrics["moe_dropped_tokens"]) > 0  # a capacity would drop here
     assert float(metrics["moe_dropped_tokens"]) == 0
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_fewer_than_the_batch_split_stay_the_compilers():
+    """A pipeline's microbatch can hold fewer rows than the batch rule's axes split (one
+    row, two data devices): the block leaves those rows to the compiler, as without the
+    rule, and still computes every token."""
+    with nnx.use_eager_sharding(False):
+        block = MoE(EMBED, FF, EXPERTS, top_k=TOP_K, capacity_factor=None, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (1, SEQ, EMBED))
+    mesh = mesh_of(DataParallel(2), 2)
+    with jax.set_mesh(mesh), tracing.tracing_rules((("batch", "data"),)):
+        y = nnx.jit(lambda block, x: block(x))(block, x)
+    np.testing.assert_allclose(y, nnx.jit(dense_top_k)(block, x), rtol=1e-5, atol=1e-6)
 
 
 def test_dropless_equals_the_capacity_path_where_nothing_drops_and_gradients_flow():

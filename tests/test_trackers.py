@@ -7,12 +7,14 @@ uninterrupted run's history.
 
 from __future__ import annotations
 
+import http.server
 import io
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -180,6 +182,30 @@ def test_mlflow_out_of_reach_warns_once_and_the_run_finishes(tmp_path):
     assert time.monotonic() - start < 60  # not MLflow's retries (2 + 4 + ... + 64 s at least)
     assert trainer.step == 3 and trainer.history.steps["train/loss"] == [1, 2, 3]
     assert logger.run_id is None
+
+
+def test_the_probe_counts_any_answer_and_leaves_credentials_out():
+    """A server answering 404 to ``/`` answers; a URI's ``user:password@`` is not taken for
+    its host, and no message repeats the password."""
+    from callbacks.mlflow_logger import _check_answers
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), NotFound) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            _check_answers(f"http://user:secret@127.0.0.1:{server.server_port}", 5.0)
+        finally:
+            server.shutdown()
+        port = server.server_port
+    with pytest.raises(ConnectionError, match=r"at http://127\.0\.0\.1:\d+ within") as caught:
+        _check_answers(f"http://user:secret@127.0.0.1:{port}", 5.0)  # closed now
+    assert "secret" not in str(caught.value)
 
 
 WORKER = """

@@ -152,8 +152,11 @@ def _layout_asked(config: ml_collections.ConfigDict) -> _LayoutAsked:
             shard = DataParallel().data_shard(DataParallel().make_mesh())
             return _LayoutAsked(spec, why, auto, shard)
         strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
-    key = f"config.across_hosts={across!r}" if across else f"config.strategy={config.strategy!r}"
-    with blamed_on(key):
+        if across:  # what the strategy alone cannot do is the strategy's, not across_hosts'
+            strategy.make_mesh()
+    with blamed_on(
+        f"config.across_hosts={across!r}" if across else f"config.strategy={config.strategy!r}"
+    ):
         strategy = tasks.spanning_hosts(strategy, across)
         # Which rows this process reads is a question of the layout: the strategy says.
         # The trainer's placement.data_shard would say the same, but the data is needed

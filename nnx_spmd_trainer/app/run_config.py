@@ -120,6 +120,8 @@ def spanning_hosts(strategy: Strategy, spec: str) -> Strategy:
     hosts: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, count = part.replace(":", "=").partition("=")
+        if name.strip() in hosts:
+            raise ConfigError(f"config.across_hosts={spec!r} names {name.strip()!r} twice.")
         try:
             hosts[name.strip()] = int(count)
         except ValueError:

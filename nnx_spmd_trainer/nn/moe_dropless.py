@@ -33,6 +33,7 @@ local expert: ``E_local / top_k`` times the useful FLOPs (benchmarks/moe_dispatc
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -84,7 +85,13 @@ def dropless_experts(
             f"MoE: the experts map to several mesh axes {expert_axes}; map them to one."
         )
     expert_axis = expert_axes[0] if expert_axes else None
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)) if mesh.axis_names else {}
     rows_axes = tracing.traced_axes("batch")
+    if x.shape[0] % math.prod(sizes[name] for name in rows_axes):
+        # Fewer rows than the batch's split here (a pipeline's microbatch): they stay the
+        # compiler's, as under no batch rule.
+        rows_axes = ()
     if expert_axis is not None and expert_axis not in rows_axes:
         rows_axes = (*rows_axes, expert_axis)  # each expert device routes its own rows
     kind = exchange or exchange_for(jax.default_backend())
@@ -94,10 +101,7 @@ def dropless_experts(
 
     if not rows_axes:  # no mesh splits the rows: one device's computation
         return local(x, weights, chosen_ids, wi, wo)
-    mesh = jax.sharding.get_abstract_mesh()
-    split = 1
-    for name in rows_axes:
-        split *= dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[name]
+    split = math.prod(sizes[name] for name in rows_axes)
     if x.shape[0] % split:
         raise ValueError(
             f"MoE (dropless): the batch of {x.shape[0]} rows does not split over the mesh "

@@ -213,12 +213,12 @@ class Plan:
         the ``batch_shardings``, a ``batch`` rule naming the mesh axes that split the rows
         (``nn.tracing.tracing_rules``), for a layer that routes rows itself (the dropless
         MoE's ``shard_map``, manual over them: each device routes only its own rows)."""
-        leading = [
-            sh.dimension_axes(s.spec, 1)[0]
+        split = [  # the rows' axes: of the first leaf whose rows are split
+            axes
             for s in jax.tree.leaves(batch_shardings)
-            if isinstance(s, NamedSharding)
+            if isinstance(s, NamedSharding) and (axes := sh.dimension_axes(s.spec, 1)[0])
         ]
-        rows: sh.Rules = (("batch", leading[0]),) if leading and leading[0] else ()
+        rows: sh.Rules = (("batch", split[0]),) if split else ()
         with self.strategy.trace_context(self.mesh), tracing.tracing_rules(rows):
             yield
 

@@ -378,8 +378,9 @@ def loss_fn(
     (``segment_ids``, ``positions``), the mean over its targets within a document
     (``target_weights``).
 
-    ``aux`` holds each token's correctness, averaged per token by the metrics (over a
-    packed batch, its trained targets' mean accuracy: ``_token_accuracy``). A model with
+    ``aux`` holds each token's correctness, averaged per token by the metrics; over a
+    packed batch, the batch's mean accuracy over its trained targets, a scalar the
+    metrics count once per row as they count the loss (``_token_accuracy``). A model with
     MoE blocks adds their auxiliary losses and reports their metrics (``moe.moe_losses``).
     """
     logits = model(batch["inputs"], **packed_inputs(batch)).astype(jnp.float32)
