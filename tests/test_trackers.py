@@ -187,7 +187,7 @@ def test_mlflow_out_of_reach_warns_once_and_the_run_finishes(tmp_path):
 def test_the_probe_counts_any_answer_and_leaves_credentials_out():
     """A server answering 404 to ``/`` answers; a URI's ``user:password@`` is not taken for
     its host, and no message repeats the password."""
-    from callbacks.mlflow_logger import _check_answers
+    from nnx_spmd_trainer.callbacks.mlflow_logger import _check_answers
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
