@@ -8,6 +8,7 @@ import gc
 import logging as std_logging
 import os
 import sys
+import threading
 from types import FrameType
 from typing import NoReturn
 
@@ -30,11 +31,27 @@ ORBAX_LOG = _OrbaxLog()
 
 
 def interrupt(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C: Python's own ``KeyboardInterrupt``, with Orbax's logs quiet from here."""
-    del signum, frame
+    """Ctrl-C: Python's own ``KeyboardInterrupt``, with Orbax's logs quiet from here.
+
+    Raised inside a garbage-collection callback (JAX registers one) or a ``__del__``,
+    Python would print it and drop it, and the run would go on: there the signal is sent
+    again a moment later, once the callback has returned."""
     ORBAX_LOG.interrupted = True
+    if _dropped_if_raised_in(frame):
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        return
     raise KeyboardInterrupt
 
+
+def _dropped_if_raised_in(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a ``gc.callbacks`` function or a ``__del__``, where
+    Python ignores an exception (prints "Exception ignored in" and goes on)."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def exit_at_once(status: int) -> NoReturn:
