@@ -15,11 +15,11 @@ from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.nn import moe, remat, stack
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
+from nnx_spmd_trainer.optim.ema import EMA
+from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import auto
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
-from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
-from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import sharding_table
 from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import ShardingError, path_str

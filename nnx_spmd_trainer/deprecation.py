@@ -108,8 +108,9 @@ def renamed_keywords(**renames: str) -> Callable[[_F], _F]:
     return decorate
 
 
-#: Modules that moved into the role folders in 0.2.0 (old name -> new, under the package).
-#: ``import nnx_spmd_trainer.moe`` still works until {REMOVED_IN}, warning once.
+#: Modules that moved in 0.2.0 (old name -> new, under the package; an old name may be
+#: inside a subpackage, ``"planner.ema"``). ``import nnx_spmd_trainer.moe`` still works until
+#: {REMOVED_IN}, warning once.
 MOVED_MODULES: dict[str, str] = {
     "loop": "engine.loop",
     "run": "engine.run",
@@ -117,7 +118,7 @@ MOVED_MODULES: dict[str, str] = {
     "run_access": "engine.run_access",
     "metric_log": "engine.metric_log",
     "predict": "engine.predict",
-    "layout": "engine.layout",
+    "layout": "engine.plan_holder",
     "plan": "planner.plan",
     "plan_report": "planner.plan_report",
     "step": "planner.step",
@@ -140,6 +141,21 @@ MOVED_MODULES: dict[str, str] = {
     "losses": "nn.losses",
     "export": "io.export",
     "run_lock": "io.run_lock",
+    # 0.2.0's fifth floor: what wraps the optimizer in its own room; one meaning per name.
+    "planner.ema": "optim.ema",
+    "planner.spikes": "optim.spikes",
+    "engine.layout": "engine.plan_holder",
+    "strategies.host_layout": "strategies.host_axes",
+    # OrbaxCheckpoint's modules, one room now (callbacks/checkpoint/; the package keeps
+    # the old module's name, nnx_spmd_trainer.callbacks.checkpoint, so that one needs no entry).
+    "callbacks.checkpoint_checks": "callbacks.checkpoint.checks",
+    "callbacks.checkpoint_items": "callbacks.checkpoint.format",
+    "callbacks.checkpoint_restore": "callbacks.checkpoint.step_reader",
+    "callbacks.checkpoint_resume": "callbacks.checkpoint.resumer",
+    "callbacks.checkpoint_save": "callbacks.checkpoint.save_errors",
+    "callbacks.checkpoint_timer": "callbacks.checkpoint.timer",
+    "callbacks.checkpoint_writer": "callbacks.checkpoint.writer",
+    "callbacks.fingerprint": "callbacks.checkpoint.fingerprint",
 }
 
 

@@ -1,6 +1,6 @@
 """Trainer: the constructor, the user's overrides and the entry points (``Loop`` runs
 them; the ``Run`` holds the run's state). The members that reach the run and the layout
-are its mixins' (``run_access.RunAccess``, ``layout.LayoutAccess``)."""
+are its mixins' (``run_access.RunAccess``, ``plan_holder.LayoutAccess``)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
-from nnx_spmd_trainer.engine import layout, predict
+from nnx_spmd_trainer.engine import plan_holder, predict
 from nnx_spmd_trainer.engine.hooks import BaseCallback, CallbackList, History
-from nnx_spmd_trainer.engine.layout import LayoutAccess
 from nnx_spmd_trainer.engine.loop import Loop
 from nnx_spmd_trainer.engine.metric_log import LogSchedule
+from nnx_spmd_trainer.engine.plan_holder import LayoutAccess
 from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.io.export import export_params
+from nnx_spmd_trainer.optim import ema as ema_lib
+from nnx_spmd_trainer.optim.ema import EMA
+from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import auto, step
-from nnx_spmd_trainer.planner import ema as ema_lib
 from nnx_spmd_trainer.planner.compile_cache import CompileCacheSetting, use_compile_cache
-from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
-from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import ModelFactory
 from nnx_spmd_trainer.planner.step import LossFn
 from nnx_spmd_trainer.strategies import Strategy
@@ -192,7 +192,7 @@ class Trainer(LayoutAccess, RunAccess):
             ema=ema,
             skip_spikes=skip_spikes,
         )
-        plan, pending = layout.plan_or_chooser(
+        plan, pending = plan_holder.plan_or_chooser(
             model,
             settings,
             loss_fn=loss_fn,
@@ -208,7 +208,7 @@ class Trainer(LayoutAccess, RunAccess):
         self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
         self.run.timings.speed = Speed(peak_flops)
         self.run.initial_state = init_from.state if init_from is not None else None
-        self._plan_holder = layout.PlanHolder(
+        self._plan_holder = plan_holder.PlanHolder(
             self.run,
             pending,
             prefetch=prefetch,

@@ -23,8 +23,8 @@ from toy_models import Net, classification_loss, flat_params, make_batches
 
 from nnx_spmd_trainer import EMA, FSDP, Hybrid, SpikeSkip, TensorParallel, Trainer
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
-from nnx_spmd_trainer.planner.ema import find_average
-from nnx_spmd_trainer.planner.spikes import find_spike_state
+from nnx_spmd_trainer.optim.ema import find_average
+from nnx_spmd_trainer.optim.spikes import find_spike_state
 
 FSDP_TP = Hybrid(FSDP(4, min_size=1), TensorParallel(2))
 OUTLIER = 6  # the batch of step 7: its loss and gradients are 30x a normal step's

@@ -22,7 +22,7 @@ from mp_runs import STEPS
 from toy_models import Net, make_batches, train_reference
 
 from nnx_spmd_trainer import FSDP, Hybrid, ShardingError, TensorParallel, distributed
-from nnx_spmd_trainer.strategies import host_layout
+from nnx_spmd_trainer.strategies import host_axes
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts its own processes
 WORKER = Path(__file__).parent / "mesh_hosts_worker.py"
@@ -159,7 +159,7 @@ def test_an_axis_that_cannot_fit_in_a_process_is_named_in_one_warning_line(two_p
 
 def test_hosts_go_to_the_outermost_roles_first():
     roles = {"model": "model", "fsdp": "fsdp", "data": "data", "stage": "stage"}
-    spans = host_layout.hosts_per_axis
+    spans = host_axes.hosts_per_axis
     assert spans({"model": 2, "fsdp": 4}, roles, 2, {}, owner="s") == {"model": 1, "fsdp": 2}
     assert spans({"fsdp": 4, "data": 2}, roles, 2, {}, owner="s") == {"fsdp": 1, "data": 2}
     # Four hosts: the data axis takes two, fsdp the other two; the tensor axis none.
@@ -170,7 +170,7 @@ def test_hosts_go_to_the_outermost_roles_first():
 
 
 def test_across_hosts_that_cannot_hold_is_refused_naming_the_fix():
-    spans = host_layout.hosts_per_axis
+    spans = host_axes.hosts_per_axis
     with pytest.raises(ShardingError, match="product is 2"):
         spans({"data": 2, "fsdp": 4}, {}, 2, {"data": 2, "fsdp": 2}, owner="s")
     with pytest.raises(ShardingError, match="must divide its size"):

@@ -79,3 +79,36 @@ def test_the_pipeline_schedule_answers_to_its_old_name_with_a_warning():
     )
     assert done.stdout.strip() == "True"
     assert "stack.Pipeline is deprecated and will be removed in 0.2.0; use " in done.stderr
+
+
+def test_a_module_moved_out_of_a_subpackage_imports_from_its_old_folder():
+    """``planner.ema`` moved to ``optim.ema`` (and ``engine.layout`` to ``engine.plan_holder``):
+    an old path inside a subpackage answers ``from nnx_spmd_trainer.planner import ema`` too,
+    with the classes of the new module, warning once."""
+    probe = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "from nnx_spmd_trainer.planner import ema\n"
+        "from nnx_spmd_trainer.planner.ema import EMA\n"
+        "from nnx_spmd_trainer.engine.layout import PlanHolder\n"
+        "from nnx_spmd_trainer.strategies.host_layout import hosts_per_axis\n"
+        "import nnx_spmd_trainer as t, nnx_spmd_trainer.optim.ema as new\n"
+        "from nnx_spmd_trainer.engine import plan_holder\n"
+        "from nnx_spmd_trainer.strategies import host_axes\n"
+        "print(ema is new, EMA is t.EMA, PlanHolder is plan_holder.PlanHolder,\n"
+        "      hosts_per_axis is host_axes.hosts_per_axis)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert done.stdout.split() == ["True"] * 4
+    warned = [line for line in done.stderr.splitlines() if "DeprecationWarning" in line]
+    assert [line.split("DeprecationWarning: ")[1] for line in warned] == [
+        f"the module nnx_spmd_trainer.{old} is deprecated and will be removed in 0.2.0; "
+        f"use nnx_spmd_trainer.{new}."
+        for old, new in [
+            ("planner.ema", "optim.ema"),
+            ("engine.layout", "engine.plan_holder"),
+            ("strategies.host_layout", "strategies.host_axes"),
+        ]
+    ]

@@ -80,10 +80,10 @@ def test_an_unchosen_plan_names_what_was_asked():
 
 
 def test_the_old_names_warn_and_work():
-    from nnx_spmd_trainer.engine import layout
+    from nnx_spmd_trainer.engine import plan_holder
     from nnx_spmd_trainer.planner.plan import tracing_plan
 
     with pytest.warns(DeprecationWarning, match="PlanHolder"):
-        assert layout.Layout is layout.PlanHolder
+        assert plan_holder.Layout is plan_holder.PlanHolder
     with pytest.warns(DeprecationWarning, match="handed the plan"):
         assert tracing_plan() is None

@@ -13,8 +13,8 @@ import optax
 
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.nn.attention import FORMS
-from nnx_spmd_trainer.planner.ema import EMA
-from nnx_spmd_trainer.planner.spikes import SpikeSkip
+from nnx_spmd_trainer.optim.ema import EMA
+from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.strategies import (
     FSDP,
     AxisStrategy,

@@ -1,6 +1,18 @@
 """The planner: everything decided before a step runs.
 
-``plan`` (mesh + strategy bound together; the one compile cache), ``step`` (pure train and
-eval step builders), ``state`` (state born sharded), ``plan_report`` (what a plan costs, per
-device, before anything runs), ``auto`` (enumerate and rank candidate layouts).
+- ``plan.py``: ``Plan``, a strategy bound to its mesh; the core's one asker of the strategy
+- ``settings.py``: ``PlanSettings``, a plan's settings and their defaults
+- ``step.py``: pure train, eval and predict steps over split state; accumulation
+- ``microbatch.py``: accumulation's microbatches, cut without moving data
+- ``step_compiler.py``: the plan's one cache of compiled steps
+- ``state.py``: the state born sharded (``ShardedInit``) and kept live (``LiveState``)
+- ``plan_report.py``: ``PlanReport``, what a plan costs per device before anything runs
+- ``flops.py``: a compiled step's FLOPs, the transformer formula, ``PEAK_FLOPS`` by device
+- ``auto.py``: ``strategy="auto"``, candidates planned from shapes, timed, one kept
+- ``auto_choice.py``: ``Candidate``, ``Choice``: what ``auto`` found
+- ``auto_table.py``: ``auto``'s ranking as text
+- ``backend_defaults.py``: prefetch and donation, measured per backend
+- ``compile_cache.py``: JAX's persistent compilation cache (where, off, hits), per process
+
+What wraps the optimizer (EMA, spike and non-finite skipping) is ``optim/``'s.
 """

@@ -32,11 +32,11 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.nn import tracing
+from nnx_spmd_trainer.optim.ema import EMA
+from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
-from nnx_spmd_trainer.planner.ema import EMA
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
-from nnx_spmd_trainer.planner.spikes import SpikeSkip
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.planner.step_compiler import CachedStep, StepCache, step_spec
 from nnx_spmd_trainer.strategies import DataParallel, Strategy

@@ -16,8 +16,8 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
-from nnx_spmd_trainer.planner.ema import EMA
-from nnx_spmd_trainer.planner.spikes import SpikeSkip
+from nnx_spmd_trainer.optim.ema import EMA
+from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.strategies import Strategy
 
 

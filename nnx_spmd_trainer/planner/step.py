@@ -19,7 +19,8 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
-from nnx_spmd_trainer.planner import spikes
+from nnx_spmd_trainer.optim import spikes
+from nnx_spmd_trainer.optim.nonfinite import held_state, undo_if_not_finite
 from nnx_spmd_trainer.planner.microbatch import join_microbatches, microbatches, rows_sharding
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -185,49 +186,6 @@ def global_norm(leaves: list[jax.Array]) -> jax.Array:
     return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
 
 
-#: What moves on even in a step ``skip_nonfinite`` undoes: the optimizer's step count
-#: (the host's copy of it, and so the data position and the checkpoints' step numbers,
-#: stay in sync) and the RNG state (the next step draws fresh dropout masks).
-COUNTERS = nnx.Any(nnx.RngState, lambda path, _: tuple(path) == ("optimizer", "step"))
-
-
-def all_finite(arrays: list[jax.Array]) -> jax.Array:
-    """One boolean: every element of every floating-point array in ``arrays`` is finite.
-
-    >>> bool(all_finite([jnp.ones(3), jnp.array(2.0)]))
-    True
-    >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])]))
-    False
-    """
-    checks = [jnp.isfinite(x).all() for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.stack(checks).all() if checks else jnp.array(True)
-
-
-def held_state(objects: Any) -> nnx.State:
-    """What a skipped step keeps as it was: all of the state but ``COUNTERS`` (and sown
-    intermediates, which are not carried): the parameters, the optimizer's moments and its
-    own counts (as ``optax.apply_if_finite`` keeps them), the model's other state."""
-    return nnx.state(objects, nnx.Not(nnx.Any(COUNTERS, nnx.Intermediate)))
-
-
-def undo_if_not_finite(
-    objects: Any, before: list[jax.Array], loss: jax.Array, wrt: nnx.filterlib.Filter
-) -> jax.Array:
-    """Puts ``before`` (the ``held_state`` leaves before the step) back into ``objects``
-    unless the step's ``loss`` and new ``wrt`` parameters are all finite; returns whether
-    they were.
-
-    A ``jnp.where`` per leaf, not a ``lax.cond``: no control flow in the step, and under
-    a sharded layout every device selects by the same flag (the check reduces over the
-    whole parameters, all their shards).
-    """
-    finite = all_finite([loss, *jax.tree.leaves(nnx.state(objects["model"], wrt))])
-    after, treedef = jax.tree.flatten(held_state(objects))
-    kept = [jnp.where(finite, a, b) for a, b in zip(after, before, strict=True)]
-    nnx.update(objects, jax.tree.unflatten(treedef, kept))
-    return finite
-
-
 def make_train_step(
     graphdef: nnx.GraphDef[Any],
     train_step_fn: TrainStepFn,
@@ -246,7 +204,7 @@ def make_train_step(
     ``aux["grad_norm"]`` when the step returns it; they stay on the devices. With a
     ``SpikeSkip`` optimizer, every step's ``norms`` also holds ``skipped_spikes``.
     With ``skip_nonfinite``, a step whose loss or new parameters are not finite
-    changes nothing but ``COUNTERS`` (``undo_if_not_finite``); its loss and
+    changes nothing but ``nonfinite.COUNTERS`` (``undo_if_not_finite``); its loss and
     metrics are still reported, so ``TerminateOnNaN`` and the logs see it.
     """
 

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_spmd_trainer import data_shard as ds
 from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.strategies import axis_types as modes
-from nnx_spmd_trainer.strategies import host_layout as hosts
+from nnx_spmd_trainer.strategies import host_axes as hosts
 
 Axes = tuple[tuple[str, int], ...]
 #: What compiles a step: ``jax.jit``, or the rest of a Hybrid's chain ending in it.
@@ -142,7 +142,7 @@ class Strategy(abc.ABC):
             )
         types = modes.mesh_axis_types(self.axis_types, len(names))
         roles, across = self.axis_roles(), dict(self.across_hosts)
-        # On several hosts, per-layer axes inside a host whatever their order (host_layout).
+        # On several hosts, per-layer axes inside a host whatever their order (host_axes).
         arranged = hosts.arrange(
             devices, dict(zip(names, sizes, strict=True)), roles, across, owner=repr(self)
         )
@@ -156,7 +156,7 @@ class Strategy(abc.ABC):
     def axis_roles(self) -> dict[str, str]:
         """What each mesh axis carries, by its strategy's usual axis name (``"data"``,
         ``"fsdp"``, ``"model"``, ``"seq"``, ``"expert"``, ``"stage"``): on several hosts
-        ``make_mesh`` keeps the per-layer ones inside a host (``strategies.host_layout``).
+        ``make_mesh`` keeps the per-layer ones inside a host (``strategies.host_axes``).
         Default: each axis's own name."""
         return {name: name for name, _ in self.mesh_axes()}
 

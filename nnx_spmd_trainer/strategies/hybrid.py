@@ -163,7 +163,7 @@ class Hybrid(Strategy):
 
     On several hosts the per-layer axes (tensor, sequence, experts, then fsdp)
     stay inside a host and the data axis spans the hosts, whatever the
-    members' order (``strategies.host_layout``). ``across_hosts`` places them
+    members' order (``strategies.host_axes``). ``across_hosts`` places them
     explicitly: ``{mesh axis: hosts it spans}``, the values multiplying to the
     number of hosts (MaxText's DCN parallelism; ``{"data": 2}`` over 2 hosts
     with ``FSDP`` inside each is torchtitan's HSDP).

@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer.strategies.base import is_variable
-
 
 class EmaState(NamedTuple):
     """``EMA.wrap``'s optimizer state: the inner optimizer's, the count of updates
@@ -149,6 +147,8 @@ def swapped_in(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> Iterator[Non
             "This trainer's optimizer keeps no average of the weights: build it with "
             "Trainer(..., ema=EMA(decay=0.999)) (or optimizer=EMA(...).wrap(tx))."
         )
+    # Walked per Variable (not per array) so the raw values can be swapped in place.
+    is_variable = lambda x: isinstance(x, nnx.Variable)
     params = jax.tree.leaves(nnx.state(model, optimizer.wrt), is_leaf=is_variable)
     averages = jax.tree.leaves(found.ema, is_leaf=is_variable)
     if len(params) != len(averages):

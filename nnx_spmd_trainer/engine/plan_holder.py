@@ -1,11 +1,11 @@
-"""The trainer's layout: ``PlanHolder``, which holds a trainer's plan and batch
+"""The trainer's plan holder: ``PlanHolder``, which holds a trainer's plan and batch
 placement, given or chosen by ``strategy="auto"``; and ``LayoutAccess``, the ``Trainer``'s
 members that reach them.
 
 "Layout" is the public concept: how the state and the batches are laid out on the
 devices (a strategy on a mesh, what a ``Plan`` binds; ``choose_layout``,
-``layout_choice``, ``LayoutNotChosen``). No class here is called a layout: the holder holds
-a plan, which has one.
+``layout_choice``, ``LayoutNotChosen``). The holder holds a plan, which has one. (This
+module was ``engine/layout.py``; the old path imports it, with a ``DeprecationWarning``.)
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class PlanHolder:
 
 def __getattr__(name: str) -> Any:
     if name == "Layout":  # its 0.1 name
-        deprecation.warn_renamed("engine.layout.Layout", "engine.layout.PlanHolder")
+        deprecation.warn_renamed("engine.layout.Layout", "engine.plan_holder.PlanHolder")
         return PlanHolder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
