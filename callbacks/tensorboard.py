@@ -145,7 +145,7 @@ class TensorBoard(Callback):
             return None
         if self._writer is None:
             # purge_step: TensorBoard hides what an earlier, killed run logged past the
-            # step this run resumed from, so a curve has no duplicate points.
+            # step this run resumed from, so a curve has no duplicate points (on_train_begin).
             self._writer = SummaryWriter(
                 self.logdir, flush_secs=self.flush_secs, purge_step=self._purge_step
             )
@@ -238,7 +238,12 @@ class TensorBoard(Callback):
     def on_train_begin(self, logs: Logs) -> None:
         self._timer.start(self.trainer.step)
         self._compile_seconds = 0.0  # compiling in the steps since the last log point
-        self._purge_step = self.trainer.step + 1 if self.trainer.step else None
+        # Every run marks its start (a SessionLog.START at purge_step): TensorBoard's own
+        # reader (plugin_event_accumulator) takes the first START of a directory for the
+        # run's beginning and purges only at a later one, so a fresh run writes one at 0
+        # and a resumed run's START at the step after its checkpoint then hides what a
+        # killed attempt logged past that step.
+        self._purge_step = self.trainer.step + 1 if self.trainer.step else 0
         if (writer := self.writer) is None:
             return
         if self.write_config:

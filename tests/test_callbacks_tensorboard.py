@@ -236,3 +236,36 @@ def test_norms_compile_time_epoch_parameters_and_vector_metrics(tmp_path):
     assert parameters.value == DIN * CLASSES + CLASSES
     reports_memory = jax.devices()[0].memory_stats() is not None
     assert ("perf/device_memory_gb" in acc.Tags()["scalars"]) == reports_memory
+
+
+class _Killed(Exception):
+    """A run that dies mid-way (as kill -9 would), after logging steps past its checkpoint."""
+
+
+def test_a_resumed_run_hides_what_the_killed_attempt_logged_past_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+
+    from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
+
+    def die_after_step_6(step, logs):
+        if step == 6:
+            raise _Killed
+
+    def attempt(*extra, restore=None):
+        checkpoint = OrbaxCheckpoint(tmp_path / "ck", save_every_n_steps=4, restore=restore)
+        return make_trainer([MetricsLogger(1), checkpoint, *extra, TensorBoard(tmp_path / "tb")])
+
+    with pytest.raises(_Killed):  # logged steps 1-5 (6 dies before its log point); saved 4
+        attempt(LambdaCallback(on_train_batch_end=die_after_step_6)).fit(
+            make_batches(8), max_steps=8
+        )
+    with pytest.warns(UserWarning, match="no restorable position"):
+        attempt(restore="latest").fit(make_batches(8), max_steps=8)  # replays 5-8
+
+    # TensorBoard's own reader (the one its server uses) and the classic one: each step once
+    served = plugin_event_accumulator.EventAccumulator(
+        str(tmp_path / "tb"), size_guidance={"tensors": 0}
+    )
+    served.Reload()
+    assert [e.step for e in served.Tensors("train/loss")] == list(range(1, 9))
+    assert [e.step for e in _read(tmp_path / "tb").Scalars("train/loss")] == list(range(1, 9))
