@@ -18,8 +18,8 @@ class TerminateOnNaN(Callback):
     ``StepRecord``'s: still on device, no copy). Every ``check_every_n_steps`` steps it
     copies to the host, in one transfer, only the kept losses of steps the trainer has
     already waited for (those at least ``trainer.placement.max_steps_in_flight`` steps
-    old), so checking never stalls the pipeline; at log points, epoch ends and the end of fit,
-    where the devices are synced anyway, it checks them all. The step it
+    old), so checking never stalls the steps in flight; at log points, epoch ends and the end
+    of fit, where the devices are synced anyway, it checks them all. The step it
     reports is the *first* non-finite one, exactly; training stops a few
     steps after it.
 

@@ -1,4 +1,4 @@
-"""Image classification: a small CNN trained data-parallel on a Grain pipeline.
+"""Image classification: a small CNN trained data-parallel on a Grain input pipeline.
 
     python examples/cnn_grain.py          # tiny: ~40 steps on 8 simulated CPU devices
     python examples/cnn_grain.py --full   # bigger images, wider net, more steps

@@ -34,7 +34,7 @@ FEATURES, CLASSES = 16, 4
 
 
 def task(seed: int, batch: int):
-    """An endless Grain pipeline of a teacher network's labels; each seed its own teacher."""
+    """An endless Grain input pipeline of a teacher network's labels; each seed its own teacher."""
     x, y = make_classification(4096, FEATURES, CLASSES, seed=seed)
     return grain_pipeline(
         len(x), batch, seed=0, batch_fn=lambda i: {"inputs": x[i], "labels": y[i]}

@@ -17,7 +17,7 @@ NEXT_INDEX = "next_index"
 
 def is_index_state(state: Any) -> bool:
     """Whether ``state`` is a ``MapDataset`` iterator's saved state, ``{"next_index": n}``
-    (not an ``IterDataset`` pipeline's, nor a ``DataLoader``'s bytes).
+    (not an ``IterDataset`` input pipeline's, nor a ``DataLoader``'s bytes).
 
     Private because Grain documents ``get_state()`` as opaque: what it holds is read
     here to resume a position saved under another process count (from the batches

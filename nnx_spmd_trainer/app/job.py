@@ -44,6 +44,7 @@ from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.planner import compile_cache
 from nnx_spmd_trainer.planner.auto import Auto
 from nnx_spmd_trainer.planner.flops import peak_flops
+from nnx_spmd_trainer.planner.plan_report import PlanReport
 from nnx_spmd_trainer.sharding import ShardingError
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
@@ -242,7 +243,7 @@ def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[
     first = batch if batch is not None else next(iter(splits.train))
     for line in splits.summary:  # corpus sizes, the mixture, epochs per source
         say(line)
-    say(str(plan_of(trainer, first)))
+    say(str(plan_report_of(trainer, first)))
     for note in notes:
         say(f"note: the run itself would be refused: {note}")
     return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
@@ -380,7 +381,7 @@ def speed_line(history: dict[str, list[float]], note: str | None = None) -> str 
     return f"speed (median of {points} log point{plural}): " + ", ".join(parts)
 
 
-def plan_of(trainer: Trainer, batch: Any) -> Any:
+def plan_report_of(trainer: Trainer, batch: Any) -> PlanReport:
     """The plan report of ``trainer``'s train step on global batches shaped like ``batch``
     (this process's rows, times the row sets the processes feed)."""
     rows = trainer.placement.data_shard.count

@@ -42,17 +42,17 @@ class BatchShardingMismatch(BatchMismatch, ShardingError):
     ``BatchMismatch``, still catches it."""
 
 
-def _leaf_layout(x: Any) -> str:
-    """``float32[8,16]``: a leaf's dtype and shape as the messages show them."""
+def _leaf_type(x: Any) -> str:
+    """``float32[8,16]``: a leaf's type (dtype and shape) as the messages show them."""
     dtype = getattr(x, "dtype", None)
     name = str(dtype) if dtype is not None else type(x).__name__
     return f"{name}[{','.join(map(str, np.shape(x)))}]"
 
 
-def batch_layout(batch: Any) -> dict[str, str]:
-    """Each leaf's path (``['x']``) and ``_leaf_layout``: what two batches are compared by."""
+def batch_types(batch: Any) -> dict[str, str]:
+    """Each leaf's path (``['x']``) and ``_leaf_type``: what two batches are compared by."""
     return {
-        jax.tree_util.keystr(path) or "<root>": _leaf_layout(x)
+        jax.tree_util.keystr(path) or "<root>": _leaf_type(x)
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
     }
 
@@ -64,7 +64,7 @@ def batch_changes(previous: Any, batch: Any) -> list[tuple[str, str, str]]:
     ...               {"x": np.zeros((8, 17), np.float32)})
     [("['x']", 'float32[8,16]', 'float32[8,17]'), ("['y']", 'int32[8]', 'missing')]
     """
-    before, now = batch_layout(previous), batch_layout(batch)
+    before, now = batch_types(previous), batch_types(batch)
     leaves = sorted(before.keys() | now.keys())
     missing = "missing"
     return [
@@ -78,7 +78,7 @@ def batch_mismatch(error: Exception, where: str, previous: Any, batch: Any) -> B
     """The ``BatchMismatch`` to raise from ``error``, the failure of ``where`` on ``batch``,
     when ``batch`` differs from ``previous`` (the last batch taken); ``None`` when there is
     nothing to compare (no batch before) or nothing changed (then the error is not the
-    batch's layout, and is raised as it is)."""
+    batch's leaves, dtypes or shapes, and is raised as it is)."""
     if previous is None:
         return None
     changes = batch_changes(previous, batch)

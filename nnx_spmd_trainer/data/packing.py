@@ -25,7 +25,7 @@ The packing itself is Grain's (``grain.experimental.FirstFitPackIterDataset``, o
 ``BestFitPackIterDataset`` with ``best_fit=True``), wrapped, not written again: it
 makes the segment ids and positions, and its iterator's ``get_state`` /
 ``set_state`` is the data position a checkpoint saves (``RunState.data``), so a
-packed pipeline resumes exactly on the same process count. Each process packs
+packed input pipeline resumes exactly on the same process count. Each process packs
 the documents of its own shard, so on another process count the rows differ: a
 mixture of row sources (``data.mixture``) is what resumes exactly there.
 """
@@ -48,7 +48,7 @@ ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "target_segment_ids
 #: Documents read in the packing thread itself. Grain's default (16 reader threads)
 #: costs more in bookkeeping than a memory-map read saves: packing a corpus ran 4x
 #: slower with it (0.29 vs 0.48 M tokens/s). The trainer's prefetch already runs the
-#: whole pipeline beside the step.
+#: whole input pipeline beside the step.
 SYNCHRONOUS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 

@@ -109,12 +109,12 @@ def _set_position(iterator: Any, position: DataPosition) -> bool:
     """Sets a Grain iterator to ``position``; False when it cannot be (then batches are
     skipped instead)."""
     if not has_position(iterator):
-        return False  # the data given now is not a Grain pipeline
+        return False  # the data given now is not a Grain input pipeline
     if position.state is BATCHES_TAKEN:
-        # Every process of a per-process pipeline (rows[i::n], batched to global/n) has
+        # Every process of a per-process input pipeline (rows[i::n], batched to global/n) has
         # taken the same batches at a step, whatever n: its index follows from them.
         if not grain_private.is_index_state(iterator.get_state()):
-            return False  # another kind of pipeline
+            return False  # another kind of input pipeline
         iterator.set_state(grain_private.state_at(position.batches * _index_per_batch(iterator)))
         return True
     state = position.state

@@ -113,7 +113,7 @@ class RunState:
         ``callback_arrays()`` the arrays.
       data: where the next batch starts: the epoch iterator's ``get_state()``
         value (a Grain iterator's dict, a ``DataLoader``'s bytes), ``data.BATCHES_TAKEN``
-        (a Grain position saved under another process count: a per-process pipeline
+        (a Grain position saved under another process count: a per-process input pipeline
         is set from ``batches_in_epoch``), or ``None`` when the data has no position
         (a resumed run then skips batches).
 

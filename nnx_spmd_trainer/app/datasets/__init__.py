@@ -1,4 +1,4 @@
-"""Example data as Grain pipelines: pydoc text (BPE tokens packed, or characters) and
+"""Example data as Grain input pipelines: pydoc text (BPE tokens packed, or characters) and
 corpora for the GPT, synthetic tasks for MLP and CNN."""
 
 from nnx_spmd_trainer.app.datasets import corpora, documents, from_config

@@ -1,4 +1,4 @@
-"""What every example dataset returns, and the Grain pipeline they share."""
+"""What every example dataset returns, and the Grain input pipeline they share."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def index_batches(
     repeat: bool = False,
     shard: tuple[int, int] = (0, 1),
 ) -> grain.MapDataset[Any]:
-    """A Grain pipeline over example indices: shuffle, repeat, shard, batch, gather
+    """A Grain input pipeline over example indices: shuffle, repeat, shard, batch, gather
     (``grain_pipeline`` from this process's batch size).
 
     Indices are batched first and ``gather`` turns a batch of indices into
