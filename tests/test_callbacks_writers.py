@@ -86,8 +86,7 @@ def test_csv_rows_match_history_and_new_columns_widen_the_header(tmp_path):
         (2, True, False),
         (3, False, True),
         (4, True, False),
-        (6, True, False),
-        (6, False, True),
+        (6, True, True),  # the final evaluation joins its step's row: one row per step
     ]
     for key in header[1:]:
         values = [float(r[key]) for r in rows if r[key]]
@@ -95,6 +94,20 @@ def test_csv_rows_match_history_and_new_columns_widen_the_header(tmp_path):
         assert steps == history.steps[key]
         np.testing.assert_allclose(values, history.history[key], rtol=1e-6)
     assert not list(tmp_path.glob("logs/*.tmp"))
+
+
+def test_csv_values_of_one_step_share_its_row_whether_or_not_they_widen_the_header(tmp_path):
+    logger = CSVLogger(tmp_path / "m.csv")
+    logger.write(1, {"train/loss": 2.0})
+    logger.write(1, {"eval/loss": 3.0})  # a new column: the header is rewritten
+    logger.write(1, {"lr": 0.5})  # another
+    logger.write(2, {"train/loss": 1.0})
+    logger.write(2, {"eval/loss": 2.5})  # known columns: the last row cut and written again
+    assert (tmp_path / "m.csv").read_text().splitlines() == [
+        "step,train/loss,eval/loss,lr",
+        "1,2.0,3.0,0.5",
+        "2,1.0,2.5,",
+    ]
 
 
 def test_csv_append_keeps_earlier_rows_and_a_fresh_logger_starts_over(tmp_path):
