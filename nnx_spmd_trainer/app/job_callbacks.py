@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -11,6 +12,26 @@ import ml_collections
 from nnx_spmd_trainer import Callback, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.run_config import ConfigError
+
+
+def versus_baseline(loss: float, baseline: float, baseline_name: str) -> str:
+    """Where a held-out loss lies against the baseline it must beat, in words.
+
+    >>> versus_baseline(6.1899, 5.9812, "unigram baseline")
+    '0.2087 nats above the unigram baseline 5.9812 (worse)'
+    >>> versus_baseline(4.5, 5.9812, "unigram baseline")
+    '1.4812 nats below the unigram baseline 5.9812 (better)'
+    """
+    gap = loss - baseline
+    if not math.isfinite(gap):
+        return f"the {baseline_name} is {baseline:.4f}"
+    if gap == 0:
+        return f"equal to the {baseline_name} {baseline:.4f}"
+    side = "above" if gap > 0 else "below"
+    return (
+        f"{abs(gap):.4f} nats {side} the {baseline_name} {baseline:.4f} "
+        f"({'worse' if gap > 0 else 'better'})"
+    )
 
 
 class BaselineReport(Callback):
