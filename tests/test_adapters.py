@@ -9,6 +9,8 @@ import asyncio
 import inspect
 import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from nnx_spmd_trainer.adapters import (
     grain_private,
     jax_private,
     orbax_private,
+    python_private,
     tensorboardx_private,
 )
 from nnx_spmd_trainer.distributed.agree import Agreement
@@ -35,6 +38,7 @@ JAX = f"checked against jax 0.10.2 (installed: {jax.__version__})"
 ORBAX = "checked against orbax-checkpoint 0.12.8"
 GRAIN = "checked against grain 0.2.18"
 TENSORBOARDX = "checked against tensorboardX 2.6.5"
+PYTHON = f"checked against CPython 3.11 (running: {sys.version.split()[0]})"
 
 
 # -- jax_private ---------------------------------------------------------------------------
@@ -287,3 +291,28 @@ def test_a_summary_added_to_the_writers_file_writer_lands_in_its_one_event_file(
         f"{events.Tags()}, {TENSORBOARDX}: change tensorboardx_private.event_file_writer."
     )
     assert [(e.step, e.value) for e in events.Scalars("b")] == [(2, 2.0)]
+
+
+# -- python_private ------------------------------------------------------------------------
+def test_exit_handlers_run_once_without_waiting_for_a_stuck_thread():
+    """What ``app.interrupts.exit_at_once`` relies on: the handlers run now, once, and a
+    non-daemon thread that never ends does not hold the exit (``os._exit`` follows)."""
+    # The adapter's file alone: importing the package (JAX) would only slow the child.
+    script = f"""
+import atexit, importlib.util, os, threading
+spec = importlib.util.spec_from_file_location("python_private", {python_private.__file__!r})
+adapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(adapter)
+atexit.register(print, "handler ran", flush=True)
+threading.Thread(target=threading.Event().wait).start()  # never ends, not a daemon
+adapter.run_exit_handlers()
+adapter.run_exit_handlers()  # cleared: nothing runs twice
+os._exit(3)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (3, "handler ran\n"), (
+        f"{done.returncode}, {done.stdout!r}, {done.stderr[-2000:]}, {PYTHON}: change "
+        "python_private.run_exit_handlers."
+    )

@@ -5,20 +5,21 @@ map in docs/architecture.md names only paths that exist."""
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
+
+from test_api_surface import MODULES as PUBLIC_PACKAGES
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "nnx_spmd_trainer"
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
-# What callbacks/ may import from the core besides the package's __all__ (the contract
-# "callbacks-public-names-only" forbids everything else).
-PUBLIC_TO_CALLBACKS = {"weights", "distributed", "deprecation", "adapters"}
 OUTSIDE_THE_CORE = {"app", "__main__"}
 
 
@@ -51,18 +52,28 @@ def test_the_tree_keeps_every_import_contract() -> None:
     )
 
 
-def test_an_engine_import_from_nn_breaks_the_contract_naming_it(tmp_path: Path) -> None:
+def copy_of_the_tree(tmp_path: Path) -> Path:
+    """The package, callbacks/ and pyproject.toml copied into ``tmp_path``, to break."""
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(PACKAGE, tmp_path / "nnx_spmd_trainer", ignore=ignore)
     shutil.copytree(REPO / "callbacks", tmp_path / "callbacks", ignore=ignore)
     shutil.copy(REPO / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def add_import(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + f"\n{line}  # wrong\n")
+
+
+def test_an_engine_import_from_nn_breaks_the_contract_naming_it(tmp_path: Path) -> None:
+    copy_of_the_tree(tmp_path)
     wrong = "nnx_spmd_trainer.nn.losses -> nnx_spmd_trainer.engine.loop"
 
     before = lint_imports(tmp_path, "nn-below-the-engine", "layers")
     assert wrong not in before.stdout, before.stdout
 
-    losses = tmp_path / "nnx_spmd_trainer" / "nn" / "losses.py"
-    losses.write_text(losses.read_text() + "\nfrom nnx_spmd_trainer.engine import loop  # wrong\n")
+    losses = tmp_path / "nnx_spmd_trainer/nn/losses.py"
+    add_import(losses, "from nnx_spmd_trainer.engine import loop")
     after = lint_imports(tmp_path, "nn-below-the-engine", "layers")
 
     assert after.returncode != 0, after.stdout
@@ -85,13 +96,76 @@ def test_every_folder_and_module_has_its_place_in_the_contracts() -> None:
     core = names(by_id["core-without-app-or-callbacks"]["source_modules"])
     assert core == children - OUTSIDE_THE_CORE
 
-    forbidden = names(by_id["callbacks-public-names-only"]["forbidden_modules"])
-    assert not forbidden & PUBLIC_TO_CALLBACKS
-    assert forbidden | PUBLIC_TO_CALLBACKS == children - {"__main__"}
-
     layers = by_id["layers"]
     placed = {name.strip(" ()") for layer in layers["layers"] for name in re.split("[|:]", layer)}
     assert placed | set(layers["exhaustive_ignores"]) == children
+
+
+def allowed(contract_id: str) -> set[str]:
+    """The modules an allow-list contract lets its sources import: what each of its
+    ``ignore_imports`` (``importer -> imported``) names on the right."""
+    return {line.split("->")[1].strip() for line in contracts()[contract_id]["ignore_imports"]}
+
+
+def public_modules() -> set[str]:
+    """The public packages of the API snapshot and every module a public module's
+    ``__all__`` names (``nnx_spmd_trainer.distributed``, then its ``agree``)."""
+    public, todo = set(), ["nnx_spmd_trainer", *PUBLIC_PACKAGES]
+    while todo:
+        module = importlib.import_module(todo.pop())
+        public.add(module.__name__)
+        named = (getattr(module, name) for name in getattr(module, "__all__", ()))
+        todo += [m.__name__ for m in named if isinstance(m, ModuleType)]
+        todo = [name for name in todo if name not in public]
+    return public
+
+
+def test_callbacks_may_import_only_public_modules_and_fenced_adapters() -> None:
+    """The callbacks' contract is an allow-list; each module on it is public, the renamed
+    names (``deprecation``), or a fenced adapter of Orbax, Grain or tensorboardX."""
+    contract = contracts()["callbacks-public-names-only"]
+    assert contract["forbidden_modules"] == ["nnx_spmd_trainer"]
+    assert not contract.get("allow_indirect_imports", False)  # a path in starts on the list
+    adapters = {m for m in allowed("callbacks-public-names-only") if ".adapters." in m}
+    assert adapters == {
+        f"nnx_spmd_trainer.adapters.{name}_private" for name in ("orbax", "grain", "tensorboardx")
+    }
+    others = allowed("callbacks-public-names-only") - adapters - {"nnx_spmd_trainer.deprecation"}
+    assert others <= public_modules(), others - public_modules()
+
+
+def test_an_import_off_the_callbacks_allow_list_breaks_it_naming_the_module(
+    tmp_path: Path,
+) -> None:
+    """A room of an allowed package, and an adapter not on the list (the old deny-list let
+    both through), each named as importer -> imported."""
+    copy_of_the_tree(tmp_path)
+    nan = tmp_path / "callbacks" / "nan.py"
+    add_import(nan, "from nnx_spmd_trainer.weights import load")
+    add_import(nan, "from nnx_spmd_trainer.adapters import jax_private")
+
+    result = lint_imports(tmp_path, "callbacks-public-names-only")
+
+    assert result.returncode != 0, result.stdout
+    name = contracts()["callbacks-public-names-only"]["name"]
+    assert re.search(re.escape(name) + r"\s+BROKEN", result.stdout), result.stdout
+    for wrong in ("weights.load", "adapters.jax_private"):
+        assert f"callbacks.nan -> nnx_spmd_trainer.{wrong}" in result.stdout, result.stdout
+
+
+def test_an_app_import_off_its_list_breaks_it_naming_the_module(tmp_path: Path) -> None:
+    copy_of_the_tree(tmp_path)
+    wrong = "nnx_spmd_trainer.app.interrupts -> nnx_spmd_trainer.engine.loop"
+    assert lint_imports(tmp_path, "app-listed-modules-only").returncode == 0
+
+    interrupts = tmp_path / "nnx_spmd_trainer/app/interrupts.py"
+    add_import(interrupts, "from nnx_spmd_trainer.engine import loop")
+    result = lint_imports(tmp_path, "app-listed-modules-only")
+
+    assert result.returncode != 0, result.stdout
+    name = contracts()["app-listed-modules-only"]["name"]
+    assert re.search(re.escape(name) + r"\s+BROKEN", result.stdout), result.stdout
+    assert wrong in result.stdout, result.stdout
 
 
 def imported_names(path: Path) -> set[str]:

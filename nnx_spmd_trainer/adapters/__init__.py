@@ -12,11 +12,14 @@ Orbax and Grain, and reaches the few private ones it needs through these modules
   and of the per-process files Grain checkpoints it into.
 * ``tensorboardx_private``: the ``FileWriter`` of a ``SummaryWriter``'s own event file
   (the hparams summary goes there, not into a run of its own).
+* ``python_private``: Python's own exit handlers, run without waiting for the threads
+  (``app/interrupts.py``: a prompt exit after Ctrl-C).
 
 Each function or class names the private thing it touches and why no public API
 does the job; ``tests/test_adapters.py`` checks every assumption against the
 installed library and names the version it was checked against (jax 0.10.2,
-orbax-checkpoint 0.12.8, grain 0.2.18, tensorboardX 2.6.5: pyproject.toml caps Orbax
-and Grain at the next minor). These modules are public to ``callbacks/`` (the one part of the core
-they may import besides the package's ``__all__``); users need not touch them.
+orbax-checkpoint 0.12.8, grain 0.2.18, tensorboardX 2.6.5, CPython 3.11: pyproject.toml
+caps Orbax and Grain at the next minor). Orbax's, Grain's and tensorboardX's are on the
+allow-list of ``callbacks/`` (pyproject.toml's ``callbacks-public-names-only``),
+``python_private`` on ``app/``'s; users need not touch them.
 """

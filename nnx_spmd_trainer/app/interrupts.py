@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import logging as std_logging
@@ -11,6 +10,8 @@ import sys
 import threading
 from types import FrameType
 from typing import NoReturn
+
+from nnx_spmd_trainer.adapters import python_private
 
 
 class _OrbaxLog(std_logging.Filter):
@@ -69,7 +70,7 @@ def exit_at_once(status: int) -> NoReturn:
     """
     gc.disable()  # no collection of the interrupted save's coroutines from here on
     with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()  # what sys.exit would run, minus the thread joins
+        python_private.run_exit_handlers()  # what sys.exit would run, minus the thread joins
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
