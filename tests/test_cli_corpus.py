@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 from conftest import environment_for_own_devices
 
+from nnx_spmd_trainer import Callback
 from nnx_spmd_trainer.app import corpus as corpus_command
 from nnx_spmd_trainer.app import job, tasks
 from nnx_spmd_trainer.app.datasets import corpora, documents, from_config, text
+from nnx_spmd_trainer.app.job_callbacks import make_callbacks
 from nnx_spmd_trainer.data.corpus import TOKENS_FILE, Corpus
 from nnx_spmd_trainer.data.packing import ContiguousRows
 from nnx_spmd_trainer.data.tokenizer import load_tokenizer
@@ -236,6 +238,23 @@ def test_mixture_weights_that_do_not_fit(written, tmp_path, weights, match):
     assert message.startswith("config.data.")
 
 
+def test_a_mixture_stage_the_run_never_reaches_is_refused(written, tmp_path):
+    corpus = f"a={written / 'a'},b={written / 'b'}"
+    config = small(load("default"), corpus=corpus, weights="a=3,b=1", stages="2:a=1,b=3")
+    message = refused(config, tmp_path / "run", "stage from step 2 .* never starts")
+    assert "max_steps=2" in message and "\n" not in message
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnx_spmd_trainer", f"--workdir={tmp_path / 'run'}",
+         "--config.max_steps=2", f"--config.data.corpus={corpus}",
+         "--config.data.weights=a=3,b=1", "--config.data.stages=2:a=1,b=3"],
+        env=environment_for_own_devices(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("nnx-spmd-train: error: config.data.weights='a=3,b=1', stages=")
+    assert "stage from step 2" in line and not (tmp_path / "run").exists()
+
+
 def test_a_tokenizer_file_that_does_not_load(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"version": "1.0", "model": ')
@@ -291,8 +310,19 @@ def test_a_mixture_job_stopped_mid_stage_resumes_bitwise(written, tmp_path):
         mixed.update(warmup_steps=0, end_lr_fraction=1.0)  # a schedule max_steps leaves alone
         return mixed
 
+    class StopAfterStep1(Callback):  # as a stop would; max_steps=1 would refuse the stage
+        def on_train_batch_end(self, step, logs):
+            if step == 1:
+                self.trainer.request_stop()
+
+    def with_a_stop(config, workdir):
+        return [*make_callbacks(config, workdir), StopAfterStep1()]
+
     job.run(config(4), tmp_path / "whole")
-    job.run(config(1), tmp_path / "stopped")  # stopped after step 1, in the first stage
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(job, "make_callbacks", with_a_stop)
+        job.run(config(4), tmp_path / "stopped")  # stopped after step 1, in the first stage
+    assert set(losses("stopped")) == {"1"}
     job.run(config(4), tmp_path / "stopped")  # resumed: steps 2..4
     whole, resumed = losses("whole"), losses("stopped")
     assert set(whole) == {"1", "2", "3", "4"}

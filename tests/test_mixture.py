@@ -123,3 +123,12 @@ def test_an_empty_source_and_an_uneven_batch_are_refused() -> None:
         Mixture({**SOURCES, "none": []}, {**WEIGHTS, "none": 1}, global_batch_size=8)
     with pytest.raises(ValueError, match="multiple of 3"):
         Mixture(SOURCES, WEIGHTS, global_batch_size=8, shard=(0, 3))
+
+
+def test_a_stage_the_run_never_reaches_is_refused_naming_it() -> None:
+    stages = [(0, WEIGHTS), (100, {"web": 0.0, "code": 0.0, "books": 1.0})]
+    with pytest.raises(MixtureError, match=r"stage from step 100 .* never starts.*max_steps=100"):
+        Mixture(SOURCES, stages, global_batch_size=4, max_steps=100)
+    reached = Mixture(SOURCES, stages, global_batch_size=4, max_steps=101)  # trains step 100
+    assert [stage.start for stage in reached.stages] == [0, 100]
+    assert len(Mixture(SOURCES, stages, global_batch_size=4).stages) == 2  # steps unknown

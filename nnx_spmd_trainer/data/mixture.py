@@ -64,8 +64,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def _stages(
     weights: Mapping[str, float] | Iterable[Stage | tuple[int, Mapping[str, float]]],
     names: list[str],
+    max_steps: int | None = None,
 ) -> list[Stage]:
-    """The stages in order, each checked against the sources' names."""
+    """The stages in order, each checked against the sources' names (and, given the steps
+    the run trains, refused where it would never start)."""
     stages = [Stage(0, weights)] if isinstance(weights, Mapping) else [Stage(*s) for s in weights]
     stages.sort(key=lambda stage: stage.start)
     if not stages or stages[0].start != 0:
@@ -88,6 +90,15 @@ def _stages(
             )
         if sum(values) == 0:
             raise MixtureError(f"The weights of the stage from step {stage.start} are all zero.")
+    unreached = [
+        stage.start for stage in stages if max_steps is not None and stage.start >= max_steps
+    ]
+    if unreached:
+        raise MixtureError(
+            f"The stage from step {unreached[0]} ({dict(stages[-len(unreached)].weights)}) "
+            f"never starts: the run trains steps 0 to {max_steps - 1} (max_steps={max_steps}); "
+            f"start it before step {max_steps}, or train for more steps."
+        )
     return stages
 
 
@@ -101,6 +112,8 @@ class Mixture(grain.IterDataset):  # type: ignore[type-arg]
       global_batch_size: rows per step over all processes.
       shard: which rows this process feeds (``trainer.placement.data_shard``).
       seed: the seed of the row-to-source hash and of each source's shuffle.
+      max_steps: the steps the run trains (``fit``'s ``max_steps``), when known: a stage
+        starting at or after it would never be reached and is refused (``MixtureError``).
     """
 
     def __init__(
@@ -111,6 +124,7 @@ class Mixture(grain.IterDataset):  # type: ignore[type-arg]
         global_batch_size: int,
         shard: DataShard | tuple[int, int] = (0, 1),
         seed: int = 0,
+        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.names = list(sources)
@@ -119,7 +133,7 @@ class Mixture(grain.IterDataset):  # type: ignore[type-arg]
         empty = [name for name in self.names if len(sources[name]) == 0]
         if empty:
             raise MixtureError(f"The sources {empty} are empty.")
-        self.stages = _stages(weights, self.names)
+        self.stages = _stages(weights, self.names, max_steps)
         index, count = shard
         if global_batch_size % count:
             raise ValueError(

@@ -138,7 +138,12 @@ def corpus_splits(
             for name, corpus in corpora.items()
         }
         mixture = Mixture(
-            sources, stages, global_batch_size=batch_size * shard[1], shard=shard, seed=seed
+            sources,
+            stages,
+            global_batch_size=batch_size * shard[1],
+            shard=shard,
+            seed=seed,
+            max_steps=max_steps,  # a stage the run never reaches is refused
         )
         train_rows, train_documents = mixture, []
         for stage in mixture.stages:
