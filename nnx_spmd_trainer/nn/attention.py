@@ -20,6 +20,10 @@ forms: a query attends to the keys of its own segment only (and causally).
 Padding attends to padding, so no row of the mask is empty and no output is NaN.
 Positions restarting per document are the model's business (its position
 embedding or rope), not the attention's.
+
+Decoding (``nn.kv_cache``): a query shorter than its keys is a decode step's one
+position against a cache; its causality is the cache's mask (Flax's
+``MultiHeadAttention(decode=True)`` builds it).
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ def causal_attention(
     >>> causal_attention(q, k, v).shape
     (1, 4, 2, 8)
     """
+    if query.shape[-3] != key.shape[-3]:  # a decode step: one query against a cache
+        return _decode_attention(query, key, value, bias, mask)
     axes = length_axes()
     if axes and _FORM.get() == "ring":
         if bias is not None or mask is not None or len(axes) > 1:
@@ -182,3 +188,20 @@ def causal_attention(
     if axes:
         out = _pinned(out, split)
     return out
+
+
+def _decode_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+) -> jax.Array:
+    """A decode step's attention: no causal mask of its own (a one-position query
+    against a cache would see only the cache's first key), the cache's ``mask`` instead;
+    XLA's implementation (cuDNN's wants equal lengths). Flax hands a combined mask as
+    0/1 floats (``combine_masks``); ``jax.nn.dot_product_attention`` takes booleans."""
+    keep = None if mask is None else mask.astype(bool)
+    return jax.nn.dot_product_attention(
+        query, key, value, bias=bias, mask=keep, is_causal=False, implementation="xla"
+    )

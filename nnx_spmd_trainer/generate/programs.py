@@ -1,0 +1,224 @@
+"""The sampler's two compiled programs, on the plan's mesh: prefill and one decode step.
+
+Both run a *copy* of the model (``nnx.merge`` of the live state, in eval mode, its
+caches made by ``nn.kv_cache.init_caches``), so the training state is only read.
+Each is compiled once per shape bucket (rows, prompt columns, cache length) and
+kept in the plan's one cache of compiled steps (``Plan.steps``); the decode step
+is handed the cache and donates it, writing the next one into the same buffers.
+
+Layout: the rows are split as the strategy splits a batch's rows
+(``Plan.batch_shardings``), the cache's rows with them, and the cache's heads over
+the tensor-parallel (``"model"``-role) axes the attention's heads are split over.
+
+Prompts are **left padded**: every row's last prompt token sits in the same
+column, so one cache position serves the whole batch (Flax's ``cache_index`` is one
+number). The padding is hidden by the key mask and each row's positions count from
+its first real token, so a row decodes exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.generate.sampling import Sampling, log_probabilities, row_key, sample
+from nnx_spmd_trainer.nn.kv_cache import init_caches
+from nnx_spmd_trainer.planner.plan import Plan
+
+__all__ = ["DecodePrograms"]
+
+#: What a step returns: the cache, each row's next token and its log-probability.
+StepOut = tuple[Any, jax.Array, jax.Array]
+
+
+def _choose(
+    logits: jax.Array, seed: jax.Array, step: jax.Array, rows: jax.Array, how: Sampling
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's next token from its own key, and its log-probability under the raw logits."""
+    keys = jax.vmap(lambda row: row_key(seed, step, row))(rows)
+    tokens = jax.vmap(lambda lg, k: sample(lg, k, how))(logits, keys)
+    logp = jnp.take_along_axis(log_probabilities(logits), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logp
+
+
+class DecodePrograms:
+    """Prefill and decode for ``model`` laid out by ``plan`` (the live model is read only).
+
+    Args:
+      model: the trained ``nnx.Module`` (its arrays sharded on ``plan.mesh``).
+      plan: the plan it was trained with.
+      cache_dtype: the cache's dtype (default float32).
+    """
+
+    def __init__(self, model: nnx.Module, plan: Plan, *, cache_dtype: Any = jnp.float32) -> None:
+        self.plan = plan
+        self.cache_dtype = cache_dtype
+        self._graphdef, state = nnx.split(model)
+        self._treedef = jax.tree.structure(state)
+        self._state_leaves = jax.tree.leaves(state)
+        self.row_axes = self._row_axes()
+
+    # -- layout --------------------------------------------------------------------
+    def _row_axes(self) -> tuple[str, ...]:
+        """The mesh axes the strategy splits a batch's rows over."""
+        mesh = self.plan.mesh
+        probe = {"tokens": jax.ShapeDtypeStruct((mesh.devices.size, 1), jnp.int32)}
+        spec = self.plan.batch_shardings(probe)["tokens"].spec
+        return sh.dimension_axes(spec, 2)[0]
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows are padded to a multiple of this (the devices splitting them)."""
+        return math.prod(self.plan.mesh.shape[a] for a in self.row_axes)
+
+    def _rows(self, *rest: Any) -> NamedSharding:
+        return NamedSharding(self.plan.mesh, P(self.row_axes or None, *rest))
+
+    def _heads_axes(self, heads: int) -> tuple[str, ...]:
+        """The tensor-parallel axes (role ``"model"``) that divide ``heads``, as the
+        attention's projections split them; none when the rows already use them."""
+        mesh, roles = self.plan.mesh, self.plan.strategy.axis_roles()
+        axes = tuple(
+            a for a, role in roles.items()
+            if role == "model" and a not in self.row_axes and mesh.shape.get(a, 1) > 1
+        )  # fmt: skip
+        return axes if axes and heads % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+    def _cache_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        if leaf.ndim < 4:  # cache_index (one per layer when stacked)
+            return NamedSharding(self.plan.mesh, P())
+        lead = (None,) * (leaf.ndim - 4)  # a stack's layer dimension
+        heads = self._heads_axes(leaf.shape[-2]) or None
+        return NamedSharding(self.plan.mesh, P(*lead, self.row_axes or None, None, heads, None))
+
+    # -- the decoding copy -----------------------------------------------------------
+    def _decoding_copy(self, leaves: list[Any], rows: int, length: int) -> nnx.Module:
+        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, leaves))
+        model.eval()
+        if not init_caches(model, rows, length, self.cache_dtype):
+            raise TypeError(
+                f"{type(model).__name__} has no attention that decodes with a cache: build "
+                "its attention as nnx.MultiHeadAttention(..., decode=False) (or give your own "
+                "a `decode` attribute and init_cache, as Flax's); see docs/topics/sampling.md."
+            )
+        return model
+
+    def cache_bytes_per_device(self, rows: int, length: int) -> int:
+        """The bytes of the cache each device holds for ``rows`` x ``length``."""
+        _, cache = self._abstract(rows, length)
+        total = 0
+        for leaf in jax.tree.leaves(cache):
+            shard = self._cache_sharding(leaf).shard_shape(leaf.shape)
+            total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+        return total
+
+    def _abstract(self, rows: int, length: int) -> tuple[nnx.GraphDef[Any], Any]:
+        abstract = nnx.eval_shape(lambda: self._decoding_copy(self._state_leaves, rows, length))
+        graphdef, cache, _ = nnx.split(abstract, nnx.Cache, ...)
+        return graphdef, cache
+
+    # -- the programs ------------------------------------------------------------------
+    def prefill(
+        self, rows: int, columns: int, length: int, how: Sampling
+    ) -> Callable[..., StepOut]:
+        """``(state, tokens, positions, real, seed, row_ids) -> (cache, token, logp)``:
+        the prompts (``[rows, columns]``, left padded) run one column at a time into a
+        fresh cache, then each row's first token chosen (decode step 0)."""
+        key = ("generate/prefill", rows, columns, length, how, self.cache_dtype)
+        return self.plan.steps.get(key, lambda: self._compile(rows, columns, length, how, True)).fn
+
+    def decode(self, rows: int, length: int, how: Sampling) -> Callable[..., StepOut]:
+        """``(state, cache, tokens, positions, real, seed, step, row_ids) -> (cache, token,
+        logp)``: one position for every row; the cache is donated."""
+        key = ("generate/decode", rows, length, how, self.cache_dtype)
+        return self.plan.steps.get(key, lambda: self._compile(rows, 1, length, how, False)).fn
+
+    def state_leaves(self) -> list[Any]:
+        return self._state_leaves
+
+    def _compile(self, rows: int, columns: int, length: int, how: Sampling, fresh: bool) -> Any:
+        graphdef, abstract_cache = self._abstract(rows, length)
+        cache_tree = jax.tree.structure(abstract_cache)
+        cache_shardings = [self._cache_sharding(x) for x in jax.tree.leaves(abstract_cache)]
+        state_shardings = [x.sharding for x in self._state_leaves]
+        treedef, abstract_leaves = self._treedef, jax.tree.leaves(abstract_cache)
+        tokens_sharding = self._rows(None)
+        batch_shardings = {"tokens": tokens_sharding}
+
+        def one_column(
+            state: Any, cache: Any, tokens: jax.Array, positions: jax.Array, real: jax.Array
+        ) -> tuple[Any, jax.Array]:
+            """The logits of one column (``[rows, 1]``) and the cache it leaves."""
+            model = nnx.merge(graphdef, state, jax.tree.unflatten(cache_tree, cache))
+            mask = real[:, None, None, :]
+            logits = model(tokens, positions=positions, mask=mask)
+            return jax.tree.leaves(nnx.state(model, nnx.Cache)), logits[:, -1].astype(jnp.float32)
+
+        def prefill(leaves, tokens, positions, real, seed, row_ids):  # type: ignore[no-untyped-def]
+            with self.plan.trace_context(batch_shardings):
+                # The state rides in the carry: NNX refuses variables closed over from
+                # outside the scan (a scanned model's nnx.scan checks their trace).
+                def column(carry: Any, t: jax.Array) -> tuple[Any, None]:
+                    state, cache, _ = carry
+                    own = real | (jnp.arange(length) == t)  # a padding query sees itself
+                    at = [
+                        jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1) for a in (tokens, positions)
+                    ]
+                    cache, logits = one_column(jax.tree.unflatten(treedef, state), cache, *at, own)
+                    return (state, cache, logits), None
+
+                cache = [jnp.zeros(x.shape, x.dtype) for x in abstract_leaves]
+                none = jnp.zeros((rows, 0), jnp.float32)
+                vocab = jax.eval_shape(column, (leaves, cache, none), 0)[0][2].shape[-1]
+                start = (leaves, cache, jnp.zeros((rows, vocab), jnp.float32))
+                (_, cache, logits), _ = jax.lax.scan(column, start, jnp.arange(columns))
+                token, logp = _choose(logits, seed, jnp.int32(0), row_ids, how)
+                return cache, token, logp
+
+        def decode(leaves, cache, tokens, positions, real, seed, step, row_ids):  # type: ignore[no-untyped-def]
+            with self.plan.trace_context(batch_shardings):
+                state = jax.tree.unflatten(treedef, leaves)
+                cache, logits = one_column(state, cache, tokens[:, None], positions[:, None], real)
+                token, logp = _choose(logits, seed, step, row_ids, how)
+                return cache, token, logp
+
+        replicated = self.plan.replicated
+        row = self._rows()
+        outs = (cache_shardings, row, row)
+        with jax.set_mesh(self.plan.mesh):
+            if fresh:
+                return self.plan.strategy.compile_step(
+                    prefill,
+                    in_shardings=(
+                        state_shardings,
+                        tokens_sharding,
+                        tokens_sharding,
+                        tokens_sharding,
+                        replicated,
+                        row,
+                    ),
+                    out_shardings=outs,
+                )
+            return self.plan.strategy.compile_step(
+                decode,
+                in_shardings=(
+                    state_shardings,
+                    cache_shardings,
+                    row,
+                    row,
+                    tokens_sharding,
+                    replicated,
+                    replicated,
+                    row,
+                ),
+                out_shardings=outs,
+                donate_argnums=(1,),
+            )

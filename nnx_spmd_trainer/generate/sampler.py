@@ -1,0 +1,246 @@
+"""Sampler: text from a trained model, on the mesh it trained on.
+
+>>> sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer)  # doctest: +SKIP
+>>> out = sampler.generate(["Once upon"], max_new_tokens=32, temperature=0.8, top_p=0.95)
+>>> out.text[0], out.log_probs[0][:3]  # doctest: +SKIP
+
+The contract a model meets (docs/topics/sampling.md): its attention decodes in
+Flax's convention (``nnx.MultiHeadAttention``: a ``decode`` attribute and
+``init_cache``), and it is called ``model(tokens, positions=..., mask=...)`` with
+one column of tokens (``[rows, 1]``), each row's position, and the cached keys
+it may attend to (``[rows, 1, 1, cache_length]``), returning logits
+``[rows, 1, vocab]``. Prompts are left padded (``programs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_spmd_trainer.generate.programs import DecodePrograms
+from nnx_spmd_trainer.generate.sampling import Sampling
+from nnx_spmd_trainer.planner.plan import Plan
+
+__all__ = ["Generation", "Sampler", "TextCodec"]
+
+#: Prompt columns and cache lengths are rounded up to a multiple of this: one
+#: compiled prefill and decode serve every batch in the bucket.
+BUCKET = 16
+
+
+class TextCodec(Protocol):
+    """What the sampler needs of a tokenizer (``data.Tokenizer`` is one)."""
+
+    def encode(self, text: str) -> Any: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What ``Sampler.generate`` returns, one entry per prompt.
+
+    Attributes:
+      tokens: the generated token ids (an end token that stopped a row included).
+      log_probs: each generated token's log-probability under the model's raw logits
+        (``log_softmax``, float32), whatever the sampling settings.
+      text: the generated text through the tokenizer (the end token and anything from
+        a stop string on left out); ``None`` without a tokenizer.
+      finish: why each row stopped: ``"end"``, ``"stop"`` (a stop string) or ``"length"``.
+    """
+
+    tokens: list[list[int]]
+    log_probs: list[list[float]]
+    text: list[str] | None
+    finish: list[str]
+
+
+def _context_length(model: nnx.Module) -> int | None:
+    """The positions a shipped model was built for (GPT's ``seq_len``, GPT-2's
+    ``config.n_positions``), else ``None``."""
+    for owner, name in ((model, "seq_len"), (getattr(model, "config", None), "n_positions")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+class Sampler:
+    """Generates from ``model`` laid out by ``plan``, never writing the model's state.
+
+    Args:
+      model: the trained ``nnx.Module`` (``trainer.model``), its arrays on ``plan.mesh``.
+      plan: the plan it trains with (``trainer.plan``); the programs are compiled through
+        it and kept in its cache.
+      tokenizer: encodes string prompts and decodes the output (``encode``/``decode``).
+      context_length: the most positions the model takes (prompt + generated); default
+        read from the model (``seq_len``, ``config.n_positions``), else unchecked.
+      cache_dtype: the key-value cache's dtype.
+
+    >>> sampler = Sampler(trainer.model, trainer.plan)  # doctest: +SKIP
+    >>> sampler.generate([[1, 2, 3]], max_new_tokens=4).tokens  # greedy  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        plan: Plan,
+        *,
+        tokenizer: TextCodec | None = None,
+        context_length: int | None = None,
+        cache_dtype: Any = jnp.float32,
+    ) -> None:
+        self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype)
+        self.tokenizer = tokenizer
+        self.context_length = context_length or _context_length(model)
+
+    def _encoded(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        if not prompts:
+            raise ValueError("generate: no prompts; give at least one.")
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise TypeError(
+                        "generate: a text prompt needs a tokenizer: Sampler(..., tokenizer=...) "
+                        "or give token ids."
+                    )
+                prompt = [int(t) for t in self.tokenizer.encode(prompt)]
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("generate: an empty prompt; every prompt needs a token.")
+            out.append(ids)
+        return out
+
+    def bucket(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int, int]:
+        """``(rows, prompt columns, cache length)`` the programs are compiled for."""
+        rows = _round_up(len(prompts), self.programs.row_multiple)
+        columns = _round_up(max(len(p) for p in prompts), BUCKET)
+        return rows, columns, _round_up(columns + max_new_tokens, BUCKET)
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        end_token: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Generation:
+        """Continues each prompt (text or token ids) by up to ``max_new_tokens``.
+
+        Greedy at ``temperature=0``; else drawn after ``top_k``/``top_p`` truncation
+        (``Sampling``), each row from its own key (``sampling.row_key``): the same
+        ``seed`` gives the same tokens under any strategy and device count. A row stops
+        at ``end_token``, at a ``stop`` string (through the tokenizer), or at the length.
+        """
+        how = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens={max_new_tokens}; it must be >= 1.")
+        if stop and self.tokenizer is None:
+            raise TypeError("generate: stop strings need a tokenizer: Sampler(..., tokenizer=...).")
+        ids = self._encoded(prompts)
+        longest = max(len(p) for p in ids)
+        if self.context_length is not None and longest + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"generate: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} "
+                f"is more than the model's context of {self.context_length} positions; shorten "
+                "the prompt or ask for fewer tokens."
+            )
+        rows, columns, length = self.bucket(ids, max_new_tokens)
+        return self._run(ids, rows, columns, length, how, seed, max_new_tokens, end_token, stop)
+
+    def _run(
+        self,
+        ids: list[list[int]],
+        rows: int,
+        columns: int,
+        length: int,
+        how: Sampling,
+        seed: int,
+        max_new_tokens: int,
+        end_token: int | None,
+        stop: Sequence[str],
+    ) -> Generation:
+        n = len(ids)
+        tokens = np.zeros((rows, columns), np.int32)
+        positions = np.zeros((rows, columns), np.int32)
+        real = np.zeros((rows, length), bool)
+        real[:, columns:] = True  # what is generated is always attended to
+        lengths = np.array([len(p) for p in ids] + [1] * (rows - n), np.int32)
+        for r, prompt in enumerate(ids + [[0]] * (rows - n)):
+            tokens[r, columns - len(prompt) :] = prompt
+            positions[r, columns - len(prompt) :] = np.arange(len(prompt))
+            real[r, columns - len(prompt) : columns] = True
+        row_ids = np.arange(rows, dtype=np.int32)  # a prompt's index: its keys' third input
+        programs, leaves = self.programs, self.programs.state_leaves()
+        prefill = programs.prefill(rows, columns, length, how)
+        decode = programs.decode(rows, length, how)
+        with jax.set_mesh(programs.plan.mesh):
+            seed_array = jnp.asarray(seed, jnp.uint32)
+            cache, token, logp = prefill(leaves, tokens, positions, real, seed_array, row_ids)
+            out = _Rows(n, end_token, stop, self.tokenizer)
+            for step in range(max_new_tokens):
+                if step:
+                    cache, token, logp = decode(
+                        leaves, cache, token, lengths + step - 1, real,
+                        seed_array, jnp.int32(step), row_ids,
+                    )  # fmt: skip
+                if out.take(np.asarray(token), np.asarray(logp)):
+                    break
+        return out.result()
+
+
+class _Rows:
+    """The generated rows on the host: what each row took and whether it stopped."""
+
+    def __init__(
+        self, n: int, end_token: int | None, stop: Sequence[str], tokenizer: TextCodec | None
+    ) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.log_probs: list[list[float]] = [[] for _ in range(n)]
+        self.finish = ["length"] * n
+        self.done = [False] * n
+        self.end_token, self.stop, self.tokenizer = end_token, tuple(stop), tokenizer
+
+    def take(self, token: np.ndarray, logp: np.ndarray) -> bool:
+        """Adds one step's tokens; True once every row has stopped."""
+        for r in range(len(self.tokens)):
+            if self.done[r]:
+                continue
+            self.tokens[r].append(int(token[r]))
+            self.log_probs[r].append(float(logp[r]))
+            if self.end_token is not None and int(token[r]) == self.end_token:
+                self.done[r], self.finish[r] = True, "end"
+            elif self.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(self.tokens[r])
+                if any(s in text for s in self.stop):
+                    self.done[r], self.finish[r] = True, "stop"
+        return all(self.done)
+
+    def _text(self, r: int) -> str:
+        assert self.tokenizer is not None
+        ids = self.tokens[r]
+        if self.finish[r] == "end":
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        cuts = [text.index(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def result(self) -> Generation:
+        text = None if self.tokenizer is None else [self._text(r) for r in range(len(self.tokens))]
+        return Generation(self.tokens, self.log_probs, text, self.finish)

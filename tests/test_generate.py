@@ -1,0 +1,202 @@
+"""The sampler (nnx_spmd_trainer.generate): exact against the training forward pass under
+every strategy, seeded alike on one device and eight, a user's Flax model, stops, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_spmd_trainer import (
+    FSDP,
+    DataParallel,
+    ExpertParallel,
+    Hybrid,
+    TensorParallel,
+    Trainer,
+)
+from nnx_spmd_trainer.app.models.gpt import GPT
+from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config
+from nnx_spmd_trainer.generate import Sampler, Sampling, row_key, sample
+
+# Unequal lengths: left padding is in play in every test.
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+NEW = 5
+
+
+def gpt(*, scan: bool = False, experts: int = 0) -> Callable[[nnx.Rngs], nnx.Module]:
+    def factory(rngs: nnx.Rngs) -> nnx.Module:
+        return GPT(
+            vocab_size=32, seq_len=16, embed_dim=32, num_heads=8, ff_dim=64, num_layers=2,
+            dropout_rate=0.1, rngs=rngs, scan_layers=scan,
+            moe_experts=experts, moe_every=2,
+            moe_capacity_factor=None,  # dropless: each token routed alone, as it decodes
+        )  # fmt: skip
+
+    return factory
+
+
+def gpt2(rngs: nnx.Rngs) -> nnx.Module:
+    config = GPT2Config(
+        vocab_size=30, n_positions=16, n_embd=32, n_layer=2, n_head=4, dropout=0.1, pad_vocab_to=8
+    )
+    return GPT2(config, rngs=rngs, scan_layers=True)
+
+
+class UserLM(nnx.Module):
+    """A user's model in Flax's decode convention: a plain nnx.MultiHeadAttention."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.seq_len = 16
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.pos = nnx.Embed(16, 16, rngs=rngs)
+        self.mha = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+        self.head = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None
+    ) -> jax.Array:
+        where = jnp.arange(tokens.shape[-1]) if positions is None else positions
+        x = self.embed(tokens) + self.pos(where)
+        x = x + self.mha(x, mask=nnx.make_causal_mask(tokens) if mask is None else mask)
+        return self.head(x)
+
+
+def trainer(factory: Callable[[nnx.Rngs], nnx.Module], strategy: Any, **kw: Any) -> Trainer:
+    return Trainer(factory, optax.sgd(0.1), strategy=strategy, loss_fn=lambda m, b: (0.0, {}), **kw)
+
+
+def teacher_forced(t: Trainer, prompts: list[list[int]], new: list[list[int]]) -> tuple[Any, Any]:
+    """Each generated token's log-probability and the argmax, from the trainer's own
+    compiled forward pass (``Trainer.predict``) over prompt + continuation, right padded."""
+    rows = [p + n for p, n in zip(prompts, new, strict=True)]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for r, row in enumerate(rows):
+        tokens[r, : len(row)] = row
+    (logits,) = t.predict([{"x": tokens}], to_numpy=True)
+    log_probs, argmax = [], []
+    for r, (p, n) in enumerate(zip(prompts, new, strict=True)):
+        steps = np.arange(len(p) - 1, len(p) + len(n) - 1)
+        lp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[r, steps], jnp.float32), axis=-1))
+        log_probs.append(lp[np.arange(len(n)), n])
+        argmax.append(lp.argmax(-1).tolist())
+    return log_probs, argmax
+
+
+CASES = {
+    "dp": (gpt(), DataParallel()),
+    "fsdp-scanned": (gpt(scan=True), FSDP(min_size=16)),
+    "tp": (gpt(), TensorParallel(8)),
+    "fsdp-tp": (gpt(), Hybrid(FSDP(4, min_size=16), TensorParallel(2))),
+    "moe-ep": (gpt(experts=4), Hybrid(DataParallel(2), ExpertParallel(4, min_size=16))),
+    "gpt2-scanned-tp": (gpt2, Hybrid(DataParallel(4), TensorParallel(2))),
+    "user-model": (UserLM, DataParallel()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def greedy(request: pytest.FixtureRequest) -> tuple[Trainer, Any]:
+    factory, strategy = CASES[request.param]
+    t = trainer(factory, strategy)
+    return t, Sampler(t.model, t.plan).generate(PROMPTS, max_new_tokens=NEW)
+
+
+def test_greedy_log_probs_equal_the_training_forward_pass(greedy: tuple[Trainer, Any]) -> None:
+    t, out = greedy
+    assert out.finish == ["length"] * len(PROMPTS)
+    assert [len(new) for new in out.tokens] == [NEW] * len(PROMPTS)
+    expected, argmax = teacher_forced(t, PROMPTS, out.tokens)
+    for log_probs, want in zip(out.log_probs, expected, strict=True):
+        np.testing.assert_allclose(log_probs, want, atol=1e-5, rtol=0)
+    assert out.tokens == argmax
+
+
+def test_the_training_state_is_only_read(greedy: tuple[Trainer, Any]) -> None:
+    t, _ = greedy
+    assert not jax.tree.leaves(nnx.state(t.model, nnx.Cache))
+    assert all(not getattr(m, "decode", False) for _, m in t.model.iter_modules())
+
+
+def test_programs_compile_once_per_bucket_not_per_token() -> None:
+    t = trainer(gpt(), DataParallel())
+    sampler = Sampler(t.model, t.plan)
+    first = sampler.generate(PROMPTS, max_new_tokens=NEW)
+    compiled = t.plan.steps.count
+    again = sampler.generate([[3, 4], [5]], max_new_tokens=NEW + 2)  # the same bucket
+    assert t.plan.steps.count == compiled  # prefill + decode, reused
+    assert first.tokens[1][:2] != [] and len(again.tokens) == 2
+
+
+def test_the_same_seed_samples_the_same_tokens_on_one_device_and_on_eight() -> None:
+    how = {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 7, "max_new_tokens": NEW}
+    one = trainer(gpt(), DataParallel(), devices=jax.devices()[:1])
+    eight = trainer(gpt(), Hybrid(FSDP(4, min_size=16), TensorParallel(2)))
+    same = zip(
+        jax.tree.leaves(nnx.state(one.model, nnx.Param)),
+        jax.tree.leaves(nnx.state(eight.model, nnx.Param)),
+        strict=True,
+    )
+    for a, b in same:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same weights
+    on_one = Sampler(one.model, one.plan).generate(PROMPTS, **how)
+    on_eight = Sampler(eight.model, eight.plan).generate(PROMPTS, **how)
+    assert on_one.tokens == on_eight.tokens
+    other_seed = Sampler(one.model, one.plan).generate(PROMPTS, **{**how, "seed": 8})
+    assert other_seed.tokens != on_one.tokens
+
+
+class Letters:
+    """A codec of 32 letters: id i is chr(ord('a') + i)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(ord("a") + int(i)) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def small() -> Sampler:
+    t = trainer(gpt(), DataParallel())
+    return Sampler(t.model, t.plan, tokenizer=Letters())
+
+
+def test_stops_on_an_end_token_and_a_stop_string(small: Sampler) -> None:
+    full = small.generate(["bcdef", "hi"], max_new_tokens=NEW)
+    assert full.text == [Letters().decode(ids) for ids in full.tokens]
+    end = full.tokens[0][2]
+    first_end = full.tokens[0].index(end)
+    ended = small.generate(["bcdef", "hi"], max_new_tokens=NEW, end_token=end)
+    assert ended.tokens[0] == full.tokens[0][: first_end + 1] and ended.finish[0] == "end"
+    assert ended.text is not None and ended.text[0] == full.text[0][:first_end]
+    stop = full.text[1][1:3]
+    stopped = small.generate(["bcdef", "hi"], max_new_tokens=NEW, stop=[stop])
+    assert stopped.finish[1] == "stop" and stopped.text is not None
+    assert stopped.text[1] == full.text[1][: full.text[1].index(stop)]
+
+
+def test_bad_input_is_named(small: Sampler) -> None:
+    with pytest.raises(ValueError, match=r"top_p=1.5 is outside \(0, 1\]"):
+        small.generate([[1]], max_new_tokens=2, top_p=1.5)
+    with pytest.raises(ValueError, match="more than the model's context of 16 positions"):
+        small.generate([list(range(14))], max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        small.generate([[]], max_new_tokens=2)
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    keys = jax.vmap(lambda step: row_key(0, step, 0))(jnp.arange(200))
+
+    def drawn(how: Sampling) -> set[int]:
+        return set(np.asarray(jax.vmap(lambda k: sample(logits, k, how))(keys)).tolist())
+
+    assert drawn(Sampling(1.0, top_k=2)) == {0, 1}
+    assert drawn(Sampling(1.0, top_p=0.9)) == {0, 1, 2}  # 0.5 + 0.3 < 0.9 <= 0.95
+    assert drawn(Sampling(1.0)) == {0, 1, 2, 3}
