@@ -41,6 +41,7 @@ from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.nn import stack as stack_lib
 from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
+from nnx_spmd_trainer.nn.kv_cache import MaskedAttention, set_cache_mask
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.nn.moe import MoE, moe_losses
 from nnx_spmd_trainer.nn.packed import packed_inputs, target_weights
@@ -104,7 +105,7 @@ class TransformerBlock(nnx.Module):
         zeros = nnx.initializers.zeros_init()
         precision: dict[str, Any] = {"dtype": dtype, "param_dtype": param_dtype}
         self.layer_norm1 = _layer_norm(embed_dim, rngs, dtype)
-        self.mha = nnx.MultiHeadAttention(
+        self.mha = MaskedAttention(  # nnx.MultiHeadAttention; decoding, hides padding
             num_heads=num_heads,
             in_features=embed_dim,
             attention_fn=causal_attention,
@@ -118,6 +119,7 @@ class TransformerBlock(nnx.Module):
             # layer dimension is marked (see GPT's scan_layers)
             out_bias_init=annotated(zeros, None),
             keep_rngs=False,  # no attention dropout: the block's own Dropouts carry the RNG
+            decode=False,  # nn.kv_cache.init_caches turns it on in a sampler's copy
             rngs=rngs,
         )
         self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
@@ -152,7 +154,7 @@ class TransformerBlock(nnx.Module):
         projections around ``causal_attention`` (``nnx.MultiHeadAttention`` passes its
         ``attention_fn`` nothing per call beyond a mask)."""
         if segment_ids is None:
-            return self.mha(inputs_q=x, decode=False)
+            return self.mha(inputs_q=x)  # decoding: one position against its cache
         mha = self.mha
         q, k, v = mha.query(x), mha.key(x), mha.value(x)
         return mha.out(causal_attention(q, k, v, segment_ids=segment_ids))
@@ -310,7 +312,13 @@ class GPT(nnx.Module):
         tokens: jax.Array,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
     ) -> jax.Array:
+        """Logits ``(batch, seq, vocab)`` in float32. ``mask`` (``[batch, 1, 1, cache]``,
+        decoding only): the cached keys each row may attend to (a sampler's padding hidden)."""
+        if mask is not None:
+            set_cache_mask(self, mask)
         return self.head(self.features(tokens, segment_ids, positions)).astype(jnp.float32)
 
 

@@ -40,6 +40,7 @@ from flax import nnx
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.app.models.gpt import loss_fn
 from nnx_spmd_trainer.nn.attention import causal_attention
+from nnx_spmd_trainer.nn.kv_cache import set_cache_mask, update_cache
 from nnx_spmd_trainer.nn.stack import run as run_stack
 from nnx_spmd_trainer.nn.stack import stacked
 from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
@@ -104,14 +105,32 @@ class GPT2Attention(nnx.Module):
         self.k = _linear(d, d, "out", rngs)
         self.v = _linear(d, d, "out", rngs)
         self.c_proj = _linear(d, d, "in", rngs)
+        # Flax's decode-cache convention (nnx.MultiHeadAttention's): nn.kv_cache.init_caches
+        # turns decode on in a sampler's copy and gives it a cache.
+        self.decode = False
+        self.cached_key: nnx.Cache[jax.Array] | None = nnx.data(None)
+        self.cached_value: nnx.Cache[jax.Array] | None = nnx.data(None)
+        self.cache_index: nnx.Cache[jax.Array] | None = nnx.data(None)
+        self.cache_mask: nnx.Cache[jax.Array] | None = nnx.data(None)
+
+    def init_cache(self, input_shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> None:
+        """An empty cache for ``input_shape[:-1]`` (``(batch, length)``), as Flax's attention."""
+        shape = (*input_shape[:-1], self.n_head, self.q.out_features // self.n_head)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         batch, length, d = x.shape
-        heads = [
+        q, k, v = (
             p(x).reshape(batch, length, self.n_head, d // self.n_head)
             for p in (self.q, self.k, self.v)
-        ]
-        out = causal_attention(*heads, segment_ids=segment_ids)
+        )
+        if self.decode:  # one position against the cache
+            k, v, written = update_cache(self, k, v)
+            out = causal_attention(q, k, v, mask=written)
+        else:
+            out = causal_attention(q, k, v, segment_ids=segment_ids)
         return self.c_proj(out.reshape(batch, length, d))
 
 
@@ -182,8 +201,13 @@ class GPT2(nnx.Module):
         tokens: jax.Array,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits for ``tokens``; packed rows pass ``segment_ids`` and ``positions``."""
+        """Logits for ``tokens``; packed rows pass ``segment_ids`` and ``positions``;
+        decoding, ``mask`` (``[batch, 1, 1, cache]``) the cached keys a row may attend to."""
+        if mask is not None:
+            set_cache_mask(self, mask)
         length = tokens.shape[-1]
         if length > self.config.n_positions:
             raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
