@@ -341,3 +341,61 @@ def test_nnx_spmd_train_corpus_is_the_corpus_command(tmp_path, capsys):
     assert exit_.value.code == 0
     assert f"--config.data.corpus={out}" in capsys.readouterr().out
     assert len(Corpus(out)) == 2 and 257 < Corpus(out).vocab_size <= 280  # merges run out
+
+
+def test_a_binary_file_among_the_texts_is_skipped_named_and_counted(tmp_path, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, key in enumerate(sorted(topics)[:3]):
+        (texts / f"{i}.txt").write_text(topics[key], encoding="utf-8")
+    (texts / "notes.txt.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    out = tmp_path / "c"
+    assert corpus_command.main([str(texts), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == (
+        f"corpus: skipped 1 file that is not UTF-8 text: {texts / 'notes.txt.gz'} "
+        "(byte 0x8b at offset 1)"
+    )
+    # the default vocabulary is the default job's, and the silent BPE training is announced
+    assert corpus_command.DEFAULT_VOCAB_SIZE == load("default").data.vocab_size == 1024
+    assert lines[1].startswith("corpus: training a byte-level BPE of 1024 ids on 3 files (")
+    assert lines[2].startswith("corpus: BPE trained in ")
+    assert f"corpus {out}: 3 documents (1 files skipped: not UTF-8 text)" in lines[-1]
+    assert "3/3" in captured.err and "100%" in captured.err  # the bar has a total
+    assert len(Corpus(out)) == 3
+
+
+def test_a_bad_input_met_while_writing_is_named_and_nothing_is_left(written, tmp_path, capsys):
+    """With --tokenizer the write starts at once; a JSON line without the field fails it
+    after a chunk is written: the file is named and the corpus it began is removed."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 1100 + '{"body": "no text"}\n')
+    out = tmp_path / "c"
+    with pytest.raises(SystemExit) as exit_:
+        corpus_command.main(
+            [str(bad), "--out", str(out), "--tokenizer", str(written / "a"), "--no_progress"]
+        )
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"nnx-spmd-train: error: corpus: {bad} at byte 18700: no field 'text' to tokenize."
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("what", ["an empty folder", "only binary files"])
+def test_no_text_to_tokenize_is_refused_and_nothing_is_written(tmp_path, capsys, what):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    if what == "only binary files":
+        (inputs / "a.bin").write_bytes(b"\xff\xfe\x00")
+    out = tmp_path / "c"
+    with pytest.raises(SystemExit) as exit_:
+        corpus_command.main([str(inputs), "--out", str(out), "--no_progress"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert "nothing to tokenize" in line and str(inputs) in line
+    assert "--config.data.corpus" not in captured.out
+    assert not out.exists()

@@ -202,3 +202,23 @@ def test_a_damaged_last_offset_is_named_at_open(corpus: Corpus, tmp_path: Path) 
         CorpusError, match="offsets.bin is damaged: its last document ends at token 5"
     ):
         Corpus(out)
+
+
+def test_a_binary_file_is_named_and_the_corpus_begun_is_removed(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    (tmp_path / "a.txt").write_text("hello there " * 50)
+    (tmp_path / "b.gz").write_bytes(b"\x1f\x8b\x08\x00\x00")
+    out = tmp_path / "c"
+    with pytest.raises(CorpusError, match=r"b\.gz is not UTF-8 text \(byte 0x8b at offset 1\)"):
+        write_corpus([tmp_path / "a.txt", tmp_path / "b.gz"], out, tokenizer, chunk_docs=1)
+    assert not out.exists()  # the first file's chunk was written, then removed with the rest
+
+
+def test_inputs_without_a_document_are_refused(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(CorpusError, match="no document"):
+        write_corpus([tmp_path / "empty.jsonl"], tmp_path / "c", tokenizer, progress=False)
+    with pytest.raises(CorpusError, match="No input files"):
+        write_corpus([], tmp_path / "c", tokenizer, progress=False)
+    assert not (tmp_path / "c").exists()

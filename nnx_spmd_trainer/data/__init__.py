@@ -11,7 +11,8 @@ the module of its job and is re-exported here. The core imports from the homes:
 - ``position.py``: ``BATCHES_TAKEN``, the ``RunState.data`` of a Grain
   position saved under another process count;
 - ``tokenizer.py``: ``Tokenizer``, ``train_bpe``, ``load_tokenizer``, ``TokenizerError``;
-- ``corpus.py``: ``write_corpus``, ``Corpus``, ``CorpusError``;
+- ``corpus.py``: ``write_corpus``, ``Corpus``, ``CorpusError`` (whose home is
+  ``corpus_inputs.py``: the files a corpus is written from, a binary one named);
 - ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
   ``ContiguousRows``;
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``

@@ -34,6 +34,7 @@ after the last complete chunk (bytes of a torn chunk are cut off first).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -44,8 +45,14 @@ from typing import Any
 
 import numpy as np
 
+from nnx_spmd_trainer.data.corpus_inputs import (
+    CorpusError,
+    count_documents,
+    documents,
+    expand_inputs,
+)
 from nnx_spmd_trainer.data.reads import count_read
-from nnx_spmd_trainer.data.tokenizer import Tokenizer, load_tokenizer
+from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HEADER_FILE = "header.json"
 TOKENS_FILE = "tokens.bin"
@@ -60,43 +67,9 @@ CHUNK_RECORD = np.dtype(
 )
 
 
-class CorpusError(ValueError):
-    """A corpus that is damaged, incomplete, or does not fit the model or tokenizer."""
-
-
 def token_dtype(vocab_size: int) -> np.dtype[Any]:
     """``uint16`` for vocabularies under 65536 ids, else ``uint32``."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def _documents(files: list[str], field: str, start: list[int]) -> Iterator[tuple[str, list[int]]]:
-    """Each document's text from ``start`` (``[file index, byte offset]``) on, with where
-    the next document starts: a whole file, or the ``field`` of each line of a ``.jsonl``."""
-    for index in range(start[0], len(files)):
-        path = Path(files[index])
-        if path.suffix != ".jsonl":
-            yield path.read_text(encoding="utf-8"), [index + 1, 0]
-            continue
-        offset = start[1] if index == start[0] else 0
-        with path.open("rb") as lines:
-            lines.seek(offset)  # a resumed write goes straight to its next document
-            for line in lines:
-                at, offset = offset, offset + len(line)
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if field not in record:
-                    raise CorpusError(f"{path} at byte {at}: no field {field!r} to tokenize.")
-                yield str(record[field]), [index, offset]
-
-
-def _expand(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """The input files in writing order: a folder stands for its files, sorted."""
-    files: list[str] = []
-    for item in map(Path, inputs):
-        found = sorted(p for p in item.rglob("*") if p.is_file()) if item.is_dir() else [item]
-        files += [os.fspath(p) for p in found]
-    return files
 
 
 def _write_header(directory: Path, header: dict[str, Any]) -> None:
@@ -177,19 +150,49 @@ def write_corpus(
       tokenizer: the ``Tokenizer`` (``train_bpe`` or ``load_tokenizer``).
       append_eos: end each document with ``tokenizer.eos_id``.
       chunk_docs: documents per chunk: the unit of a checksum and of resuming.
-      progress: show a tqdm progress bar of documents.
+      progress: show a tqdm progress bar of documents (of the total it counts first).
+
+    A bad input (a file that is not UTF-8 text, a JSON line without ``jsonl_field``) or
+    inputs with no document raise ``CorpusError`` naming it; a corpus this call started
+    is then removed, so nothing half-written is left (a stop, Ctrl-C, keeps what is
+    written: the same call continues it).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if append_eos and tokenizer.eos_id is None:
         raise CorpusError("The tokenizer has no end-of-document token; pass append_eos=False.")
-    files = _expand(inputs)
-    header = _start_or_resume(out, files, tokenizer)
-    if not header["complete"]:
-        tokenizer.save(out)
-        documents = _documents(files, jsonl_field, header["next_input"])
-        _write_chunks(out, header, documents, tokenizer, append_eos, chunk_docs, progress)
+    files = expand_inputs(inputs)
+    if not files:
+        raise CorpusError(f"No input files in {[os.fspath(i) for i in inputs]}: nothing to write.")
+    created = not out.exists()
+    started = created or not (out / HEADER_FILE).exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        header = _start_or_resume(out, files, tokenizer)
+        if not header["complete"]:
+            tokenizer.save(out)
+            texts = documents(files, jsonl_field, header["next_input"])
+            total = count_documents(files) if progress else None
+            _write_chunks(out, header, texts, tokenizer, append_eos, chunk_docs, progress, total)
+        if header["n_docs"] == 0:
+            raise CorpusError(
+                f"The inputs hold no document (empty .jsonl files?): {files[:3]}; nothing to write."
+            )
+    except Exception:
+        if started:  # nothing half-written: what this call began goes (a stop keeps it)
+            _remove_written(out, remove_folder=created)
+        raise
     return Corpus(out)
+
+
+def _remove_written(out: Path, *, remove_folder: bool) -> None:
+    """The files a corpus write makes, removed (and ``out`` itself where it made it)."""
+    for name in (HEADER_FILE, HEADER_FILE + ".partial", TOKENS_FILE, OFFSETS_FILE, CHUNKS_FILE):
+        (out / name).unlink(missing_ok=True)
+    for name in (TOKENIZER_FILE, TOKENIZER_FILE + ".partial"):
+        (out / name).unlink(missing_ok=True)
+    if remove_folder:
+        with contextlib.suppress(OSError):  # not empty: the user's own files stay
+            out.rmdir()
 
 
 def _write_chunks(
@@ -200,12 +203,17 @@ def _write_chunks(
     append_eos: bool,
     chunk_docs: int,
     progress: bool,
+    total: int | None = None,
 ) -> None:
     from tqdm import tqdm  # the writer's alone: not imported with the library
 
     dtype = np.dtype(header["dtype"])
     bar = tqdm(
-        desc=f"tokenizing into {out}", unit="doc", initial=header["n_docs"], disable=not progress
+        desc=f"tokenizing into {out}",
+        unit="doc",
+        total=total,
+        initial=header["n_docs"],
+        disable=not progress,
     )
     with bar:
         while True:
