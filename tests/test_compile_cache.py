@@ -1,10 +1,13 @@
 """JAX's persistent compilation cache as the library turns it on: where, off, and read back
 by a later process (planner/compile_cache.py; the CLI's goodput line counts its hits)."""
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
 import uuid
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +124,103 @@ def test_a_setting_that_cannot_be_used_names_the_fix(jax_options, tmp_path, monk
         use_compile_cache()
     with pytest.raises(CompileCacheError, match="cannot make the compilation cache directory"):
         use_compile_cache(a_file / "below-a-file")
+
+
+def mounted(*options: str, at) -> None:
+    """A fresh tmpfs at ``at`` (root only), or the test skipped where mounting is refused."""
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(at)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@pytest.fixture(params=["read-only", "full"])
+def unusable_directory(request, tmp_path):
+    """A cache directory that takes no entries, and the reason the warning gives: read-only
+    (a read-only tmpfs as root, whom mode bits do not stop; else mode 0o555), or on a full
+    disk (a 1 MiB tmpfs filled up; root only)."""
+    directory = tmp_path / request.param
+    directory.mkdir()
+    as_root = os.geteuid() == 0
+    if request.param == "read-only":
+        if as_root:
+            mounted("ro", "size=128m", at=directory)  # roomy: the write is what fails
+        else:
+            directory.chmod(0o555)
+        reason = r"cannot be written \((Read-only file system|Permission denied)\)"
+    else:
+        if not as_root:
+            pytest.skip("a full disk is simulated with a tmpfs, which only root may mount")
+        mounted("size=1m", at=directory)
+        with contextlib.suppress(OSError), open(directory / "filler", "wb") as filler:
+            filler.write(b"\0" * 2**21)  # until "No space left on device"
+        reason = r"has 0\.\d MiB free \(the cache wants 64 MiB or more\)"
+    yield directory, reason
+    if as_root:
+        subprocess.run(["umount", str(directory)], check=True, timeout=60)
+    else:
+        directory.chmod(0o755)
+
+
+def test_a_directory_that_takes_no_entries_is_one_warning_and_the_run_goes_on_without_it(
+    jax_options, unusable_directory
+):
+    """Where JAX would warn twice per program (a read and a write: 9-12 lines for the
+    default job) and cache nothing, the cache is off for the run and says so once."""
+    directory, reason = unusable_directory
+    before = compile_cache.cache_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert use_compile_cache(directory) is None
+        for _ in range(2):
+            f, x, expected = fresh_program()
+            np.testing.assert_allclose(f(x), expected, rtol=1e-6)  # the run goes on
+        assert use_compile_cache() is None  # a later Trainer's default: off, quietly
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    said = re.escape(
+        "; the run goes on without it. Name a writable directory (compile_cache=..., "
+        f"{ENV_VAR}) or 'off'."
+    )
+    off = re.escape(f"The compilation cache is off for this run: {str(directory)!r} ")
+    assert re.fullmatch(off + reason + said, messages[0]), messages[0]
+    assert caught[0].filename == __file__  # the caller's line, not the library's
+    assert compile_cache.compile_cache_directory() is None
+    assert compile_cache.cache_counts() - before == CacheCounts()  # not even looked up
+
+
+def test_an_entry_cut_short_is_deleted_when_the_cache_is_turned_on(jax_options, tmp_path):
+    """A kill or a full disk while JAX writes an entry leaves it truncated and without the
+    access-time file JAX writes after it: JAX would fail to read it in every run (and never
+    write it again). The next run deletes it, compiles that program and writes it whole."""
+    cache = tmp_path / "cache"
+    assert use_compile_cache(cache) == cache
+    f, x, expected = fresh_program()
+    f(x).block_until_ready()
+    (entry,) = cache.glob("*-cache")
+    atime = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+    whole = entry.stat().st_size
+    g, y, _ = fresh_program()  # another program's entry, whole: kept
+    g(y).block_until_ready()
+    kept = sorted(p.name for p in cache.glob("*-cache") if p != entry)
+    entry.write_bytes(entry.read_bytes()[: whole // 3])
+    atime.unlink()
+    jax.clear_caches()  # as a new process would start
+
+    before = compile_cache.cache_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert use_compile_cache(cache) == cache  # the next run
+        np.testing.assert_allclose(f(x), expected, rtol=1e-6)
+    assert [str(w.message) for w in caught] == []  # no "Error reading ... cache entry"
+    assert compile_cache.cache_counts() - before == CacheCounts(hits=0, misses=1)
+    assert sorted(p.name for p in cache.glob("*-cache") if p != entry) == kept
+    assert atime.exists()  # written whole this time: read back as a hit
+    jax.clear_caches()
+    np.testing.assert_allclose(f(x), expected, rtol=1e-6)
+    assert compile_cache.cache_counts() - before == CacheCounts(hits=1, misses=1)
 
 
 def test_cache_counts_read_as_the_goodput_line_says_them():

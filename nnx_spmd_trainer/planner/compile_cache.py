@@ -22,6 +22,13 @@ each read and write of an entry: JAX writes an entry in place, not by rename, so
 the lock a run could read an entry another run is still writing. Several processes of
 one ``jax.distributed`` job share a cache safely in any case: only process 0 writes.
 
+A directory chosen here that cannot take entries (read-only, or on a disk with less than
+``MIN_FREE_BYTES`` free) turns the cache off for the run with one warning, where JAX would
+warn twice per program and cache nothing; an entry left half-written (a run killed, or a
+disk that filled, while JAX wrote it: an entry without the access-time file JAX writes
+after it) is deleted when the cache is turned on, where JAX would fail to read it in
+every run and never write it again.
+
 The cache is JAX's, one per process: the last ``Trainer`` built decides it for every
 compile from then on, and ``"off"`` stays off for the process until a ``Trainer`` names
 a directory.
@@ -34,9 +41,13 @@ CacheCounts(hits=3, misses=1)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
+import sys
 import threading
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,6 +63,9 @@ OFF = "off"
 AUTO = "auto"
 #: The most a cache directory chosen here holds (JAX evicts the least recently used).
 MAX_BYTES = 4 * 2**30
+#: Free bytes below which a disk is taken as full and the cache stays off for the run (the
+#: default job's programs take about 1 MB; a larger model's take more).
+MIN_FREE_BYTES = 64 * 2**20
 
 CompileCacheSetting = str | os.PathLike[str] | None
 
@@ -59,6 +73,9 @@ CompileCacheSetting = str | os.PathLike[str] | None
 # user chose is theirs.
 _JAX_MIN_COMPILE_SECONDS = 1.0
 _JAX_UNBOUNDED = -1
+# The names of JAX's bounded cache (jax/_src/lru_cache.py): an entry is ``<key>-cache``,
+# written first, then ``<key>-atime``; both are written holding ``.lockfile``.
+_ENTRY, _ATIME, _LOCKFILE = "-cache", "-atime", ".lockfile"
 
 
 class CompileCacheError(ValueError):
@@ -75,8 +92,9 @@ def use_compile_cache(setting: CompileCacheSetting = None) -> Path | None:
     """Turns JAX's persistent compilation cache on or off as ``setting`` (then the
     environment, then JAX's configuration) says; returns the directory it uses now, or
     ``None`` when it is off. Raises ``CompileCacheError`` for a directory named by the
-    setting or the environment that cannot be used; an unusable default directory only
-    warns (the run goes on, compiling everything)."""
+    setting or the environment that cannot be made; an unusable default directory, or any
+    directory chosen here that cannot take entries (read-only, a full disk), warns once and
+    turns the cache off (the run goes on, compiling everything)."""
     choice = _chosen(setting)
     if choice == OFF:
         _update(jax_enable_compilation_cache=False)
@@ -86,11 +104,13 @@ def use_compile_cache(setting: CompileCacheSetting = None) -> Path | None:
             return None  # switched off in JAX's own configuration
         if _option("jax_compilation_cache_dir"):
             return Path(_option("jax_compilation_cache_dir"))  # the user's own
+        directory = default_directory()
         try:
-            return _turn_on(default_directory())
-        except CompileCacheError as error:
-            warnings.warn(f"No compilation cache: {error}", stacklevel=2)
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            _off_for_this_run(f"{str(directory)!r} cannot be made ({error.strerror})")
             return None
+        return _turn_on(directory)
     return _turn_on(Path(choice))
 
 
@@ -122,8 +142,9 @@ def _chosen(setting: CompileCacheSetting) -> str | os.PathLike[str]:
     return path
 
 
-def _turn_on(directory: Path) -> Path:
-    """The cache on in ``directory`` (made if missing), every program cached, bounded."""
+def _turn_on(directory: Path) -> Path | None:
+    """The cache on in ``directory`` (made if missing), every program cached, bounded, its
+    half-written entries deleted; off for the run (``None``) where it cannot take entries."""
     directory = directory.expanduser().absolute()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -132,6 +153,10 @@ def _turn_on(directory: Path) -> Path:
             f"cannot make the compilation cache directory {str(directory)!r} ({error}); "
             f"name a writable one (compile_cache=..., {ENV_VAR}) or {OFF!r}."
         ) from error
+    unusable = why_unusable(directory)
+    if unusable is not None:
+        _off_for_this_run(f"{str(directory)!r} {unusable}")
+        return None
     options: dict[str, object] = {
         "jax_enable_compilation_cache": True,
         "jax_compilation_cache_dir": str(directory),
@@ -141,7 +166,81 @@ def _turn_on(directory: Path) -> Path:
     if _option("jax_compilation_cache_max_size") == _JAX_UNBOUNDED:
         options["jax_compilation_cache_max_size"] = MAX_BYTES
     _update(**options)
+    if _option("jax_compilation_cache_max_size") != _JAX_UNBOUNDED:  # entries have atimes
+        remove_half_written(directory)
     return directory
+
+
+def why_unusable(directory: Path) -> str | None:
+    """Why the existing ``directory`` cannot take cache entries (``"cannot be written
+    (Read-only file system)"``, ``"has 0.1 MiB free ..."``), or ``None`` when it can: a
+    probe file is written, flushed to the disk and deleted, and JAX's lock file opened, as
+    JAX will for every entry."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if free < MIN_FREE_BYTES:
+        return (
+            f"has {free / 2**20:.1f} MiB free (the cache wants {MIN_FREE_BYTES // 2**20} MiB "
+            "or more)"
+        )
+    probe = directory / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb") as file:
+            file.write(b"\0" * 4096)
+            file.flush()
+            os.fsync(file.fileno())
+        with open(directory / _LOCKFILE, "a"):  # JAX opens it for every read and write
+            pass
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error})"
+    finally:
+        with contextlib.suppress(OSError):  # a read-only file system refuses this too
+            probe.unlink(missing_ok=True)
+    return None
+
+
+def remove_half_written(directory: Path) -> list[str]:
+    """Deletes the entries of JAX's bounded cache in ``directory`` that have no access-time
+    file: JAX writes it right after the entry, so an entry without one was cut short (a
+    kill, a full disk) and is never read whole nor written again. Holds JAX's own lock
+    (another run writing an entry holds it too), or does nothing when it is busy for
+    seconds. Returns the names deleted."""
+    try:
+        import filelock  # JAX's bounded cache needs it; without it there is no such cache
+    except ImportError:
+        return []
+    removed = []
+    try:
+        with filelock.FileLock(str(directory / _LOCKFILE), timeout=10):
+            for entry in directory.glob(f"*{_ENTRY}"):
+                if not entry.with_name(entry.name.removesuffix(_ENTRY) + _ATIME).exists():
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry.name)
+    except (filelock.Timeout, OSError):
+        pass  # busy or unwritable: JAX's own warnings, as before, for this run's reads
+    return removed
+
+
+def _off_for_this_run(why: str) -> None:
+    """Turns JAX's cache off for the process, saying so once: ``why`` names the directory."""
+    _update(jax_enable_compilation_cache=False)
+    warnings.warn(
+        f"The compilation cache is off for this run: {why}; the run goes on without it. "
+        f"Name a writable directory (compile_cache=..., {ENV_VAR}) or {OFF!r}.",
+        stacklevel=_first_caller_outside_the_package(),
+    )
+
+
+def _first_caller_outside_the_package() -> int:
+    """The ``stacklevel`` that makes the caller's ``warnings.warn`` name the first frame
+    outside this package (the user's line that built the ``Trainer``), not the library's."""
+    package = str(Path(__file__).resolve().parent.parent)
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _option(name: str) -> Any:
