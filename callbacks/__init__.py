@@ -12,11 +12,17 @@ through it), ``nnx_spmd_trainer.adapters`` (Orbax's insides, fenced in one modul
 ``callbacks-public-names-only`` (pyproject.toml) holds them to this.
 """
 
-from nnx_spmd_trainer import Callback, History
+import importlib
+from types import ModuleType
 
-from .checkpoint import OrbaxCheckpoint
-from .checkpoint_checks import DamagedCheckpoint
-from .checkpoint_save import CheckpointWriteError
+from nnx_spmd_trainer import Callback, History, deprecation
+
+from .checkpoint import (
+    CheckpointOfAnotherModel,
+    CheckpointWriteError,
+    DamagedCheckpoint,
+    OrbaxCheckpoint,
+)
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .lambda_callback import LambdaCallback
@@ -31,6 +37,7 @@ from .wandb_logger import WandbLogger
 
 __all__ = [
     "CSVLogger",
+    "CheckpointOfAnotherModel",
     "CheckpointWriteError",
     "DamagedCheckpoint",
     "Callback",
@@ -47,3 +54,12 @@ __all__ = [
     "TerminateOnNaN",
     "WandbLogger",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``callbacks.checkpoint_save`` and the other modules that moved into
+    ``callbacks/checkpoint/`` still answer as attributes (the import warns once, through
+    ``deprecation.MOVED_MODULES``)."""
+    if f"callbacks.{name}" in deprecation.MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -102,11 +102,11 @@ def resume_falls_back_to_3(checkpoints: Path, uninterrupted) -> None:
     checkpoint = OrbaxCheckpoint(checkpoints, print_fn=reports.append)
     resumed = trainer_for(checkpoint)
     damaged = re.escape(f"checkpoint step 6 at {checkpoints / '6'}")
-    with pytest.warns(RuntimeWarning, match=f"{damaged}.*{re.escape(str(POSITION))}"):
-        resumed.fit(batches_data(), max_steps=STEPS)
+    resumed.fit(batches_data(), max_steps=STEPS)  # reported through print_fn alone
     assert checkpoint.restored_step == 3 and resumed.step == STEPS
     assert (checkpoints / "6.damaged").is_dir()  # set aside, not deleted
-    assert any("step 6" in line and "6.damaged" in line for line in reports)
+    (told,) = [line for line in reports if "6.damaged" in line]
+    assert re.search(f"{damaged}.*{re.escape(str(POSITION))}", told), told
     assert_bitwise(params(resumed), uninterrupted)
 
 

@@ -19,8 +19,7 @@ from conftest import environment_for_own_devices
 from toy_models import Net, classification_loss, make_batches
 
 from nnx_spmd_trainer import Trainer
-from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
-from nnx_spmd_trainer.callbacks.checkpoint_save import CheckpointWriteError
+from nnx_spmd_trainer.callbacks import CheckpointWriteError, OrbaxCheckpoint
 
 pytestmark = pytest.mark.slow
 

@@ -3,8 +3,12 @@
 Two processes saving by time: tests/test_checkpoint_time_multiprocess.py.
 """
 
+from __future__ import annotations
+
+import logging
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import optax
@@ -182,6 +186,93 @@ def test_a_damaged_or_lost_local_step_falls_back_to_the_persistent_tier_bitwise(
     assert losses == whole_losses[4:]
     assert_bitwise(final, whole_params)
     assert checkpoint.steps() == [4, 8, 10] and checkpoint.local_steps() == [3, 6, 9]
+
+
+class Records(logging.Handler):
+    """Every record of the loggers Orbax and its reads report through (absl, asyncio)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> Records:
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).removeHandler(self)
+
+
+def test_a_restart_from_the_local_tier_names_that_tier_and_its_directory(
+    tmp_path, crashed_at_7
+):
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    lines: list[str] = []
+    checkpoint = two_tiers(tmp_path, print_fn=lines.append)
+    trainer_for(callbacks=[checkpoint]).fit(grain_data(), max_steps=7)
+    assert lines[0] == f"resuming from checkpoint step 6 in {tmp_path / 'local'} (the local tier)"
+
+
+def test_a_damaged_local_step_is_reported_once(tmp_path, crashed_at_7):
+    """One line through print_fn, and no warning or log record saying it again."""
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    truncate(tmp_path / "local" / "6")
+    lines: list[str] = []
+    checkpoint = two_tiers(tmp_path, print_fn=lines.append)
+    with warnings.catch_warnings(record=True) as caught, Records() as logged:
+        warnings.simplefilter("always")
+        trainer_for(callbacks=[checkpoint]).fit(grain_data(), max_steps=5)
+    step_6 = str(tmp_path / "local" / "6")
+    told = [line for line in lines if step_6 in line]
+    assert len(told) == 1 and "6.damaged" in told[0], lines
+    assert not [w for w in caught if step_6 in str(w.message)]
+    assert not [line for line in logged.lines if step_6 in line]
+    assert lines[-1].startswith("resuming from checkpoint step 4 in")
+
+
+def test_without_print_fn_a_damaged_step_is_one_warning(tmp_path, crashed_at_7):
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    truncate(tmp_path / "local" / "6")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(callbacks=[two_tiers(tmp_path)]).fit(grain_data(), max_steps=5)
+    about_6 = [w for w in caught if f"checkpoint step 6 at {tmp_path / 'local'}" in str(w.message)]
+    assert len(about_6) == 1 and about_6[0].category is RuntimeWarning
+
+
+def half_delete(step_dir: Path) -> None:
+    """What Orbax's deletion of an old step leaves when the process is killed in it: the
+    step's top files gone (its metadata, its commit marker) and some of its items."""
+    (step_dir / "_CHECKPOINT_METADATA").unlink()
+    (step_dir / "commit_success.txt").unlink()
+    shutil.rmtree(step_dir / "state")
+
+
+def test_a_local_step_left_half_deleted_by_a_kill_is_cleaned_quietly(tmp_path, crashed_at_7):
+    """Local steps 3 and 6, keep=1: Orbax's policy dropped 3, and a kill stopped its
+    deletion half-way. The restart removes it before anything lists the tier, saying
+    nothing, whether asked read-only first (as the CLI does) or not."""
+    shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
+    half_delete(tmp_path / "local" / "3")
+    lines: list[str] = []
+    checkpoint = two_tiers(tmp_path, keep=1, print_fn=lines.append)
+    trainer = trainer_for(callbacks=[checkpoint])
+    with warnings.catch_warnings(record=True) as caught, Records() as logged:
+        warnings.simplefilter("always")
+        assert checkpoint.resumes()
+        assert checkpoint.layout_to_resume() is not None
+        assert (tmp_path / "local" / "3").is_dir()  # read-only: nothing removed yet
+        trainer.fit(grain_data(), max_steps=7)
+    assert not [line for line in logged.lines if "Metadata file does not exist" in line]
+    assert not [w for w in caught if "local" in str(w.message)]
+    assert lines == [f"resuming from checkpoint step 6 in {tmp_path / 'local'} (the local tier)"]
+    assert not (tmp_path / "local" / "3").exists()
+    assert checkpoint.restored_step == 6
 
 
 def test_the_whole_local_tier_lost_resumes_from_the_persistent_one(tmp_path, crashed_at_7):

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer.callbacks.fingerprint import fingerprints, mismatches
+from nnx_spmd_trainer.callbacks.checkpoint.fingerprint import fingerprints, mismatches
 
 
 def numpy_fingerprint(array: np.ndarray) -> int:

@@ -8,7 +8,10 @@ assumption against the installed Orbax.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,10 @@ import orbax.checkpoint as ocp
 #: The file Orbax writes into a step's directory once the step is committed
 #: (``orbax.checkpoint._src.path.atomicity_types.COMMIT_SUCCESS_FILE``).
 COMMIT_MARKER = "commit_success.txt"
+#: A step's own metadata file (``orbax.checkpoint._src.metadata.checkpoint
+#: ._STEP_METADATA_FILENAME``): every saved step has it, and a manager reads it (the commit
+#: time) for every step it lists, warning ``Metadata file does not exist`` where it is gone.
+STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
 def is_committed(step_dir: Path) -> bool:
@@ -94,3 +101,79 @@ def quiet_reads_after_a_failed_restore() -> None:
 
     sys.unraisablehook = hook
     _quieted = True
+
+
+def lacks_step_metadata(step_dir: Path) -> bool:
+    """Whether ``step_dir`` lost its ``STEP_METADATA`` file: no save leaves a step so (it
+    is written before the step is committed), but Orbax's deletion of an old step, killed
+    half-way, does: it removes the step's files in no set order, the top ones first when
+    it deletes in parallel."""
+    return step_dir.is_dir() and not (step_dir / STEP_METADATA).exists()
+
+
+class _ListingNotes(logging.Filter):
+    """Orbax's warnings while a manager opens or lists its steps that say nothing to the
+    user: the read-only notes (a manager opened read-only on purpose, to read) and the
+    missing metadata of steps already known as leftovers (``known``)."""
+
+    READ_ONLY = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+    MISSING = "Metadata file does not exist"
+
+    def __init__(self, known: Collection[Path]) -> None:
+        super().__init__()
+        self.known = {str(step_dir / STEP_METADATA) for step_dir in known}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith(self.READ_ONLY):
+            return False
+        if message.startswith(self.MISSING) and record.args:
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            return str(args[0]) not in self.known
+        return True
+
+
+@contextlib.contextmanager
+def quiet_listing(leftovers: Collection[Path] = ()) -> Iterator[None]:
+    """Orbax's notes dropped while the block opens a manager or reloads its steps (absl's
+    logger, Orbax's messages as of 0.12.8): the read-only notes, and the missing metadata
+    of the step directories in ``leftovers``. Nothing else is dropped, and nothing after
+    the block: importing or using the checkpoints leaves the logging as it was."""
+    notes = _ListingNotes(leftovers)
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(notes)
+
+
+class _FailedReads(logging.Filter):
+    """asyncio's report of a TensorStore read of ``step_dir`` whose failure Orbax never
+    collected (the restore already failed on another read of the same step)."""
+
+    NOTE = "Future exception was never retrieved"
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__()
+        self.step_dir = str(step_dir)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(self.NOTE) and self.step_dir in message)
+
+
+@contextlib.contextmanager
+def quiet_failed_reads(step_dir: Path) -> Iterator[None]:
+    """While the block reads the step in ``step_dir``: when one of Orbax's concurrent
+    reads fails, the restore raises that failure, and the others' failures, never
+    collected, are each logged by asyncio as ``Future exception was never retrieved``
+    with a traceback (0.12.8). The step is reported once, by whoever catches the
+    restore's error; those records (about this step alone) are dropped."""
+    notes = _FailedReads(step_dir)
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        asyncio_logger.removeFilter(notes)

@@ -1,4 +1,5 @@
-"""Reading one checkpoint step safely: model match, damage agreed on."""
+"""Checks on a step before it is read: the model it was written for, its data position,
+and damage agreed on by every process; the errors they raise."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import orbax.checkpoint as ocp
 from nnx_spmd_trainer import path_str
 from nnx_spmd_trainer.adapters import grain_private
 from nnx_spmd_trainer.distributed import agree
+
+from . import format
 
 
 class DamagedCheckpoint(Exception):
@@ -37,7 +40,7 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
     """A checkpoint of another model or optimizer is the user's mix-up, not damage:
     ``CheckpointOfAnotherModel`` names the leaves, and the step is left where it is."""
     try:
-        saved = ocp.StandardCheckpointHandler().metadata(path / "state")  # type: ignore[arg-type]
+        saved = ocp.StandardCheckpointHandler().metadata(path / format.STATE)  # type: ignore[arg-type]
     except Exception:  # unreadable metadata: reading the step reports it as damage
         return
     tree = getattr(saved, "tree", saved)
@@ -134,7 +137,7 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
     """
     if meta.get("data") != "grain" or int(meta.get("num_processes", 1)) != jax.process_count():
         return  # none saved, or not read (another process count: set from the batches taken)
-    file = grain_private.position_file(path / "data", jax.process_index(), jax.process_count())
+    file = grain_private.position_file(path / format.DATA, jax.process_index(), jax.process_count())
     where = f"checkpoint step {step} at {path}"
     try:
         text = file.read_text()

@@ -1,8 +1,9 @@
 """OrbaxCheckpoint: sharded async checkpoints that resume exactly, on any layout.
 
-This module holds its settings and the hooks that decide when to save; saving (and each
-tier's manager) is its base class ``checkpoint_writer.CheckpointWriter``, restoring that
-one's base, ``checkpoint_resume.CheckpointResume``.
+The callback: its settings and the hooks that decide when to save and when to restore.
+It holds its parts rather than inheriting them: ``tiers`` (``tiers.Tiers``: the
+directories and their managers), ``writer`` (``writer.CheckpointWriter``) and
+``resumer`` (``resumer.CheckpointResumer``).
 """
 
 from __future__ import annotations
@@ -12,24 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import jax
 import orbax.checkpoint as ocp
 from typing_extensions import override
 
-from nnx_spmd_trainer import Logs, RunLock, deprecation
+from nnx_spmd_trainer import Callback, Logs, RunLock, deprecation
 from nnx_spmd_trainer.adapters import orbax_private
 
-from .checkpoint_resume import Restore
-from .checkpoint_save import CheckpointWriteError
-from .checkpoint_timer import local_tier, save_timer
-from .checkpoint_writer import CheckpointWriter
-from .preemption import PreemptionNotice
+from ..preemption import PreemptionNotice
+from .reports import Reports
+from .resumer import CheckpointResumer, Restore, Restored
+from .save_errors import CheckpointWriteError
+from .tiers import Tiers
+from .timer import local_tier, save_timer
+from .writer import CheckpointWriter
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer import Trainer
 
 
-class OrbaxCheckpoint(CheckpointWriter):
+class OrbaxCheckpoint(Callback):
     """Saves the whole training run with Orbax, asynchronously, and resumes it exactly.
 
     One checkpoint is one Orbax step (``<directory>/<step>/``) holding:
@@ -115,9 +117,14 @@ class OrbaxCheckpoint(CheckpointWriter):
       keep_best: also keep this many best steps by ``monitor``.
       async_save: write in the background (default) or block until written.
       restore: what to restore when ``fit`` starts (see above).
-      print_fn: called with one line when a run is resumed or a step is skipped
-        as damaged (damage is also a warning); e.g. ``print``. ``report=`` is its
-        deprecated name.
+      print_fn: called with one line when a run is resumed (naming the tier and
+        directory) or a step is set aside; e.g. ``print``. Without it, a step set aside
+        is a ``RuntimeWarning``; each is reported once, by one or the other. ``report=``
+        is its deprecated name.
+
+    It is built of three parts it holds: ``tiers`` (each directory and its Orbax
+    manager), ``writer`` (a ``CheckpointWriter``: one step saved) and ``resumer`` (a
+    ``CheckpointResumer``: which step, restored); what one step holds is ``format.py``'s.
 
     Example::
 
@@ -176,26 +183,147 @@ class OrbaxCheckpoint(CheckpointWriter):
         self.restore = restore
         self.print_fn = print_fn
         self.state_key = f"OrbaxCheckpoint[{self.directory}]"
+        reports = Reports(print_fn)
+        #: Each tier's directory and Orbax manager.
+        self.tiers = Tiers(
+            self.directory, self.local_directory, keep=keep, monitor=monitor, mode=mode,
+            keep_best=keep_best, async_save=async_save,
+        )  # fmt: skip
+        #: Saves one step into a tier.
+        self.writer = CheckpointWriter(
+            self.tiers, monitor=monitor, async_save=async_save, reports=reports
+        )
+        #: Finds the step to restore and restores it (None with ``restore=None``).
+        self.resumer = (
+            CheckpointResumer(self.tiers, restore=restore, monitor=monitor, mode=mode,
+                              reports=reports)
+            if restore is not None else None
+        )  # fmt: skip
+        self._reports = reports
         #: The step restored by the first ``fit``, or ``None``.
         self.restored_step: int | None = None
         #: The layouts the restored arrays arrived in (this trainer's, read straight in).
         self.restored_layouts: list[Any] = []
         self._fitted = False
         self._restored_into: Trainer | None = None  # by restore_into, before any fit
-        # The (tier's manager, step, finite flag) of the last save, checked at the next.
-        self._last_saved: tuple[ocp.CheckpointManager, int, jax.Array] | None = None
-        # The (directory, step) whose write may still be going on.
-        self._writing: tuple[Path, int] | None = None
-        self._manager: ocp.CheckpointManager | None = None
-        self._local_manager: ocp.CheckpointManager | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # logs key -> (step, value)
         self._preemption = PreemptionNotice()
         #: A preemption notice stopped the last ``fit`` before its first step (nothing written).
         self.stopped_before_a_step = False
         # A failed restore leaves Orbax's reads to end on its closed event loop (noise).
         orbax_private.quiet_reads_after_a_failed_restore()
-        self._lock = RunLock(self.directory)  # one run writes the directory at a time
-        self._local_lock = RunLock(self.local_directory) if self.local_directory else None
+
+    # -- the tiers, the writer and the resumer, as methods of the callback --------------------
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """The Orbax manager of ``directory`` (the persistent tier)."""
+        return self.tiers.persistent
+
+    @property
+    def local_manager(self) -> ocp.CheckpointManager | None:
+        """The manager of ``local_directory`` (None without a local tier)."""
+        return self.tiers.local
+
+    def steps(self) -> list[int]:
+        """The committed steps in ``directory``, oldest first."""
+        return self.tiers.steps_of(self.tiers.persistent)
+
+    def local_steps(self) -> list[int]:
+        """The committed steps in ``local_directory``, oldest first ([] without one)."""
+        local = self.tiers.local
+        return [] if local is None else self.tiers.steps_of(local)
+
+    def save(self, step: int, *, force: bool = False, local: bool = False) -> bool:
+        """Saves the run as it is now under ``step``; False if it is not saved (NaN, or saved).
+
+        ``local``: to ``local_directory`` (the frequent tier) instead of ``directory``.
+        A step that cannot be written, now or by the background write of an earlier
+        save, raises ``CheckpointWriteError`` naming that step and its directory."""
+        monitored = self._seen.get(self.monitor) if self.monitor else None
+        saved = self.writer.save(self.trainer, step, local=local, force=force, monitored=monitored)
+        if saved and not local and self._timer is not None:
+            self._timer.restart()  # the seconds count from this save
+        return saved
+
+    def restore_into(self, trainer: Trainer) -> int | None:
+        """Restores a checkpoint into ``trainer`` without training: to ``evaluate``,
+        generate or export from it, before (or instead of) any ``fit``.
+
+        Restores the ``restore`` choice (``"latest"`` by default, ``"best"``, a step
+        number or a step directory) straight into ``trainer.run_state(abstract=True)``:
+        each array is read into the trainer's own layout (any strategy, any device
+        count) and no initial state is ever built. ``trainer.step``, the train metrics,
+        the callback states of the trainer's callbacks and the data position are
+        restored, and ``restored_step`` is set. The trainer need not hold this callback;
+        if it does, its next ``fit`` goes on from the restored step without restoring
+        again. The directory is only read: a damaged step is skipped (reported as
+        ``print_fn`` says, not moved aside) and the step before it restored; a step
+        asked for by number that is damaged raises ``DamagedCheckpoint``.
+
+        Returns the step restored, or ``None`` when the directory holds no step.
+
+        Example::
+
+            trainer = Trainer(make_model, optax.adamw(1e-3), strategy=FSDP(), loss_fn=loss)
+            step = OrbaxCheckpoint("runs/a/ckpt").restore_into(trainer)  # or restore=2000
+            print(step, trainer.evaluate(eval_data))
+        """
+        bound = getattr(self, "trainer", None)
+        if bound is not None and bound is not trainer:
+            raise ValueError(
+                "this OrbaxCheckpoint is a callback of another trainer; restore into "
+                "that one, or make a new OrbaxCheckpoint(directory) for this trainer."
+            )
+        if self.resumer is None:
+            raise ValueError("restore_into needs a step to restore; this has restore=None.")
+        restored = self._restored(self.resumer.into(trainer))
+        self._restored_into = trainer if restored is not None else None
+        if restored is not None:
+            self._reports.news(
+                f"restored checkpoint step {restored.step} from "
+                f"{self.tiers.where(restored.directory)}"
+            )
+        return self.restored_step
+
+    def restore_into_trainer(self) -> int | None:
+        """What ``fit`` restores at its start: the ``restore`` choice into this callback's
+        trainer, moving damaged steps aside. Prefer ``restore_into(trainer)``."""
+        if self.resumer is None:
+            return None
+        restored = self._restored(self.resumer.into_fit(self.trainer))
+        return None if restored is None else restored.step
+
+    def _restored(self, restored: Restored | None) -> Restored | None:
+        self.restored_step = None if restored is None else restored.step
+        if restored is not None:
+            self.restored_layouts = restored.layouts
+        return restored
+
+    @override
+    def layout_to_resume(self) -> str | None:
+        """The strategy the step the next ``fit`` restores was saved under, read from its
+        metadata alone (nothing written); ``None`` when no step would be restored or its
+        metadata cannot be read (the restore then deals with it)."""
+        if self.resumer is None or self._fitted:
+            return None
+        return self.resumer.layout_to_resume()
+
+    def check_model(self) -> None:
+        """Raises ``CheckpointOfAnotherModel`` (naming the leaves and the fix) if the step
+        the next ``fit`` would restore was written for another model or optimizer than
+        this callback's trainer holds. Reads that step's metadata alone and writes
+        nothing, so a run can be refused before it writes anything (the CLI does); the
+        restore in ``fit`` checks again. A step that cannot be read is the restore's to
+        report: it passes here."""
+        if self.resumer is not None and not self._fitted:
+            self.resumer.check_model(self.trainer)
+
+    def resumes(self) -> bool:
+        """Whether the next ``fit`` would restore a step (read-only: nothing is created)."""
+        if self.resumer is None or self._fitted:
+            return False
+        with self.resumer.step_to_resume() as (_, step):
+            return step is not None
 
     def _note(self, logs: Logs) -> None:
         for key, value in logs.items():
@@ -211,34 +339,24 @@ class OrbaxCheckpoint(CheckpointWriter):
         refused = self._timer and self._timer.check_refused(self.trainer.log_schedule)
         if refused:
             raise ValueError(refused)
-        if jax.process_index() == 0:  # one holder per job: the others write only shards
-            for lock in (self._lock, self._local_lock):
-                if lock is not None:
-                    _take(lock)
-        if self._restored_into is self.trainer and not self._fitted:
-            # restore_into(trainer) already restored: fit goes on from there.
-            assert self.restored_step is not None
-            self._set_aside_later_than(self.restored_step)
-        elif self.restore is not None and not self._fitted:
-            # Only the first fit resumes: a later fit of this trainer goes on from where
-            # the previous one left its state, as it would without checkpoints.
-            self.restored_step = self.restore_into_trainer()
-            if self.restored_step is not None and self.print_fn is not None:
-                self.print_fn(
-                    f"resuming from checkpoint step {self.restored_step} in {self.directory}"
-                )
+        self.tiers.lock()
+        if self.resumer is not None and not self._fitted:
+            if self._restored_into is self.trainer:
+                # restore_into(trainer) already restored: fit goes on from there.
+                assert self.restored_step is not None
+            else:
+                # Only the first fit resumes: a later fit of this trainer goes on from where
+                # the previous one left its state, as it would without checkpoints.
+                restored = self._restored(self.resumer.into_fit(self.trainer))
+                if restored is not None:
+                    self._reports.news(
+                        f"resuming from checkpoint step {restored.step} in "
+                        f"{self.tiers.where(restored.directory)}"
+                    )
             if self.restored_step is not None:
-                self._set_aside_later_than(self.restored_step)
+                self.resumer.set_aside_later_than(self.restored_step)
         self._fitted = True
-        for manager in self._managers():
-            latest = manager.latest_step()
-            if latest is not None and latest > self.trainer.step:
-                raise ValueError(
-                    f"{manager.directory} already holds checkpoints up to step {latest}, ahead "
-                    f"of this run's step {self.trainer.step}, and new steps there would be "
-                    "refused. Resume them (restore='latest') or save this run in another "
-                    "directory."
-                )
+        self.tiers.check_not_ahead_of(self.trainer.step)
         if self._timer is not None:
             self._timer.restart()  # the seconds count from the start of training
         if self._preemption.reached():  # a notice during the restore: no step, nothing saved
@@ -267,21 +385,19 @@ class OrbaxCheckpoint(CheckpointWriter):
 
     def _save_for_preemption(self, step: int) -> None:
         self.save(step, force=True)
-        self._finish_writing()
+        self.writer.finish()
         self.trainer.request_stop(preempted=True)
-        if self.print_fn is not None:
-            self.print_fn(f"preempted: saved step {step} in {self.directory}; run again to resume")
+        self._reports.news(f"preempted: saved step {step} in {self.directory}; run again to resume")
 
     def _stop_before_a_step(self) -> None:
         self.stopped_before_a_step = True
         self.trainer.request_stop(preempted=True)
-        if self.print_fn is not None:
-            latest = self.manager.latest_step()
-            kept = f"step {latest} is the latest" if latest is not None else "none saved yet"
-            self.print_fn(
-                f"preempted before any step: the checkpoints in {self.directory} are as they "
-                f"were ({kept}); run again to resume"
-            )
+        latest = self.manager.latest_step()
+        kept = f"step {latest} is the latest" if latest is not None else "none saved yet"
+        self._reports.news(
+            f"preempted before any step: the checkpoints in {self.directory} are as they "
+            f"were ({kept}); run again to resume"
+        )
 
     @override
     def on_train_end(self, logs: Logs) -> None:
@@ -292,39 +408,25 @@ class OrbaxCheckpoint(CheckpointWriter):
         try:
             if not self.stopped_before_a_step:  # else nothing trained: nothing to write
                 self.save(self.trainer.step)  # the final state (a no-op if just saved)
-            self._finish_writing()
-            self._check_last_saved()
+            self.writer.finish()
+            self.writer.check_last_saved()
         finally:
             self._preemption.stop()
-            self._release_locks()
+            self.tiers.release()
 
     @override
     def on_exception(self, error: BaseException) -> None:
         self._preemption.stop()
         try:
-            self._finish_writing()  # a save in flight completes; nothing half-done
+            self.writer.finish()  # a save in flight completes; nothing half-done
         except CheckpointWriteError:
             # Already reported, or the save Ctrl-C interrupted: the committed steps stay.
             if isinstance(error, Exception) and not isinstance(error, CheckpointWriteError):
                 raise
         finally:
-            self._release_locks()
+            self.tiers.release()
 
-    def _release_locks(self) -> None:
-        self._lock.release()
-        if self._local_lock is not None:
-            self._local_lock.release()
-
-
-def _take(lock: RunLock) -> None:
-    """``lock.acquire()``: ``DirectoryInUse`` naming the other run's process, or a
-    directory this process cannot write as a ``CheckpointWriteError`` (an ``OSError``),
-    raised before the first step, with nothing trained."""
-    try:
-        lock.acquire()
-    except OSError as error:
-        raise CheckpointWriteError(
-            f"OrbaxCheckpoint cannot write {lock.directory} ({error.strerror}), so no "
-            "checkpoint could be saved; nothing was trained. Give a directory this process "
-            "can write, or fix its permissions (a read-only or full file system)."
-        ) from error
+    @property
+    def _lock(self) -> RunLock:
+        """The persistent tier's lock (tests/test_run_lock.py reads it)."""
+        return self.tiers.locks[0]

@@ -1,31 +1,30 @@
-"""Reading one checkpoint step back: every item read into a trainer's layout and
-checked before anything is applied, and a step that fails moved aside, never deleted."""
+"""Reading one checkpoint step back: every item read into a trainer's layout and checked
+(model, commit marker, format version, data position, fingerprints, finiteness) before
+anything is applied. A step that fails is ``DamagedCheckpoint``; what is done with it is
+the resumer's."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from nnx_spmd_trainer import RunState, as_position
 from nnx_spmd_trainer.adapters import orbax_private
 from nnx_spmd_trainer.data import BATCHES_TAKEN
 
-from .checkpoint_checks import (
+from . import format
+from .checks import (
     DamagedCheckpoint,
     as_stored,
     check_data_position,
     check_same_model,
     stored_arrays,
 )
-from .checkpoint_items import on_devices
-from .fingerprint import FingerprintRestore, mismatches
+from .fingerprint import mismatches
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer import Trainer
@@ -33,74 +32,80 @@ if TYPE_CHECKING:
 
 def read_meta(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The step's metadata item (JSON): its run's host state and description."""
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(meta["meta"])
+    meta = manager.restore(step, args=format.meta_args())
+    return dict(meta[format.META])
 
 
-def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """The step's items, read into this trainer's layout and checked; nothing applied."""
+@dataclasses.dataclass(frozen=True)
+class SavedStep:
+    """One step read back and checked: its arrays in the reading trainer's layout."""
+
+    state: Any
+    train_metrics: Any
+    meta: dict[str, Any]
+    #: ``{item name: {index: array}}`` of the callbacks the trainer holds.
+    callback_arrays: dict[str, dict[str, Any]]
+    #: The data position as a value for ``RunState.data`` (``read_data_position``).
+    data: Any
+
+
+def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> SavedStep:
+    """The step's items, read into this trainer's layout and checked; nothing applied.
+
+    Raises ``DamagedCheckpoint`` for a step that cannot be trusted, and
+    ``CheckpointOfAnotherModel`` or ``format.NewerCheckpointFormat`` for one this trainer
+    should not read (the user's mix-up, not damage)."""
     path = Path(manager.directory) / str(step)
     if not path.is_dir():
         found = sorted(manager.all_steps())
         raise FileNotFoundError(
             f"there is no checkpoint step {step} at {path} (steps there: {found or 'none'})."
         )
+    where = f"checkpoint step {step} at {path}"
     target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
     check_same_model(path, step, target.state)
     if not orbax_private.is_committed(path):
-        raise DamagedCheckpoint(
-            f"checkpoint step {step} at {path} has no commit marker: it was not finished"
-        )
+        raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
 
     def unreadable(error: Exception) -> DamagedCheckpoint:
         return DamagedCheckpoint(
-            f"checkpoint step {step} at {path} cannot be read ({type(error).__name__}: "
-            f"{str(error)[:300]})"
+            f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
         )
 
-    try:
-        meta = read_meta(manager, step)
-        # The arrays of the callbacks this trainer has; others' are not read at all.
-        stored = {
-            name: stored_arrays(path / name)
+    with orbax_private.quiet_failed_reads(path):
+        try:
+            meta = read_meta(manager, step)
+        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+            raise unreadable(error) from error
+        format.check_version(meta, where)
+        try:
+            # The arrays of the callbacks this trainer has; others' are not read at all.
+            stored = {
+                name: stored_arrays(path / name)
+                for key, name in meta.get("callback_arrays", {}).items()
+                if key in target.callbacks
+            }
+        except Exception as error:
+            raise unreadable(error) from error
+        check_data_position(path, step, meta)
+        targets = {
+            name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
             for key, name in meta.get("callback_arrays", {}).items()
-            if key in target.callbacks
+            if name in stored
         }
-    except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-        raise unreadable(error) from error
-    check_data_position(path, step, meta)
-    targets = {
-        name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
-        for key, name in meta.get("callback_arrays", {}).items()
-        if name in stored
-    }
-    try:
-        saved = dict(
-            manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target.state),
-                    train_metrics=ocp.args.StandardRestore(target.train_metrics),
-                    fingerprints=FingerprintRestore(),
-                    **{name: ocp.args.StandardRestore(item) for name, item in targets.items()},
-                ),
-            )
-        )
-    except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-        raise unreadable(error) from error
-    saved["meta"] = meta
-    try:
-        saved["data"] = read_data_position(manager, step, meta)
-    except Exception as error:  # checked above; Grain raises ValueError for a missing file
-        raise unreadable(error) from error
-    record = saved["fingerprints"]
+        try:
+            args = format.restore_args(target.state, target.train_metrics, targets)
+            saved = dict(manager.restore(step, args=args))
+            data = read_data_position(manager, step, meta)
+        except Exception as error:  # Orbax and Grain raise many kinds: "cannot be read"
+            raise unreadable(error) from error
+    record = saved[format.FINGERPRINTS]
     if not record["finite"]:
         raise DamagedCheckpoint(
-            f"checkpoint step {step} at {path} holds non-finite values (the run diverged "
-            "before it was saved)"
+            f"{where} holds non-finite values (the run diverged before it was saved)"
         )
-    read = {"state": saved["state"], "train_metrics": saved["train_metrics"]}
-    read.update({name: on_devices(saved[name]) for name in targets})
+    read = {format.STATE: saved[format.STATE], format.TRAIN_METRICS: saved[format.TRAIN_METRICS]}
+    read.update({name: format.on_devices(saved[name]) for name in targets})
     expected = {
         leaf: value
         for leaf, value in record["leaves"].items()
@@ -109,10 +114,16 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> di
     bad = mismatches(expected, read, paths_version=record.get("paths", 1))
     if bad:
         raise DamagedCheckpoint(
-            f"checkpoint step {step} at {path} is damaged: {len(bad)} leaves do not match "
-            f"the fingerprints saved with them ({', '.join(bad[:5])})"
+            f"{where} is damaged: {len(bad)} leaves do not match the fingerprints saved "
+            f"with them ({', '.join(bad[:5])})"
         )
-    return saved
+    return SavedStep(
+        state=saved[format.STATE],
+        train_metrics=saved[format.TRAIN_METRICS],
+        meta=meta,
+        callback_arrays={name: saved[name] for name in targets},
+        data=data,
+    )
 
 
 def callback_targets(
@@ -170,31 +181,5 @@ def read_data_position(manager: ocp.CheckpointManager, step: int, meta: dict) ->
     # Read by Grain's own handler: a dict where the metadata recorded one (a
     # DatasetIterator's state), else the bytes of a DataLoader's (or an older step's).
     into = as_position({} if meta.get("data_position") is not None else b"")
-    manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(into)))
+    manager.restore(step, args=format.data_args(into))
     return into.get_state()
-
-
-def set_aside(
-    manager: ocp.CheckpointManager,
-    step: int,
-    why: Exception | str,
-    *,
-    label: str = "damaged",
-    warn: bool = True,
-    print_fn: Callable[[str], None] | None = None,
-) -> None:
-    path = Path(manager.directory) / str(step)
-    aside = path.with_name(f"{step}.{label}")
-    suffix = 1
-    while aside.exists():
-        aside, suffix = path.with_name(f"{step}.{label}-{suffix}"), suffix + 1
-    if jax.process_index() == 0:
-        path.rename(aside)  # kept for inspection: nothing is deleted automatically
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
-    manager.reload()
-    message = f"{why}; moved to {aside}" + (" and restoring an earlier step." if warn else ".")
-    if warn:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    if print_fn is not None:
-        print_fn(message)
