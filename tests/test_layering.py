@@ -210,3 +210,21 @@ def test_every_path_the_architecture_doc_names_exists() -> None:
     tails = set(re.findall(r"(?<![\w.])([\w/]*\w\.py)\b", text))
     unknown = sorted(t for t in tails if not any(f == t or f.endswith("/" + t) for f in files))
     assert not unknown, f"docs/architecture.md names files that do not exist: {unknown}"
+
+
+# Folders whose __init__ docstring names each of its modules on a line of its own
+# ("- ``name.py``: what it holds"): what a newcomer reads first. The other folders join the
+# list as they are next reorganised.
+FOLDERS_NAMING_EVERY_MODULE = ("data", "engine", "optim", "planner", "strategies")
+
+
+def test_a_folders_docstring_names_each_of_its_modules_on_a_line() -> None:
+    unnamed = {}
+    for folder in FOLDERS_NAMING_EVERY_MODULE:
+        init = PACKAGE / folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = set(re.findall(r"^- ``(\w+\.py)``", doc, re.MULTILINE))
+        modules = {p.name for p in init.parent.glob("*.py")} - {"__init__.py"}
+        if modules - named:
+            unnamed[folder] = sorted(modules - named)
+    assert not unnamed, f"name each module on a line of the folder's __init__ docstring: {unnamed}"

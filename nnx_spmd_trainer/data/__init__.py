@@ -18,9 +18,16 @@ the module of its job and is re-exported here. The core imports from the homes:
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
   (docs/topics/corpora.md: from text files to packed, mixed rows).
 
-The rest is internal: ``position.seek`` and
-``DataPosition`` (a resumed run's data), ``same_rows.py`` (processes feeding the
-same rows), ``placement.InFlight`` (the bound on steps in flight).
+The rest is internal (``position.seek`` and ``DataPosition``: a resumed run's data), a line
+each:
+
+- ``placement.py``: ``Placement``, batches onto the mesh by the plan's shardings; ``InFlight``
+- ``prefetch.py``: ``Prefetch``, batches placed ahead in a thread, the position kept exact
+- ``same_rows.py``: processes feeding the same rows, checked by batch fingerprints
+- ``to_host.py``: ``gather_to_host``, arrays gathered whole to every host
+- ``grain_input.py``: ``grain_pipeline``, one process's Grain input pipeline
+- ``corpus_inputs.py``: the files a corpus is written from, ``CorpusError``'s home
+- ``reads.py``: what this process read from corpora on disk
 """
 
 from nnx_spmd_trainer.data.batch_errors import BatchMismatch
