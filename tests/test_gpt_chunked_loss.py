@@ -55,3 +55,14 @@ def test_chunked_loss_off_and_bad_values():
     config.gpt.chunked_loss = -1
     with pytest.raises(tasks.ConfigError, match=r"config.gpt.chunked_loss=-1: .*>= 0"):
         tasks.build_task(config)
+
+
+def test_the_chunked_loss_names_what_a_model_without_a_head_lacks():
+    """``chunked_loss_fn`` reads ``features`` and ``head``; a model without them (the MLP) is
+    refused with both names and the fix, not an AttributeError from inside the trace."""
+    from nnx_spmd_trainer.app.models import MLP
+
+    with nnx.use_eager_sharding(False):
+        model = MLP(4, 8, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"model\.features.*model\.head.*MLP lacks them.*loss_fn"):
+        gpt.chunked_loss_fn(model, batch(), chunk_size=3)

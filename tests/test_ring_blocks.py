@@ -19,7 +19,8 @@ from test_sequence_parallel import gpt_loss, tiny_gpt, token_batches
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, SequenceParallel
 from nnx_spmd_trainer.adapters import jax_private
-from nnx_spmd_trainer.nn.ring_attention import block_implementation, ring_attention
+from nnx_spmd_trainer.nn.ring_attention import ring_attention
+from nnx_spmd_trainer.nn.ring_blocks import block_implementation
 
 SEQ = 16
 # Row 0: one document; row 1: three documents and padding (0) at the end.

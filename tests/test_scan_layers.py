@@ -242,3 +242,37 @@ def test_bad_scan_and_remat_settings_are_config_errors():
     with pytest.raises(tasks.ConfigError, match=r"scan_layers='yes'.*True"):
         tasks.gpt_layers(ml_collections.ConfigDict({"gpt": {"scan_layers": "yes"}}))
     assert tasks.gpt_layers(gpt_config()) == (False, "none")  # the shipped default
+
+
+class _Affine(nnx.Module):
+    """``(x @ kernel + bias) * scale``: layers that do not commute, so the order shows."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, scale):
+        return self.linear(x) * scale
+
+
+@pytest.mark.parametrize("form", ["list", "stack"])
+def test_run_layers_runs_a_list_or_a_stack_layer_by_layer_in_order(form):
+    """``stack.run_layers``, the one scan-or-loop both GPTs call: a list of blocks and a stack
+    each equal NumPy's layer-by-layer product, the side array read by every layer."""
+    from nnx_spmd_trainer.nn import stack
+
+    with nnx.use_eager_sharding(False):
+        if form == "list":
+            layers = nnx.List([_Affine(nnx.Rngs(i)) for i in range(3)])
+            kernels = [np.asarray(layer.linear.kernel[...]) for layer in layers]
+            biases = [np.asarray(layer.linear.bias[...]) for layer in layers]
+        else:
+            layers = stack.stacked(_Affine, 3, nnx.Rngs(0))
+            kernels = list(np.asarray(layers.linear.kernel[...]))
+            biases = list(np.asarray(layers.linear.bias[...]))
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    scale = np.array([[0.5], [2.0]], np.float32)
+    want = x.astype(np.float64)
+    for kernel, bias in zip(kernels, biases, strict=True):
+        want = (want @ kernel + bias) * scale
+    got = stack.run_layers(layers, jnp.asarray(x), jnp.asarray(scale))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

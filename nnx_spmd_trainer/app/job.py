@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,12 +19,11 @@ from jax.experimental import multihost_utils
 from nnx_spmd_trainer import (  # type: ignore[attr-defined]
     History,
     Trainer,
-    callbacks,
     weights,
 )
 from nnx_spmd_trainer.app import datasets, tasks
 from nnx_spmd_trainer.app.console import say
-from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks
+from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks, versus_baseline
 from nnx_spmd_trainer.app.job_checks import (
     blamed_on,
     check_checkpoints_are_of_this_model,
@@ -32,13 +32,19 @@ from nnx_spmd_trainer.app.job_checks import (
     refused_or_noted,
 )
 from nnx_spmd_trainer.app.job_export import check_export_format
+from nnx_spmd_trainer.app.job_lines import (  # speed_line and the others: job.speed_line, as before
+    corpus_reads_line,
+    goodput_line,
+    preempted_line,
+    speed_line,
+    started_line,
+)
 from nnx_spmd_trainer.app.run_config import averaging_and_spikes
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
     set_old_checkpoints_aside,
     workdir_lock,
 )
-from nnx_spmd_trainer.data.corpus import TOKENS_FILE
 from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.planner import compile_cache
@@ -117,7 +123,7 @@ def run(
     check_init_from(config, init_from, trainer, run_callbacks, notes)
     if notes is not None:
         return _dry_run(trainer, batch, splits, notes)
-    started = _started_line(config, workdir, trainer, strategy, layout.why, splits)
+    started = started_line(config, workdir, trainer, strategy, layout.why, splits)
     # Checked: from here on the run writes, and no other run may write here too.
     with workdir_lock(workdir):
         result = _train(config, workdir, trainer, splits, started)
@@ -220,24 +226,6 @@ def _choose_layout(
         return trainer.choose_layout(itertools.islice(iter(splits.train), strategy.steps)).strategy
 
 
-def _started_line(
-    config: ml_collections.ConfigDict,
-    workdir: Path,
-    trainer: Trainer,
-    strategy: Strategy,
-    why: str,
-    splits: datasets.Splits,
-) -> str:
-    """What the run is, said as it starts: model, devices, mesh, layout, steps, baseline."""
-    return (
-        f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
-        f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
-        f"{': ' + why if why else ''}), {config.max_steps} steps of "
-        f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
-        f"workdir {workdir}"
-    )
-
-
 def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[str]) -> RunResult:
     """Prints the plan of the train step and what would refuse the run; trains nothing."""
     first = batch if batch is not None else next(iter(splits.train))
@@ -287,26 +275,34 @@ def _train(
             multihost_utils.sync_global_devices("old checkpoints set aside")
     say(started)
     cache_before = compile_cache.cache_counts()
-    history = trainer.fit(
-        iter(splits.train),  # one iterator: a second fit would continue the stream
-        eval_data=splits.eval,
-        max_steps=config.max_steps,
-        eval_every_n_steps=config.eval_every_n_steps or None,
-    )
+    with warnings.catch_warnings():  # a finished run run again: said in words below
+        warnings.filterwarnings("ignore", r"fit\(max_steps=\d+\) trains no step", UserWarning)
+        history = trainer.fit(
+            iter(splits.train),  # one iterator: a second fit would continue the stream
+            eval_data=splits.eval,
+            max_steps=config.max_steps,
+            eval_every_n_steps=config.eval_every_n_steps or None,
+        )
     eval_losses = history.history.get("eval/loss", [float("nan")])
     result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
     if trainer.progress.preempted:
-        say(_preempted_line(trainer))
+        say(preempted_line(trainer))
         return result
-    verdict = "beats" if result.beats_baseline else "does NOT beat"
     accuracy = history.history.get("eval/accuracy", [float("nan")])[-1]
+    gap = versus_baseline(result.eval_loss, splits.baseline, splits.baseline_name)
     say(
         f"final after {trainer.step} steps: eval loss {result.eval_loss:.4f} (accuracy "
-        f"{accuracy:.3f}); {verdict} the {splits.baseline_name} {splits.baseline:.4f} "
-        f"by {splits.baseline - result.eval_loss:+.4f} nats"
+        f"{accuracy:.3f}), {gap}"
     )
     if bits := splits.bits_per_byte_line(result.eval_loss):
         say(bits)
+    if trainer.last_step is None:  # no step here: the speed in history is the old run's
+        say(
+            f"nothing trained: the run in {workdir} had reached config.max_steps="
+            f"{config.max_steps}; its checkpoint was evaluated again (nnx-spmd-train evaluate "
+            f"{workdir} does only that)"
+        )
+        return result
     if waits := history.history.get("perf/data_wait_fraction"):
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
     if line := speed_line(history.history, trainer.run.timings.speed.note):
@@ -315,35 +311,6 @@ def _train(
     on = compile_cache.compile_cache_directory() is not None
     say(goodput_line(trainer.run.timings.goodput(), cache if on else None))
     return result
-
-
-def _preempted_line(trainer: Trainer) -> str:
-    """What a SIGTERM left behind: the step saved, or (before any step) the checkpoints as
-    they were."""
-    checkpoint = next(c for c in trainer.callbacks if isinstance(c, callbacks.OrbaxCheckpoint))
-    if checkpoint.stopped_before_a_step:
-        return (
-            f"stopped by SIGTERM before any step (at step {trainer.step}): nothing trained, "
-            "nothing saved; run the same command to continue"
-        )
-    return f"stopped by SIGTERM after step {trainer.step}, saved; run the same command to continue"
-
-
-def corpus_reads_line(before: dict[str, int]) -> str | None:
-    """What this process read from each corpus since ``before`` (``bytes_read_in_process``),
-    against the corpus's token bytes; ``None``: no corpus was read."""
-    read = {f: n - before.get(f, 0) for f, n in bytes_read_in_process().items()}
-    read = {folder: n for folder, n in read.items() if n}
-    if not read:
-        return None
-    parts = ", ".join(
-        f"{folder}: {n} of its {(Path(folder) / TOKENS_FILE).stat().st_size}"
-        for folder, n in read.items()
-    )
-    return (
-        f"data: process {jax.process_index()} of {jax.process_count()} read "
-        f"{sum(read.values())} bytes of corpus tokens ({parts})"
-    )
 
 
 def peak_flops_of(config: ml_collections.ConfigDict) -> float | None:
@@ -355,32 +322,6 @@ def peak_flops_of(config: ml_collections.ConfigDict) -> float | None:
     return peak_flops(jax.devices()[0].device_kind, config.get("compute_dtype", "float32"))
 
 
-def speed_line(history: dict[str, list[float]], note: str | None = None) -> str | None:
-    """One line: the median over the log points of the tokens per second, the FLOP/s per
-    device (the compiled step's own count) and the MFU, or ``note``, why there is none;
-    ``None`` where nothing was measured.
-
-    >>> speed_line({"perf/tokens_per_s": [900.0, 1000.0, 1100.0],
-    ...             "perf/flops_per_s_per_device": [2e12, 3e12, 4e12], "perf/mfu": [0.2, 0.3, 0.4]})
-    'speed (median of 3 log points): 1,000 tokens/s, 3 TFLOP/s per device, MFU 30.0%'
-    """
-    tokens = history.get("perf/tokens_per_s", [])
-    flops = history.get("perf/flops_per_s_per_device", [])
-    mfu = history.get("perf/mfu", [])
-    if not tokens and not flops:
-        return None
-    parts = [f"{float(np.median(tokens)):,.0f} tokens/s"] if tokens else []
-    if flops:
-        parts.append(f"{float(np.median(flops)) / 1e12:.3g} TFLOP/s per device")
-    if mfu:
-        parts.append(f"MFU {100 * float(np.median(mfu)):.1f}%")
-    elif note:
-        parts.append(note)
-    points = max(len(tokens), len(flops))
-    plural = "s" if points != 1 else ""
-    return f"speed (median of {points} log point{plural}): " + ", ".join(parts)
-
-
 def plan_report_of(trainer: Trainer, batch: Any) -> PlanReport:
     """The plan report of ``trainer``'s train step on global batches shaped like ``batch``
     (this process's rows, times the row sets the processes feed)."""
@@ -390,30 +331,3 @@ def plan_report_of(trainer: Trainer, batch: Any) -> PlanReport:
         jax.tree.map(np.asarray, batch),
     )
     return trainer.plan.report(shapes, train_step=trainer.train_step)
-
-
-def goodput_line(goodput: dict[str, float], cache: compile_cache.CacheCounts | None = None) -> str:
-    """One line: where the wall time of ``fit`` went, in seconds and shares, and what the
-    persistent compilation cache served of the compiles (``cache``: its hits and misses
-    over the ``fit``; ``None``: it is off).
-
-    >>> parts = {"compile": 3.0, "step": 6.0, "other": 1.0}
-    >>> goodput = {f"goodput/{k}_s": v for k, v in parts.items()} | {"goodput/wall_s": 10.0}
-    >>> line = goodput_line(goodput, compile_cache.CacheCounts(hits=5, misses=1))
-    >>> for part in line.split(" = "):
-    ...     print(part)
-    time: 10.0 s of fit, compile 3.0 s (compile cache: 5 hits, 1 miss)
-    compile 30.0%, step 60.0%, other 10.0%
-    >>> print(goodput_line(goodput, None).partition(" = ")[0])
-    time: 10.0 s of fit, compile 3.0 s (compile cache off)
-    """
-    wall = goodput["goodput/wall_s"]
-    parts = [
-        (key.removeprefix("goodput/").removesuffix("_s"), value)
-        for key, value in goodput.items()
-        if key != "goodput/wall_s"
-    ]
-    shares = ", ".join(f"{name} {100 * value / wall:.1f}%" for name, value in parts if wall > 0)
-    served = f"compile cache: {cache}" if cache is not None else "compile cache off"
-    compiling = f"compile {goodput.get('goodput/compile_s', 0.0):.1f} s ({served})"
-    return f"time: {wall:.1f} s of fit, {compiling} = {shares}"

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -61,6 +61,7 @@ __all__ = [
     "gpipe",
     "pipelined",
     "run",
+    "run_layers",
     "scan",
     "stacked",
 ]
@@ -160,6 +161,27 @@ def run(block: nnx.Module, x: jax.Array, *side: jax.Array) -> jax.Array:
         return _scan_with(x, block, side) if side else scan(x, block)
     active.ran = True
     return gpipe(block, x, active.pipeline, *side)
+
+
+def run_layers(
+    layers: nnx.Module | Sequence[nnx.Module], x: jax.Array, *side: jax.Array
+) -> jax.Array:
+    """Runs a model's blocks on ``x``, held either way a model may hold them: a stack
+    (``stacked``) by ``run`` (a scan, or the pipeline), a list of blocks (``nnx.List``)
+    one after another. ``side``: arrays every block reads besides ``x`` (``block(x, *side)``).
+
+    A model offering both forms (``scan_layers``) calls this one function for either.
+
+    >>> with nnx.use_eager_sharding(False):
+    ...     one_by_one = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)])
+    >>> run_layers(one_by_one, jnp.ones((2, 4))).shape
+    (2, 4)
+    """
+    if isinstance(layers, Sequence):  # nnx.List is a Sequence; a stack is one Module
+        for block in layers:
+            x = block(x, *side)
+        return x
+    return run(layers, x, *side)
 
 
 def _constrained(x: jax.Array, pipeline: GPipeSchedule, *leading: Any) -> jax.Array:

@@ -23,8 +23,8 @@ with the position embedding read at global positions.
 Packed rows: a batch with ``segment_ids`` (``[batch, seq]``, 0 = padding) and
 ``positions`` (restarting at 0 at each document) keeps every document to itself:
 the attention masks other segments (``causal_attention(..., segment_ids=...)``),
-the position embedding is read at ``positions``, and ``loss_fn`` (``target_weights``)
-counts no padding target and no target across a document boundary.
+the position embedding is read at ``positions``, and ``loss_fn`` (``target_weights``,
+in ``gpt_losses``) counts no padding target and no target across a document boundary.
 """
 
 from __future__ import annotations
@@ -34,18 +34,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
+
+# The losses live in gpt_losses.py; named here too, where callers have always found them.
+from nnx_spmd_trainer.app.models.gpt_losses import chunked_loss_fn, loss_fn
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.nn import stack as stack_lib
 from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
 from nnx_spmd_trainer.nn.kv_cache import MaskedAttention, set_cache_mask
-from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
-from nnx_spmd_trainer.nn.moe import MoE, moe_losses
+from nnx_spmd_trainer.nn.moe import MoE
 from nnx_spmd_trainer.nn.packed import packed_inputs, target_weights
-from nnx_spmd_trainer.planner.step import masked_mean
 from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
 
 __all__ = [
@@ -172,8 +172,6 @@ class TransformerBlock(nnx.Module):
 
 #: ``stack.stacked``: the blocks as one stack (kept under this name for existing code).
 stacked_blocks = stack_lib.stacked
-#: ``stack.scan``: a stack run one layer after another (``stack.run`` outside a pipeline).
-_scan_blocks = stack_lib.scan
 
 
 class GPT(nnx.Module):
@@ -300,11 +298,8 @@ class GPT(nnx.Module):
         x = self.token_embed(tokens) + self.pos_embed(where)
         x = self.dropout(x)
         side = () if segment_ids is None else (segment_ids,)
-        if isinstance(self.blocks, TransformerBlock):  # scan_layers: one stacked block
-            x = stack_lib.run(self.blocks, x, *side)  # a scan; a pipeline under PipelineParallel
-        else:
-            for block in self.blocks:
-                x = block(x, *side)
+        # scan_layers: one stacked block, a scan (a pipeline under PipelineParallel)
+        x = stack_lib.run_layers(self.blocks, x, *side)
         return self.layer_norm(x)
 
     def __call__(
@@ -357,73 +352,3 @@ def unstack_blocks(state: Any, num_layers: int) -> Any:
 
 def _is_layer_list(node: Mapping[Any, Any]) -> bool:
     return bool(node) and set(node) == set(range(len(node)))
-
-
-def _token_mean(losses: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """``masked_mean`` over real rows; over a packed batch, the mean over its trained targets."""
-    weights = target_weights(batch)
-    if weights is None:
-        return masked_mean(losses, batch)
-    return masked_mean(jnp.where(weights, losses, 0.0), batch) / jnp.maximum(
-        masked_mean(weights.astype(jnp.float32), batch), 1e-9
-    )
-
-
-def _token_accuracy(correct: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Each token's correctness ``[batch, seq]``; over a packed batch, its mean over the
-    trained targets (a scalar, counted once per row as the loss is): its padding and the
-    targets across a document boundary are not predictions the loss asks for."""
-    if target_weights(batch) is None:
-        return correct
-    return _token_mean(correct.astype(jnp.float32), batch)
-
-
-def loss_fn(
-    model: nnx.Module, batch: dict[str, jax.Array]
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean next-token cross entropy (nats) of ``batch["targets"]`` given ``batch["inputs"]``,
-    over the real sequences (a padded batch's ``mask``); over a packed batch
-    (``segment_ids``, ``positions``), the mean over its targets within a document
-    (``target_weights``).
-
-    ``aux`` holds each token's correctness, averaged per token by the metrics; over a
-    packed batch, the batch's mean accuracy over its trained targets, a scalar the
-    metrics count once per row as they count the loss (``_token_accuracy``). A model with
-    MoE blocks adds their auxiliary losses and reports their metrics (``moe.moe_losses``).
-    """
-    logits = model(batch["inputs"], **packed_inputs(batch)).astype(jnp.float32)
-    targets = batch["targets"]
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    extra, moe_aux = moe_losses(model)
-    return _token_mean(losses, batch) + extra, {
-        "accuracy": _token_accuracy(jnp.argmax(logits, axis=-1) == targets, batch),
-        **moe_aux,
-    }
-
-
-def chunked_loss_fn(
-    model: GPT, batch: dict[str, jax.Array], *, chunk_size: int
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``loss_fn`` with the head's projection and the cross entropy computed ``chunk_size``
-    sequence positions at a time (``losses.chunked_cross_entropy``): the
-    ``(batch, seq, vocab)`` logits never exist whole, forward or backward.
-
-    The same loss and per-token accuracy as ``loss_fn`` (to float rounding), for one
-    more head projection per step (the backward pass recomputes each chunk's logits).
-    The projection runs in the head's compute dtype, as ``nnx.Linear`` runs it.
-    """
-    head = model.head
-    targets = batch["targets"]
-    losses, predictions = chunked_cross_entropy(
-        model.features(batch["inputs"], **packed_inputs(batch)),
-        head.kernel[...],
-        None if head.bias is None else head.bias[...],
-        targets,
-        chunk_size=chunk_size,
-        dtype=None if head.dtype is None else jnp.dtype(head.dtype),
-    )
-    extra, moe_aux = moe_losses(model)
-    return _token_mean(losses, batch) + extra, {
-        "accuracy": _token_accuracy(predictions == targets, batch),
-        **moe_aux,
-    }

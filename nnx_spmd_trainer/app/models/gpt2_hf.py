@@ -38,11 +38,10 @@ import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
-from nnx_spmd_trainer.app.models.gpt import loss_fn
+from nnx_spmd_trainer.app.models.gpt_losses import loss_fn
 from nnx_spmd_trainer.nn.attention import causal_attention
 from nnx_spmd_trainer.nn.kv_cache import set_cache_mask, update_cache
-from nnx_spmd_trainer.nn.stack import run as run_stack
-from nnx_spmd_trainer.nn.stack import stacked
+from nnx_spmd_trainer.nn.stack import run_layers, stacked
 from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
 
 __all__ = ["GPT2", "GPT2Block", "GPT2Config", "gpt2_weight_map", "loss_fn"]
@@ -214,11 +213,7 @@ class GPT2(nnx.Module):
         where = jnp.arange(length) if positions is None else positions
         x = self.drop(self.wte(tokens) + self.wpe(where))
         side = () if segment_ids is None else (segment_ids,)
-        if isinstance(self.h, GPT2Block):  # scan_layers: one stacked block
-            x = run_stack(self.h, x, *side)  # a scan; under PipelineParallel, the stages
-        else:
-            for block in self.h:
-                x = block(x, *side)
+        x = run_layers(self.h, x, *side)  # stacked: a scan; under PipelineParallel, the stages
         logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
         padding = jnp.arange(logits.shape[-1]) >= self.config.vocab_size
         return jnp.where(padding, jnp.finfo(logits.dtype).min, logits)
