@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -202,10 +203,56 @@ def test_orbax_marks_a_committed_step_with_the_file_the_adapter_checks(tmp_path)
     )
 
 
+class _AbslNotes(logging.Handler):
+    """The messages Orbax logs (through absl's logger) while the block runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> _AbslNotes:
+        logging.getLogger("absl").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("absl").removeHandler(self)
+
+
+def test_orbax_notes_a_missing_step_metadata_file_as_quiet_listing_expects(tmp_path):
+    """A step without its metadata file (a deletion killed half-way) and a manager opened
+    read-only: Orbax's notes about both are what ``quiet_listing`` drops, and only while
+    it is open (tiers.py opens its managers in it)."""
+    from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+
+    assert step_metadata.step_metadata_file_path(tmp_path).name == orbax_private.STEP_METADATA, (
+        f"Orbax's step metadata file is renamed, {ORBAX}: set orbax_private.STEP_METADATA."
+    )
+    _save_step(tmp_path).close()
+    (tmp_path / "0" / orbax_private.STEP_METADATA).unlink()
+    assert orbax_private.lacks_step_metadata(tmp_path / "0")
+    read_only = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    with _AbslNotes() as loud:
+        ocp.CheckpointManager(tmp_path, options=read_only).close()
+    missing = [line for line in loud.lines if line.startswith("Metadata file does not exist")]
+    assert missing and str(tmp_path / "0" / orbax_private.STEP_METADATA) in missing[0], (
+        f"Orbax no longer notes a missing step metadata file as expected, {ORBAX}: "
+        f"update orbax_private._ListingNotes (notes seen: {loud.lines[:5]})."
+    )
+    assert any(line.startswith(orbax_private._ListingNotes.READ_ONLY) for line in loud.lines)
+    with _AbslNotes() as quiet, orbax_private.quiet_listing([tmp_path / "0"]):
+        ocp.CheckpointManager(tmp_path, options=read_only).close()
+    notes = ("Metadata file does not exist", *orbax_private._ListingNotes.READ_ONLY)
+    assert not [line for line in quiet.lines if line.startswith(notes)], quiet.lines
+    assert not logging.getLogger("absl").filters  # nothing left behind
+
+
 def test_json_written_later_makes_its_value_in_orbaxs_background_commit(tmp_path):
     assert inspect.iscoroutinefunction(ocp.JsonCheckpointHandler._save_fn), (
         f"JsonCheckpointHandler._save_fn is gone or not a coroutine, {ORBAX}: "
-        "orbax_private.JsonWrittenLater (callbacks.fingerprint) must override what "
+        "orbax_private.JsonWrittenLater (callbacks/checkpoint/fingerprint.py) must override what "
         "async_save now hands to its commit future."
     )
     released, seen = threading.Event(), []
@@ -256,7 +303,7 @@ def test_a_map_dataset_iterators_state_is_its_next_index():
     state = iterator.get_state()
     assert grain_private.is_index_state(state) and grain_private.next_index(state) == 1, (
         f"a MapDataset iterator's state is now {state!r}, {GRAIN}: adapt grain_private "
-        "(data.position resumes from it, callbacks.checkpoint_checks checks it)."
+        "(data.position resumes from it, callbacks/checkpoint/checks.py checks it)."
     )
     iterator.set_state(grain_private.state_at(3))
     np.testing.assert_array_equal(next(iterator), [6, 7])

@@ -6,8 +6,9 @@ Orbax and Grain, and reaches the few private ones it needs through these modules
 * ``jax_private``: the coordination service's client (its key-value store) and the
   cluster detection ``jax.distributed.initialize`` runs.
 * ``orbax_private``: a JSON item written in Orbax's background commit, a
-  ``CheckpointManager`` whose own preemption checks stay away from JAX's, and the
-  commit marker of a finished step.
+  ``CheckpointManager`` whose own preemption checks stay away from JAX's, the
+  commit marker of a finished step, a step's own metadata file (a half-deleted step
+  lacks it), and Orbax's notes quieted while a manager opens or a step is read.
 * ``grain_private``: the layout of a Grain iterator's saved position (``next_index``)
   and of the per-process files Grain checkpoints it into.
 * ``tensorboardx_private``: the ``FileWriter`` of a ``SummaryWriter``'s own event file
