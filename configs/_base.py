@@ -72,6 +72,10 @@ def training_config() -> ml_collections.ConfigDict:
     config.save_every_n_seconds = 0.0
     # Continue from the latest checkpoint in the workdir, if any; False moves them aside
     config.resume = True
+    # A resume whose learning-rate schedule differs from the checkpoints' run (another
+    # max_steps, learning_rate, warmup_steps or end_lr_fraction) is refused; True resumes
+    # on the new schedule anyway (the lr jumps where they differ), saying so in one line
+    config.replan_schedule = False
     # What writes the metrics: any of tensorboard, csv, mlflow, wandb, comma-separated.
     # mlflow: to mlflow_uri ("": sqlite:///<workdir>/mlflow.db); wandb: to
     # wandb_project (WANDB_MODE=offline keeps it on disk). Both continue their run on resume.

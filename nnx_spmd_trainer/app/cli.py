@@ -4,6 +4,7 @@
     nnx-spmd-train --config=configs/tp.py --config.max_steps=20 --workdir=/tmp/tp
     nnx-spmd-train corpus texts/ --out corpora/mine   # tokenize files into a corpus
     nnx-spmd-train --config.data.corpus=corpora/mine  # ... and train on it
+    nnx-spmd-train evaluate runs/default              # a workdir's checkpoint evaluated
     python -m nnx_spmd_trainer --config=mlp          # an embedded config, by name
 
 ``--config`` takes a config file path, or the name of a config shipped in
@@ -29,7 +30,8 @@ or name ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
 
 This module is the entry point (``main``): the flags defined, the processes launched
 or joined, the run started and its errors turned into exit statuses. The rest is by
-job beside it: ``command_line`` (argv, ``--help``), ``host_devices``, ``interrupts``
+job beside it: ``command_line`` (argv, ``--help``), ``corpus`` and ``evaluate`` (the two
+other commands), ``host_devices``, ``interrupts``
 (Ctrl-C), ``workdir`` (checks, lock), ``job`` (``run``, ``RunResult``),
 ``job_callbacks`` and ``console`` (the lines a run prints).
 """
@@ -49,7 +51,7 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import corpus, tasks
+from nnx_spmd_trainer.app import corpus, evaluate, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -61,6 +63,7 @@ from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.interrupts import ORBAX_LOG, exit_at_once, interrupt
 from nnx_spmd_trainer.app.job import run
+from nnx_spmd_trainer.app.job_checks import schedule_change_on_resume
 from nnx_spmd_trainer.app.job_export import EXPORT_FORMATS, export
 from nnx_spmd_trainer.app.workdir import check_writable
 from nnx_spmd_trainer.io.export import check_export_path
@@ -119,6 +122,13 @@ def _main(argv: Sequence[str]) -> int:
         # line that says so; Python's dump of every thread (absl turns it on) would bury
         # that line under a hundred. PYTHONFAULTHANDLER=1 keeps the dump.
         faulthandler.disable()
+    try:  # after the devices are set: the schedule is computed with JAX
+        # the CLI's own schedule, planned from max_steps: a resume may not re-plan it unsaid
+        replanned = None if flags.FLAGS.dry_run else schedule_change_on_resume(config, workdir)
+    except tasks.ConfigError as error:
+        fail(str(error))
+    if replanned:
+        say(replanned)
     try:
         with distributed.lost_peers_named():  # a collective failed: was a process lost?
             result = run(
@@ -198,6 +208,9 @@ def main(
     if argv[1:2] == ["corpus"]:  # nnx-spmd-train corpus IN... --out DIR: app/corpus.py
         _default_sigterm(sigterm_noticed)  # no training here: a SIGTERM ends it as before
         sys.exit(corpus.main(argv[2:]))
+    if argv[1:2] == ["evaluate"]:  # nnx-spmd-train evaluate WORKDIR: app/evaluate.py
+        _default_sigterm(sigterm_noticed)
+        sys.exit(evaluate.main(argv[2:]))
     argv = normalize_argv(argv)
     if "--help" in argv or "-h" in argv:
         print(usage(argv))

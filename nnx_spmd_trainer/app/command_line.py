@@ -150,6 +150,8 @@ def usage(argv: Sequence[str]) -> str:
             "",
             "  nnx-spmd-train corpus IN... --out DIR [--tokenizer PATH | --vocab_size N]",
             "                      tokenize text files into a corpus for --config.data.corpus",
+            "  nnx-spmd-train evaluate WORKDIR [--step N] [--max_eval_batches N]",
+            "                      evaluate a run's checkpoint; trains and writes nothing",
             "",
             f"Keys of {Path(config_file).name}, with their values (override any with "
             "--config.KEY=VALUE):",

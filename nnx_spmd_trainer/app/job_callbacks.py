@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -25,8 +27,8 @@ def versus_baseline(loss: float, baseline: float, baseline_name: str) -> str:
     gap = loss - baseline
     if not math.isfinite(gap):
         return f"the {baseline_name} is {baseline:.4f}"
-    if gap == 0:
-        return f"equal to the {baseline_name} {baseline:.4f}"
+    if abs(gap) < 5e-5:  # 0.0000 as printed
+        return f"level with the {baseline_name} {baseline:.4f}"
     side = "above" if gap > 0 else "below"
     return (
         f"{abs(gap):.4f} nats {side} the {baseline_name} {baseline:.4f} "
@@ -43,10 +45,73 @@ class BaselineReport(Callback):
 
     def on_test_end(self, logs: dict[str, float]) -> None:
         if "eval/loss" in logs and jax.process_index() == 0:
-            say(
-                f"step {self.trainer.step}: eval loss {logs['eval/loss']:.4f} "
-                f"({self.baseline_name} {self.baseline:.4f})"
+            gap = versus_baseline(logs["eval/loss"], self.baseline, self.baseline_name)
+            say(f"step {self.trainer.step}: eval loss {logs['eval/loss']:.4f}, {gap}")
+
+
+class SlowStepsNote(Callback):
+    """One line, early, when the next metrics line is far off (slow steps, a long
+    ``log_every_n_steps``): the pace of the first steps and when that line will come, so
+    a quiet run is not taken for a hung one.
+
+    Args:
+      log_every_n_steps: the steps between metrics lines.
+      after_s: the silence worth a line, in seconds.
+      print_fn: where the line goes.
+    """
+
+    #: steps timed after the first (which compiles) before the pace is judged
+    TIMED_STEPS = 3
+
+    def __init__(
+        self,
+        log_every_n_steps: int,
+        *,
+        after_s: float = 30.0,
+        print_fn: Callable[[str], None] = say,
+    ) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.after_s = after_s
+        self.print_fn = print_fn
+        self._first: tuple[int, float] | None = None
+        self._done = False
+
+    def on_train_begin(self, logs: dict[str, float]) -> None:
+        self._first, self._done = None, False
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        if self._done:
+            return
+        now = time.perf_counter()
+        if self._first is None:  # the first step compiled: time from its end on
+            self._first = (step, now)
+            return
+        first_step, first_time = self._first
+        if step - first_step < self.TIMED_STEPS:
+            return
+        self._done = True
+        pace = (now - first_time) / (step - first_step)
+        every = self.log_every_n_steps
+        next_line = (step // every + 1) * every
+        max_steps = self.trainer.progress.max_steps
+        if max_steps is not None:
+            next_line = min(next_line, max_steps)
+        wait = pace * (next_line - step)
+        if wait > self.after_s:
+            self.print_fn(
+                f"step {step}: {pace:.2f} s a step, so the next metrics line (every {every} "
+                f"steps) comes at step {next_line}, in ~{_duration(wait)}; "
+                "--config.log_every_n_steps sets how often"
             )
+
+
+def _duration(seconds: float) -> str:
+    """``"45 s"``, ``"3.2 min"``, ``"1.5 h"``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 #: ``config.loggers``' names: each a writer of the run's logs, built from the config.
@@ -97,5 +162,6 @@ def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Cal
             print_fn=say,
         ),
         callbacks.ProgressBar(plain=True),  # a line per log point in CI logs too
+        SlowStepsNote(config.log_every_n_steps),
         *loggers,
     ]

@@ -4,12 +4,15 @@ the config key at fault (``blamed_on``), or, in a dry run, a note (``refused_or_
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import ml_collections
+import numpy as np
 from jax.experimental import multihost_utils
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
@@ -124,3 +127,53 @@ def check_init_from(
                 f"config.model={config.model!r}, or --config.init_from='' to start from "
                 "random weights."
             ) from error
+
+
+#: The keys ``run_config.make_optimizer`` plans the learning-rate schedule from.
+SCHEDULE_KEYS = ("max_steps", "learning_rate", "warmup_steps", "end_lr_fraction")
+
+
+def schedule_change_on_resume(config: ml_collections.ConfigDict, workdir: str | Path) -> str | None:
+    """Refuses (``ConfigError``) a resume whose learning-rate schedule is not the one the
+    workdir's checkpoints were trained on (the CLI plans it from ``SCHEDULE_KEYS``: the lr
+    would jump at the step resumed from); with ``config.replan_schedule`` returns the line
+    that says the change instead. ``None``: no resume, or the same schedule."""
+    workdir = Path(workdir)
+    checkpoints = workdir / "checkpoints"
+    steps = (
+        [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+        if config.get("resume", True) and checkpoints.is_dir()
+        else []
+    )
+    try:
+        before = json.loads((workdir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # no record of the schedule the checkpoints were trained on
+    if not steps or not all(key in before for key in SCHEDULE_KEYS):
+        return None
+    step = max(steps)
+    old = {key: before[key] for key in SCHEDULE_KEYS}
+    new = {key: config.get(key) for key in SCHEDULE_KEYS}
+    lr_old, lr_new = (float(_learning_rate(values, step)) for values in (old, new))
+    changed = [key for key in SCHEDULE_KEYS if old[key] != new[key]]
+    ahead = np.arange(step, max(old["max_steps"], new["max_steps"]) + 1)
+    if not changed or np.allclose(_learning_rate(old, ahead), _learning_rate(new, ahead)):
+        return None  # e.g. a constant lr: max_steps plans nothing
+    what = ", ".join(f"config.{key}={new[key]!r} (was {old[key]!r})" for key in changed)
+    if config.get("replan_schedule", False):
+        return (
+            f"resuming at step {step} on a re-planned learning-rate schedule: {what}; the lr "
+            f"of step {step + 1} is {lr_new:.3g} where the checkpoints' schedule had {lr_old:.3g}"
+        )
+    raise tasks.ConfigError(
+        f"{what}: the checkpoints in {checkpoints} (step {step}) were trained on the "
+        f"learning-rate schedule of the old values, and resuming would re-plan it: the lr of "
+        f"step {step + 1} would jump from {lr_old:.3g} to {lr_new:.3g}. Pass the old values to "
+        "finish the run as planned, --config.replan_schedule=True to resume on the new "
+        "schedule anyway, or --config.resume=False to start over."
+    )
+
+
+def _learning_rate(values: dict[str, Any], steps: Any) -> np.ndarray:
+    """The CLI's scheduled learning rate at ``steps`` for the ``SCHEDULE_KEYS`` ``values``."""
+    return np.asarray(tasks.schedule(ml_collections.ConfigDict(values))(steps), np.float64)

@@ -279,14 +279,12 @@ def fit_to_devices(spec: str, num_devices: int) -> tuple[str, str]:
     return fitted_spec, "; ".join(reasons)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; warmup then cosine decay, injected so it is visible.
-
-    ``optax.inject_hyperparams`` keeps the current learning rate in the
-    optimizer state (``hyperparams["learning_rate"]``) for LearningRateMonitor.
-    """
+def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+    """The learning rate by step: warmup, then cosine decay to ``end_lr_fraction`` of the
+    peak at ``max_steps``; planned from ``config.max_steps``, so another ``max_steps`` on
+    resume is another schedule (``job_checks.schedule_change_on_resume``)."""
     warmup = min(config.warmup_steps, config.max_steps // 2)
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
         warmup_steps=warmup,
@@ -294,10 +292,20 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
         end_value=config.learning_rate * config.end_lr_fraction,
     )
 
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; ``schedule``'s learning rate, injected so it is
+    visible.
+
+    ``optax.inject_hyperparams`` keeps the current learning rate in the
+    optimizer state (``hyperparams["learning_rate"]``) for LearningRateMonitor.
+    """
+    lr_schedule = schedule(config)
+
     def adamw(learning_rate: Any) -> optax.GradientTransformation:
         return optax.chain(
             optax.clip_by_global_norm(config.grad_clip_norm),
             optax.adamw(learning_rate, weight_decay=config.weight_decay),
         )
 
-    return optax.inject_hyperparams(adamw)(learning_rate=schedule)
+    return optax.inject_hyperparams(adamw)(learning_rate=lr_schedule)

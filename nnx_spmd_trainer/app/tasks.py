@@ -22,6 +22,7 @@ from nnx_spmd_trainer.app.run_config import compute_dtype as compute_dtype
 from nnx_spmd_trainer.app.run_config import fit_to_devices as fit_to_devices
 from nnx_spmd_trainer.app.run_config import make_optimizer as make_optimizer
 from nnx_spmd_trainer.app.run_config import parse_strategy as parse_strategy
+from nnx_spmd_trainer.app.run_config import schedule as schedule
 from nnx_spmd_trainer.app.run_config import spanning_hosts as spanning_hosts
 from nnx_spmd_trainer.nn import moe as moe_lib
 from nnx_spmd_trainer.nn import remat as remat_lib
