@@ -54,13 +54,20 @@ class MLflowLogger(TrackerLogger):
         request before the run goes on without it.
 
     Needs ``pip install nnx-spmd-trainer[mlflow]`` (``mlflow-skinny``, and SQLAlchemy for
-    a ``sqlite:///`` store).
+    a ``sqlite:///`` store). That client logs, but has no web UI: ``mlflow ui`` (MLflow's
+    server, which needs Flask) comes with ``pip install nnx-spmd-trainer[mlflow-ui]`` (the
+    full ``mlflow``), in this environment or any other that can read the store.
+
+    A new ``sqlite:///`` store is made by MLflow's schema migrations before its first
+    run: about 15 s on a CPU machine here, once per store file, before the first step (the
+    CLI says so in a line); an existing store or a tracking server does not pay it.
 
     Example::
 
         Trainer(..., config=config, callbacks=[
             MetricsLogger(50), OrbaxCheckpoint("runs/a/ckpt", save_every_n_steps=200),
             MLflowLogger("sqlite:///runs/mlflow.db", experiment="gpt", run_name="a")])
+        # pip install 'nnx-spmd-trainer[mlflow-ui]'
         # mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
     """
 

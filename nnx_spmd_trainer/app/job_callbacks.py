@@ -141,9 +141,17 @@ def make_loggers(config: ml_collections.ConfigDict, workdir: Path) -> list[Callb
         ),
     }
     try:
-        return [build[name]() for name in dict.fromkeys(names)]
+        loggers = [build[name]() for name in dict.fromkeys(names)]
     except ImportError as error:
         raise ConfigError(f"config.loggers={config.loggers!r}: {error}") from error
+    store = workdir / "mlflow.db"
+    if "mlflow" in names and not config.get("mlflow_uri") and not store.exists():
+        say(  # MLflow's schema migrations run before the first step, silently
+            f"mlflow: a new store {store}: MLflow sets up its tables first (~15 s, once); "
+            f"browse it with mlflow ui --backend-store-uri sqlite:///{store.absolute()} "
+            "(pip install 'nnx-spmd-trainer[mlflow-ui]')"
+        )
+    return loggers
 
 
 def make_callbacks(config: ml_collections.ConfigDict, workdir: Path) -> list[Callback]:
