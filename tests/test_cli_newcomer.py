@@ -143,3 +143,27 @@ def test_a_finished_run_run_again_says_so_without_a_warning_or_the_old_speed(tra
     assert longer.returncode == 2, longer.stderr[-3000:]
     (line,) = longer.stderr.strip().splitlines()
     assert line.startswith("nnx-spmd-train: error: config.max_steps=8 (was 4): ")
+
+
+# -- MLflow: the UI's extra, and the new store's wait said -----------------------------------
+def test_mlflow_ui_has_an_extra_and_a_new_store_is_announced(tmp_path, capsys):
+    import tomllib
+
+    from nnx_spmd_trainer.app.job_callbacks import make_loggers
+    from nnx_spmd_trainer.callbacks import MLflowLogger
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    # `mlflow ui` needs MLflow's server (Flask): the full package, not the [mlflow] client
+    assert any(r.startswith("mlflow>=") for r in extras["mlflow-ui"])
+    assert not any(r.startswith("mlflow>=") for r in extras["mlflow"])
+    assert "[mlflow-ui]" in (MLflowLogger.__doc__ or "")
+    config = ml_collections.ConfigDict({"loggers": "mlflow", "mlflow_uri": "", "resume": True})
+    make_loggers(config, tmp_path)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"mlflow: a new store {tmp_path / 'mlflow.db'}: MLflow sets up")
+    (tmp_path / "mlflow.db").touch()  # a store made by an earlier run: nothing to say
+    make_loggers(config, tmp_path)
+    assert capsys.readouterr().out == ""
