@@ -14,8 +14,8 @@ from nnx_spmd_trainer import Callback, Logs
 class TerminateOnNaN(Callback):
     """Stops training when the loss becomes NaN or infinite, and names the step.
 
-    Every step it keeps a reference to the step's loss (``trainer.last_step.loss``, a
-    ``StepRecord``'s: still on device, no copy). Every ``check_every_n_steps`` steps it
+    Every step it keeps a reference to the step's loss (``self.step_record.loss``, the
+    ``StepRecord`` it is handed: still on device, no copy). Every ``check_every_n_steps`` steps it
     copies to the host, in one transfer, only the kept losses of steps the trainer has
     already waited for (those at least ``trainer.placement.max_steps_in_flight`` steps
     old), so checking never stalls the steps in flight; at log points, epoch ends and the end
@@ -27,7 +27,7 @@ class TerminateOnNaN(Callback):
     diverged state): on detection it calls
     ``trainer.request_stop(nonfinite_step=<first bad step>)``. A checkpoint callback must
     skip saving while ``trainer.progress.nonfinite_step is not None``, and must check
-    that the loss of the step it saves is finite (``trainer.last_step.loss``: saving
+    that the loss of the step it saves is finite (``step_record.loss``: saving
     waits for that step anyway), which covers the few steps not yet checked
     here. Losses of a diverged model stay non-finite, so no NaN state is saved.
 
@@ -108,7 +108,7 @@ class TerminateOnNaN(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self.stopped_step is not None:
             return
-        record = self.trainer.last_step
+        record = self.step_record
         assert record is not None and record.step == step
         self._pending.append((step, record.loss))
         if "train/loss" in logs:  # a log point: the devices were just synced for the metrics

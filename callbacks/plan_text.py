@@ -6,11 +6,11 @@ import warnings
 from typing import Any
 
 
-def last_step_plan_report(trainer: Any, who: str) -> Any | None:
-    """``Plan.report`` for the batch shapes of ``trainer``'s last step (a cache hit of the
-    step just compiled), or ``None``, with a warning naming ``who``, where none can be
-    made: a text must never stop the run."""
-    record = trainer.last_step
+def plan_report_for(record: Any, trainer: Any, who: str) -> Any | None:
+    """``trainer.plan.report`` for the batch shapes of the step ``record`` (a
+    ``StepRecord``, as a callback is handed it: a cache hit of the step just compiled),
+    or ``None``, with a warning naming ``who``, where none can be made: a text must never
+    stop the run."""
     if record is None:
         return None
     try:
@@ -18,3 +18,9 @@ def last_step_plan_report(trainer: Any, who: str) -> Any | None:
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"{who}: no plan report ({error!r}).", stacklevel=3)
         return None
+
+
+def last_step_plan_report(trainer: Any, who: str) -> Any | None:
+    """``plan_report_for`` the trainer's last step: kept for ``tensorboard.py`` until it
+    passes the record it is handed (``self.step_record``)."""
+    return plan_report_for(trainer.last_step, trainer, who)

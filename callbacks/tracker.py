@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from nnx_spmd_trainer import Callback, Logs
 
-from .plan_text import last_step_plan_report
+from .plan_text import plan_report_for
 from .tensorboard import flatten_config
 
 T = TypeVar("T")
@@ -136,7 +136,7 @@ class TrackerLogger(Callback):
         self._plan_due = False
         if not self._active:
             return
-        report = last_step_plan_report(self.trainer, type(self).__name__)
+        report = plan_report_for(self.step_record, self.trainer, type(self).__name__)
         if report is None:
             return
         self._guarded("log the plan", lambda: self._log_text("plan.txt", str(report)))

@@ -2,7 +2,8 @@
 
 ``Callback`` is what a user subclasses: the engine's ``BaseCallback`` (``engine/hooks.py``:
 the hooks, their dispatch, ``History``) with ``self.trainer`` typed as the real ``Trainer``,
-so ``self.trainer.plan``, ``.run`` and ``.last_step`` type-check in every callback.
+so ``self.trainer.plan`` and ``.run`` type-check in every callback. What a hook needs of
+the step just taken it is handed: ``self.step_record`` (a ``StepRecord``).
 
 Why here (the layers in pyproject's ``[tool.importlinter]``): a callback knows the
 trainer, and the trainer holds callbacks. This module is the top layer, above
@@ -48,11 +49,25 @@ class Callback(BaseCallback[Trainer]):
         instances of one class apart).
       goodput: the part of ``fit``'s wall time this callback's hooks count as
         (``"callbacks"``; a checkpoint callback: ``"checkpoint"``).
+      step_record: the last training step (``StepRecord``: ``step``, ``loss`` still on
+        the devices, ``batch_shapes``, host timings), handed to every callback before
+        that step's ``on_train_batch_end``; ``None`` before the trainer's first step.
+        Keeping it or its loss costs no device sync (``trainer.last_step`` is the same).
+      needs_batch: set ``True`` on a callback that reads the placed batch itself: it is
+        then handed each step's global batch as ``step_batch``, beside ``step_record``.
+        Off by default: a batch kept by a callback holds device memory until the next step.
+      step_batch: the last training step's placed global batch (arrays sharded as the
+        plan lays batches out), for a callback whose ``needs_batch`` is ``True``; else
+        ``None``.
 
     >>> class PrintLoss(Callback):
     ...     def on_logs(self, step, logs):
     ...         if "train/loss" in logs:
     ...             print(step, logs["train/loss"])
+    >>> class FirstRows(Callback):
+    ...     needs_batch = True  # be handed each step's placed batch
+    ...     def on_train_batch_end(self, step, logs):
+    ...         self.rows = self.step_batch["x"][:2]
     """
 
     # No hook is defined here: the dispatch compares each hook with BaseCallback's no-op.

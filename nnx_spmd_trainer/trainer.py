@@ -178,20 +178,7 @@ class Trainer(LayoutAccess, RunAccess):
         compile_cache: CompileCacheSetting = None,
     ) -> None:
         use_compile_cache(compile_cache)  # before anything compiles
-        settings = PlanSettings(
-            optimizer=optimizer,
-            strategy=strategy,
-            metrics=metrics,
-            seed=seed,
-            grad_accum_steps=grad_accum_steps,
-            wrt=wrt,
-            devices=devices,
-            donate=donate,
-            remat=remat,
-            skip_nonfinite_updates=skip_nonfinite_updates,
-            ema=ema,
-            skip_spikes=skip_spikes,
-        )
+        settings = PlanSettings.of(locals())  # the twelve keywords the plan is made with
         plan, pending = plan_holder.plan_or_chooser(
             model,
             settings,

@@ -107,14 +107,16 @@ class RecordBatches(Callback):
     """Each step's loss and its global batch's rows (sorted: the order inside a global batch
     depends on how many processes feed it; the rows do not)."""
 
+    needs_batch = True  # handed each step's placed batch (step_batch)
+
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.rows: list[np.ndarray] = []
 
     def on_train_batch_end(self, step: int, logs: dict) -> None:
-        x = multihost_utils.process_allgather(self.trainer.metric_log.last_batch["x"], tiled=True)
+        x = multihost_utils.process_allgather(self.step_batch["x"], tiled=True)
         self.rows.append(np.sort(np.asarray(x), axis=0))
-        self.losses.append(self.trainer.last_step.loss_value())
+        self.losses.append(self.step_record.loss_value())
 
 
 def rows_counted_pipeline(index: int, count: int) -> grain.IterDataset:

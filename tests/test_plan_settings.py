@@ -29,6 +29,15 @@ def test_plan_and_trainer_take_the_settings_defaults():
     assert plan.settings.seed == 3 and plan.settings.given() == ["optimizer", "seed"]
 
 
+def test_plan_and_trainer_gather_their_settings_by_name_in_one_place():
+    tx = optax.sgd(0.1)
+    trainer = Trainer(Net, tx, loss_fn=classification_loss, seed=3, grad_accum_steps=2)
+    assert trainer.plan.settings == PlanSettings(optimizer=tx, seed=3, grad_accum_steps=2)
+    arguments = {**DEFAULTS.as_kwargs(without=("ema", "skip_spikes")), "model": Net}
+    with pytest.raises(TypeError, match=r"^PlanSettings\.of: no ema, skip_spikes among"):
+        PlanSettings.of(arguments)
+
+
 def test_a_trainer_on_a_plan_names_exactly_the_settings_given_beside_it():
     plan = Plan(Net, optax.sgd(0.1), loss_fn=classification_loss)
     Trainer(plan, seed=0, wrt=nnx.Param, remat="none")  # the defaults: nothing given

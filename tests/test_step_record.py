@@ -1,8 +1,10 @@
-"""Hooks are handed a ``StepRecord`` (``trainer.last_step``), not the trainer's insides.
+"""Hooks are handed a ``StepRecord`` (``self.step_record``; ``trainer.last_step``), not
+the trainer's insides.
 
 The record of each step carries its global step, its loss (still on the devices),
-its batch's shapes and host timings; the log schedule is a trainer setting that a
-layout chosen later leaves alone; the 0.1 names on ``trainer.metric_log`` still
+its batch's shapes and host timings; the placed batch is handed only to a callback that
+asks (``needs_batch``) and kept by nothing else; the log schedule is a trainer setting
+that a layout chosen later leaves alone; the 0.1 names on ``trainer.metric_log`` still
 answer, with a ``DeprecationWarning``.
 """
 
@@ -34,9 +36,22 @@ class KeepRecords(Callback):
         self.seen: list[tuple[int, StepRecord, dict[str, float]]] = []
 
     def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
-        record = self.trainer.last_step
-        assert record is not None
+        record = self.step_record  # handed, not fetched
+        assert record is not None and record is self.trainer.last_step
+        assert self.step_batch is None  # it did not ask for the batch
         self.seen.append((step, record, dict(logs)))
+
+
+class KeepBatches(Callback):
+    """Asks for the placed batch: every step's, as it is handed."""
+
+    needs_batch = True
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, jax.Array]] = []
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        self.batches.append(self.step_batch)
 
 
 def numpy_loss(kernel: np.ndarray, bias: np.ndarray, batch: dict[str, np.ndarray]) -> float:
@@ -97,8 +112,9 @@ def test_the_0_1_names_on_the_metric_log_warn_and_read_their_new_homes():
 
     loss, message = warned("MetricLog.last_loss", lambda: log.last_loss)
     assert loss is record.loss and "trainer.last_step.loss" in message
-    batch, _ = warned("MetricLog.last_batch", lambda: log.last_batch)
-    assert batch["x"].shape == (BATCH, DIN) and isinstance(batch["x"], jax.Array)
+    # No callback asked for the batch, so none was kept: the error says how to ask.
+    with pytest.raises(AttributeError, match=r"needs_batch = True .* self\.step_batch"):
+        warned("MetricLog.last_batch", lambda: log.last_batch)
     perf, message = warned("MetricLog.perf", lambda: log.perf)
     assert perf is trainer.run.timings and "trainer.run.timings" in message
     warned("MetricLog.request_log_every", lambda: log.request_log_every(3))
@@ -125,3 +141,45 @@ def test_the_log_schedule_asked_before_auto_chooses_is_the_one_it_trains_with():
     logged = [step for step, _, logs in keep.seen if "train/loss" in logs]
     assert logged == [2, 3, 4, 6]
     assert not any("train/grad_norm" in logs for _, _, logs in keep.seen)
+
+
+def live_batch_arrays() -> list[jax.Array]:
+    """The live device arrays shaped like a batch's ``x``: (BATCH, DIN) float32 (nothing in
+    the model or its optimizer has that shape)."""
+    return [a for a in jax.live_arrays() if a.shape == (BATCH, DIN) and a.dtype == np.float32]
+
+
+def test_no_placed_batch_outlives_its_step_unless_a_callback_asks_for_it():
+    batches = make_batches(3)
+    before = len(live_batch_arrays())
+    trainer = make_trainer([KeepRecords()], log_every_n_steps=1, prefetch=0)
+    trainer.fit(batches, max_steps=3)
+    assert len(live_batch_arrays()) == before  # the last step's batch was not kept
+
+    keep = KeepBatches()
+    asking = make_trainer([keep, KeepRecords()], log_every_n_steps=1, prefetch=0)
+    asking.fit(batches, max_steps=3)
+    # Handed each step's placed batch: the host rows, laid out as the plan lays batches out.
+    assert len(keep.batches) == 3 and len({id(b["x"]) for b in keep.batches}) == 3
+    assert len(live_batch_arrays()) == before + 3  # what the count sees of a kept batch
+    for placed, host in zip(keep.batches, batches, strict=True):
+        np.testing.assert_array_equal(np.asarray(placed["x"]), host["x"])
+        assert placed["x"].sharding == asking.last_step.batch_shapes["x"].sharding
+    # The deprecated name reads the batch the callback was handed last.
+    latest, message = warned("MetricLog.last_batch", lambda: asking.metric_log.last_batch)
+    assert latest is keep.batches[-1] and "needs_batch" in message
+
+
+def test_the_callback_list_hands_logs_no_hook_produced_to_the_writers():
+    """``on_logs`` is the list's own typed method (the loop once reached its private
+    dispatch for ``strategy="auto"``'s first logs): only overriding callbacks get it."""
+    got: list[tuple[int, dict[str, float]]] = []
+
+    class Writer(Callback):
+        def on_logs(self, step: int, logs: dict[str, float]) -> None:
+            got.append((step, dict(logs)))
+
+    trainer = make_trainer([Writer(), KeepRecords()])
+    trainer.callbacks.on_logs(0, {"layout/candidates": 2.0})
+    assert got == [(0, {"layout/candidates": 2.0})]
+    assert trainer.history.history["layout/candidates"] == [2.0]

@@ -2,7 +2,8 @@
 
 ``place_batch`` is ``check_batch`` then ``transfer_batch``; ``rows_multiple`` and
 ``pad_batch`` make a batch whose rows do not divide fit (``Trainer.padded``). The
-``Placement`` (placement.py) asks the strategy for the shardings and calls these.
+``Placement`` (placement.py) asks the plan for the shardings (``BatchLayout``: the plan
+asks its strategy) and calls these.
 """
 
 from __future__ import annotations

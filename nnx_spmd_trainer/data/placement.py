@@ -1,5 +1,6 @@
-"""Placement: host batches onto the mesh, asking the strategy once per kind of batch,
-and ``InFlight``, the bound on the steps dispatched ahead of the host."""
+"""Placement: host batches onto the mesh with the plan's batch shardings (the plan asks its
+strategy once per kind of batch), and ``InFlight``, the bound on the steps dispatched
+ahead of the host."""
 
 from __future__ import annotations
 

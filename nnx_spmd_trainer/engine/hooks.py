@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
+from nnx_spmd_trainer.engine.step_record import StepRecord
+
 Logs = dict[str, float]
 
 #: The trainer a callback is handed: ``Trainer`` for the public ``Callback``.
@@ -54,11 +56,17 @@ class BaseCallback(Generic[TrainerT]):
 
     Write callbacks as ``nnx_spmd_trainer.Callback`` (this class with ``TrainerT`` the
     ``Trainer``: its docstring tells the hooks); the engine's own ``History`` is a
-    ``BaseCallback[Any]``. ``order``, ``goodput`` and ``state_key``: see ``Callback``.
+    ``BaseCallback[Any]``. ``order``, ``goodput``, ``state_key``, ``step_record`` and
+    ``needs_batch``: see ``Callback``.
     """
 
     order: int = 0
     goodput: str = "callbacks"
+    #: The last training step, handed before its ``on_train_batch_end`` (``hand_record``).
+    step_record: StepRecord | None = None
+    #: ``True``: the placed batch of that step is handed too, as ``step_batch``.
+    needs_batch: bool = False
+    step_batch: Any = None
     trainer: TrainerT
     _state_key: str | None = None
 
@@ -186,6 +194,21 @@ class History(BaseCallback[Any]):
         self.steps = {k: list(v) for k, v in state["steps"].items()}
 
 
+def handed_batch(callbacks: Iterable[BaseCallback[Any]]) -> Any:
+    """The last placed batch, as the first callback that asked for it holds it (``None``
+    before the first step); for the deprecated ``MetricLog.last_batch``. Where no callback
+    asked, none was kept: an error says how to ask."""
+    for callback in callbacks:
+        if callback.needs_batch:
+            return callback.step_batch
+    raise AttributeError(
+        "MetricLog.last_batch: the placed batch is kept only for a callback that asks for "
+        "it. Set needs_batch = True on the callback's class and read self.step_batch in "
+        "its hooks (self.step_record.batch_shapes, the shapes, dtypes and shardings, needs "
+        "no opt-in)."
+    )
+
+
 def _overrides(callback: BaseCallback[Any], hook: str) -> bool:
     # A hook set on the instance counts too (LambdaCallback style).
     return getattr(type(callback), hook) is not getattr(BaseCallback, hook) or hook in vars(
@@ -231,6 +254,9 @@ class CallbackList:
                 )
             keys[callback.state_key] = callback
         self._stateful = keys
+        for callback in self.callbacks:  # one used before holds another run's step
+            callback.step_record, callback.step_batch = None, None
+        self._batch_takers = [callback for callback in self.callbacks if callback.needs_batch]
         #: hook -> (bound method, the goodput part its time counts as), per overriding callback
         self._bound = {
             hook: [(getattr(c, hook), c.goodput) for c in self.callbacks if _overrides(c, hook)]
@@ -255,7 +281,22 @@ class CallbackList:
         self._call(hook, *args)
         logs = args[-1]
         if logs:
-            self._call("on_logs", self.trainer.step, logs)
+            self.on_logs(self.trainer.step, logs)
+
+    def hand_record(self, record: StepRecord, batch: Any = None) -> None:
+        """Gives every callback the record of the step just taken (``step_record``), and
+        those that ask for it (``needs_batch``) its placed ``batch`` (``step_batch``),
+        before that step's hooks: what a hook reads of the step, rather than fetching it.
+        No other callback keeps the batch, so its device memory is freed with the step."""
+        for callback in self.callbacks:
+            callback.step_record = record
+        for callback in self._batch_takers:
+            callback.step_batch = batch
+
+    def on_logs(self, step: int, logs: Logs) -> None:
+        """Hands finished ``logs`` to the writers: called after each hook that produced
+        them, and by the trainer for logs no hook produced (``strategy="auto"``'s choice)."""
+        self._call("on_logs", step, logs)
 
     def on_fit_start(self, logs: Logs) -> None:
         self._call("on_fit_start", logs)

@@ -68,7 +68,8 @@ class Loop:
     It keeps only what the order of things needs between calls: how many updates each
     compiled train step of the running ``fit`` makes (an override's, read once), and the
     last host batch a step took (what a changed batch is compared with). After each
-    step it hands the hooks a ``StepRecord`` (``run.last_step``). When training
+    step it hands the callbacks a ``StepRecord`` (``hand_record``; the run keeps the last
+    as ``run.last_step``), and the placed batch to those that ask for it. When training
     metrics are logged is the run's ``LogSchedule``; where the time goes, its timings.
     """
 
@@ -121,7 +122,7 @@ class Loop:
             callbacks.on_fit_start({})  # may restore a run state (Run.load)
             callbacks.on_train_begin({})
             if first_logs:  # strategy="auto": the choice, in the run's first logs
-                callbacks._call("on_logs", run.step, first_logs)
+                callbacks.on_logs(run.step, first_logs)
             if max_steps is not None and run.step >= max_steps:
                 warnings.warn(
                     f"fit(max_steps={max_steps}) trains no step: the trainer is already at "
@@ -258,8 +259,7 @@ class Loop:
             callbacks.on_train_batch_begin(run.step, {})
             with timings.timing("step"):
                 loss = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
-            run.last_batch = batch
-            run.last_step = StepRecord(
+            run.last_step = record = StepRecord(
                 run.step,
                 loss,
                 batch_shapes(batch, known=run.last_step and run.last_step.batch_shapes),
@@ -267,6 +267,7 @@ class Loop:
                 compile_s=seconds["compile"] - before["compile"],
                 step_s=seconds["step"] - before["step"],
             )
+            callbacks.hand_record(record, batch)
             before = dict(seconds)
             logs = (
                 run.metric_log.flush(run.progress.epoch, timings)

@@ -22,7 +22,7 @@ import numpy as np
 from clu import metrics as clu_metrics
 
 from nnx_spmd_trainer import deprecation
-from nnx_spmd_trainer.engine.hooks import Logs
+from nnx_spmd_trainer.engine.hooks import CallbackList, Logs, handed_batch
 from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.engine.step_record import StepRecord
 
@@ -217,7 +217,14 @@ class _Owner(Protocol):
     schedule: LogSchedule
     timings: StepPerf
     last_step: StepRecord | None
-    last_batch: Any
+    callbacks: CallbackList | None
+
+
+def _callbacks_of(log: MetricLog) -> CallbackList:
+    callbacks = _run_of(log).callbacks
+    if callbacks is None:
+        raise AttributeError("This MetricLog's run has no callbacks yet.")
+    return callbacks
 
 
 def _run_of(log: MetricLog) -> _Owner:
@@ -289,8 +296,9 @@ class MetricLog:
     )
     last_batch = deprecation.renamed_property(
         "MetricLog.last_batch",
-        "trainer.last_step.batch_shapes (a StepRecord: the shapes a hook needs)",
-        lambda log: _run_of(log).last_batch,
+        "self.step_record.batch_shapes in a callback (the shapes a hook needs), or "
+        "self.step_batch with needs_batch = True on its class",
+        lambda log: handed_batch(_callbacks_of(log)),
     )
     track_norms = deprecation.renamed_property(
         "MetricLog.track_norms",

@@ -2,15 +2,15 @@
 
 The loop reads and writes the run only through a ``Run``; a checkpoint
 callback asks for a ``snapshot()`` and gives one back to ``load()``. No other
-object holds a piece of what a ``RunState`` records (the loop keeps only its
-compiled steps and the last host batch, which no resumed run needs).
+object holds a piece of what a ``RunState`` records (the compiled steps are the plan's,
+``plan.steps``; the loop keeps only what it read of them and the last host batch,
+which no resumed run needs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -40,7 +40,7 @@ class Run:
         setting, whatever the plan).
       timings: where the host's time went, over the run (``StepPerf``: goodput).
       last_step: the last training step (``StepRecord``: step, loss on device, batch
-        shapes, timings), what hooks read; ``None`` before the first.
+        shapes, timings), the one the callbacks were handed; ``None`` before the first.
       progress: the epoch, the batches taken of it, the epoch's iterator and the
         position of its next batch, preemption, the first non-finite step (``Progress``).
       live: the live model and optimizer (``LiveState``), once built (``objects()``).
@@ -60,8 +60,6 @@ class Run:
         self.schedule: LogSchedule = schedule if schedule is not None else LogSchedule()
         self.timings: StepPerf = StepPerf()
         self.last_step: StepRecord | None = None
-        #: The last step's global batch, for the deprecated ``MetricLog.last_batch`` only.
-        self.last_batch: Any = None
         self.progress = Progress()
         self.live: LiveState | None = None  # built when first needed
         self.initial_state: Callable[[Plan], nnx.State] | None = None

@@ -1,8 +1,10 @@
 """StepRecord: what one training step hands the hooks (Levanter's ``StepInfo``).
 
-The loop makes one after each step and keeps the last as ``trainer.last_step``; hooks
-read it instead of the trainer's insides. Nothing in it costs a device sync: the
-loss stays on the devices until a hook asks for its value (``loss_value``).
+The loop makes one after each step, hands it to every callback as ``self.step_record``
+before the step's ``on_train_batch_end`` (``CallbackList.hand_record``) and keeps the
+last as ``trainer.last_step``. Nothing in it costs a device sync: the loss stays on the
+devices until a hook asks for its value (``loss_value``), and it holds the batch's shapes,
+not the batch (a callback that needs the batch asks for it: ``Callback.needs_batch``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One finished training step (``trainer.last_step``; frozen).
+    """One finished training step (``callback.step_record``, ``trainer.last_step``; frozen).
 
     Attributes:
       step: the global step after it (the optimizer's update count).

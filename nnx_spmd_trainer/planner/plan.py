@@ -153,20 +153,7 @@ class Plan:
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
     ) -> None:
-        self.settings = PlanSettings(
-            optimizer=optimizer,
-            strategy=strategy,
-            metrics=metrics,
-            seed=seed,
-            grad_accum_steps=grad_accum_steps,
-            wrt=wrt,
-            devices=devices,
-            donate=donate,
-            remat=remat,
-            skip_nonfinite_updates=skip_nonfinite_updates,
-            ema=ema,
-            skip_spikes=skip_spikes,
-        )
+        self.settings = PlanSettings.of(locals())  # the twelve keywords, as given
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()

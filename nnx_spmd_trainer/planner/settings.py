@@ -1,14 +1,15 @@
-"""PlanSettings: the twelve settings a ``Plan`` is made with, and their defaults, written once.
+"""PlanSettings: the twelve settings a ``Plan`` is made with: their names, types and defaults.
 
 ``Plan(...)`` and ``Trainer(...)`` take them as keywords (their signatures' defaults are
-read from ``DEFAULTS``); ``Trainer(plan, ...)`` names the ones given beside a plan
-(``PlanSettings.given``); ``strategy="auto"`` plans each candidate with them.
+read from ``DEFAULTS``; ``tests/test_plan_settings.py`` checks both name every one) and
+gather them by name (``PlanSettings.of``); ``Trainer(plan, ...)`` names the ones given
+beside a plan (``PlanSettings.given``); ``strategy="auto"`` plans each candidate with them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +43,20 @@ class PlanSettings:
     skip_nonfinite_updates: bool = False
     ema: EMA | None = None
     skip_spikes: SpikeSkip | None = None
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> PlanSettings:
+        """The settings named in ``arguments`` (the ``locals()`` of a function that takes
+        them as keywords: ``Plan.__init__``, ``Trainer.__init__``); other names are left.
+
+        >>> settings = PlanSettings.of({**DEFAULTS.as_kwargs(), "seed": 3, "model": None})
+        >>> settings.seed, settings.given()
+        (3, ['seed'])
+        """
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in arguments]
+        if missing:
+            raise TypeError(f"PlanSettings.of: no {', '.join(missing)} among the arguments.")
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
 
     def given(self) -> list[str]:
         """The names of the settings that are not their defaults, in declaration order.

@@ -1,4 +1,4 @@
-"""Strategy: the abstract contract, the questions the Trainer asks and their default answers.
+"""Strategy: the abstract contract, the questions the Plan asks and their default answers.
 
 A strategy is a small immutable object; it never runs the loop. It answers
 six questions:
