@@ -133,7 +133,7 @@ class Trainer(LayoutAccess, RunAccess):
       log_schedule: when training metrics reach ``logs`` (``LogSchedule``:
         ``log_schedule.request_log_every(n)``, ``track_norms``).
       last_step: the last training step (``StepRecord``: step, loss on device, batch
-        shapes, host timings): what a hook reads after a step.
+        shapes, host timings); each callback is handed it as ``self.step_record``.
       placement: batch placement (``Placement``: ``place``, ``data_shard``,
         ``prefetch``, the in-flight bound).
       stop_requested: whether ``fit`` ends after the current step (``request_stop``;

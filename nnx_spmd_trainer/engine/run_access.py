@@ -44,8 +44,9 @@ class RunAccess:
     @property
     def last_step(self) -> StepRecord | None:
         """The last training step (``StepRecord``: ``step``, ``loss`` still on the
-        devices, ``batch_shapes``, host timings); ``None`` before the first. What a hook
-        reads after a step: keeping it or its loss costs no device sync."""
+        devices, ``batch_shapes``, host timings); ``None`` before the first. Each callback
+        is handed the same record as ``self.step_record``; keeping it or its loss costs
+        no device sync."""
         return self.run.last_step
 
     report = deprecation.renamed_property(
