@@ -104,7 +104,7 @@ def text_files(files: Sequence[str | os.PathLike[str]]) -> tuple[list[str], list
     file once, in pieces: for skipping binary files before a tokenizer is trained on them)."""
     texts: list[str] = []
     skipped: list[tuple[str, str]] = []
-    for name in map(os.fspath, files):
+    for name in (os.fspath(file) for file in files):
         why = _not_utf8(Path(name))
         if why is None:
             texts.append(name)

@@ -90,10 +90,8 @@ def _stages(
             )
         if sum(values) == 0:
             raise MixtureError(f"The weights of the stage from step {stage.start} are all zero.")
-    unreached = [
-        stage.start for stage in stages if max_steps is not None and stage.start >= max_steps
-    ]
-    if unreached:
+    unreached = [stage.start for stage in stages if max_steps and stage.start >= max_steps]
+    if unreached and max_steps:
         raise MixtureError(
             f"The stage from step {unreached[0]} ({dict(stages[-len(unreached)].weights)}) "
             f"never starts: the run trains steps 0 to {max_steps - 1} (max_steps={max_steps}); "
