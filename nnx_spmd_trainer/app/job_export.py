@@ -9,9 +9,8 @@ from pathlib import Path
 
 import ml_collections
 
-from nnx_spmd_trainer import Trainer, weights
+from nnx_spmd_trainer import Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
-from nnx_spmd_trainer.io.export import export_params
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, or the
 #: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf).

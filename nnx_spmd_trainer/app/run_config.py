@@ -11,11 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from nnx_spmd_trainer.configs import _base
-from nnx_spmd_trainer.nn.attention import FORMS
-from nnx_spmd_trainer.optim.ema import EMA
-from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.strategies import (
+from nnx_spmd_trainer import (
+    EMA,
     FSDP,
     AxisStrategy,
     DataParallel,
@@ -23,9 +20,12 @@ from nnx_spmd_trainer.strategies import (
     Hybrid,
     PipelineParallel,
     SequenceParallel,
+    SpikeSkip,
     Strategy,
     TensorParallel,
 )
+from nnx_spmd_trainer.configs import _base
+from nnx_spmd_trainer.nn.attention import FORMS
 
 
 class ConfigError(ValueError):

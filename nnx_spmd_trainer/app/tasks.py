@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import ml_collections
 from clu import metrics as clu_metrics
 
+from nnx_spmd_trainer import moe as moe_lib
+from nnx_spmd_trainer import remat as remat_lib
 from nnx_spmd_trainer.app import datasets, models
 from nnx_spmd_trainer.app.models import gpt2_hf
 from nnx_spmd_trainer.app.run_config import OPTIONAL as OPTIONAL  # re-exported: tasks.X
@@ -24,8 +26,6 @@ from nnx_spmd_trainer.app.run_config import make_optimizer as make_optimizer
 from nnx_spmd_trainer.app.run_config import parse_strategy as parse_strategy
 from nnx_spmd_trainer.app.run_config import schedule as schedule
 from nnx_spmd_trainer.app.run_config import spanning_hosts as spanning_hosts
-from nnx_spmd_trainer.nn import moe as moe_lib
-from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.weights import WeightMap
 
 #: Metrics computed inside the compiled step; every example loss returns ``accuracy`` in aux.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import jax
 
+from nnx_spmd_trainer import DirectoryInUse, RunLock
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.console import say
-from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 
 
 def set_old_checkpoints_aside(workdir: Path) -> None:

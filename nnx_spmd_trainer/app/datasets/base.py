@@ -10,7 +10,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from nnx_spmd_trainer.data.grain_input import grain_pipeline
+from nnx_spmd_trainer import grain_pipeline
 
 __all__ = ["Splits", "index_batches"]
 

@@ -27,10 +27,7 @@ import numpy as np
 
 from nnx_spmd_trainer.app.datasets.base import Splits
 from nnx_spmd_trainer.app.datasets.documents import document_splits
-from nnx_spmd_trainer.data.corpus import Corpus
-from nnx_spmd_trainer.data.mixture import Mixture, Stage
-from nnx_spmd_trainer.data.packing import ContiguousRows
-from nnx_spmd_trainer.data.tokenizer import Tokenizer
+from nnx_spmd_trainer.data import ContiguousRows, Corpus, Mixture, Stage, Tokenizer
 
 __all__ = ["BASELINE_SAMPLE", "DocumentRange", "corpus_splits", "held_out_range"]
 

@@ -29,8 +29,7 @@ import numpy as np
 
 from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 from nnx_spmd_trainer.app.datasets.text import SplitOptions
-from nnx_spmd_trainer.data.packing import packed_pipeline
-from nnx_spmd_trainer.data.tokenizer import Tokenizer, train_bpe
+from nnx_spmd_trainer.data import Tokenizer, packed_pipeline, train_bpe
 
 __all__ = [
     "DocumentOptions",

@@ -26,14 +26,15 @@ from nnx_spmd_trainer.app.datasets.corpora import corpus_splits
 from nnx_spmd_trainer.app.datasets.documents import bpe_lm_splits, pydoc_tokenizer
 from nnx_spmd_trainer.app.datasets.text import SplitOptions, char_lm_splits
 from nnx_spmd_trainer.app.run_config import ConfigError
-from nnx_spmd_trainer.data.corpus import Corpus, CorpusError
-from nnx_spmd_trainer.data.mixture import MixtureError
-from nnx_spmd_trainer.data.tokenizer import (
-    TOKENIZER_FILE,
+from nnx_spmd_trainer.data import (
+    Corpus,
+    CorpusError,
+    MixtureError,
     Tokenizer,
     TokenizerError,
     load_tokenizer,
 )
+from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE
 
 __all__ = [
     "parse_corpora",
