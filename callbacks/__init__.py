@@ -32,6 +32,7 @@ from .mlflow_logger import MLflowLogger
 from .nan import TerminateOnNaN
 from .profiler import Profiler
 from .progress import ProgressBar
+from .sample import SampleCallback
 from .tensorboard import TensorBoard
 from .wandb_logger import WandbLogger
 
@@ -50,6 +51,7 @@ __all__ = [
     "OrbaxCheckpoint",
     "Profiler",
     "ProgressBar",
+    "SampleCallback",
     "TensorBoard",
     "TerminateOnNaN",
     "WandbLogger",

@@ -11,6 +11,7 @@ from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.engine.metric_log import LogSchedule, is_perf_key
 from nnx_spmd_trainer.engine.run_state import Progress, RunState
 from nnx_spmd_trainer.engine.step_record import StepRecord
+from nnx_spmd_trainer.generate import Generation, Sampler, Sampling
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.nn import moe, remat, stack
@@ -63,6 +64,9 @@ __all__ = [
     "LogSchedule",
     "Plan",
     "Progress",
+    "Generation",
+    "Sampler",
+    "Sampling",
     "RunLock",
     "RunState",
     "StepRecord",

@@ -18,6 +18,8 @@ from nnx_spmd_trainer import (
     DataParallel,
     ExpertParallel,
     Hybrid,
+    PipelineParallel,
+    SequenceParallel,
     TensorParallel,
     Trainer,
 )
@@ -76,7 +78,8 @@ def teacher_forced(t: Trainer, prompts: list[list[int]], new: list[list[int]]) -
     """Each generated token's log-probability and the argmax, from the trainer's own
     compiled forward pass (``Trainer.predict``) over prompt + continuation, right padded."""
     rows = [p + n for p, n in zip(prompts, new, strict=True)]
-    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    # Eight rows of the whole context: every layout splits them without padding.
+    tokens = np.zeros((8, 16), np.int32)
     for r, row in enumerate(rows):
         tokens[r, : len(row)] = row
     (logits,) = t.predict([{"x": tokens}], to_numpy=True)
@@ -97,6 +100,8 @@ CASES = {
     "moe-ep": (gpt(experts=4), Hybrid(DataParallel(2), ExpertParallel(4, min_size=16))),
     "gpt2-scanned-tp": (gpt2, Hybrid(DataParallel(4), TensorParallel(2))),
     "user-model": (UserLM, DataParallel()),
+    "pipeline-resharded": (gpt(scan=True), Hybrid(DataParallel(4), PipelineParallel(2))),
+    "sequence-resharded": (gpt(), Hybrid(DataParallel(2), SequenceParallel(4))),
 }
 
 
@@ -104,7 +109,10 @@ CASES = {
 def greedy(request: pytest.FixtureRequest) -> tuple[Trainer, Any]:
     factory, strategy = CASES[request.param]
     t = trainer(factory, strategy)
-    return t, Sampler(t.model, t.plan).generate(PROMPTS, max_new_tokens=NEW)
+    notes: list[str] = []
+    out = Sampler(t.model, t.plan, print_fn=notes.append).generate(PROMPTS, max_new_tokens=NEW)
+    assert len(notes) == ("resharded" in request.param)  # one line where it reshards
+    return t, out
 
 
 def test_greedy_log_probs_equal_the_training_forward_pass(greedy: tuple[Trainer, Any]) -> None:

@@ -10,6 +10,11 @@ Layout: the rows are split as the strategy splits a batch's rows
 (``Plan.batch_shardings``), the cache's rows with them, and the cache's heads over
 the tensor-parallel (``"model"``-role) axes the attention's heads are split over.
 
+A layout that does not decode (a pipeline's layers split over stages, a sequence
+split over devices: ``UNDECODABLE``) is resharded once per state: the weights are
+copied into the same mesh without those axes (``resharded``, ``note`` says so in one
+line), traced without that strategy's context; the training state is untouched.
+
 Prompts are **left padded**: every row's last prompt token sits in the same
 column, so one cache position serves the whole batch (Flax's ``cache_index`` is one
 number). The padding is hidden by the key mask and each row's positions count from
@@ -18,8 +23,9 @@ its first real token, so a row decodes exactly as it would alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -34,6 +40,9 @@ from nnx_spmd_trainer.nn.kv_cache import init_caches
 from nnx_spmd_trainer.planner.plan import Plan
 
 __all__ = ["DecodePrograms"]
+
+#: The mesh-axis roles whose layouts do not decode, and what they are called.
+UNDECODABLE = {"stage": "a pipeline", "seq": "a sequence split"}
 
 #: What a step returns: the cache, each row's next token and its log-probability.
 StepOut = tuple[Any, jax.Array, jax.Array]
@@ -61,18 +70,59 @@ class DecodePrograms:
     def __init__(self, model: nnx.Module, plan: Plan, *, cache_dtype: Any = jnp.float32) -> None:
         self.plan = plan
         self.cache_dtype = cache_dtype
+        self._model = model
         self._graphdef, state = nnx.split(model)
         self._treedef = jax.tree.structure(state)
-        self._state_leaves = jax.tree.leaves(state)
-        self.row_axes = self._row_axes()
+        mesh, roles = plan.mesh, plan.strategy.axis_roles()
+        #: The mesh axes resharded away (a pipeline's, a sequence split's): ``()`` mostly.
+        self.resharded = tuple(
+            a for a, role in roles.items() if role in UNDECODABLE and mesh.shape.get(a, 1) > 1
+        )
+        #: One line saying what was resharded, or ``None``.
+        self.note = None
+        if self.resharded:
+            kinds = sorted({UNDECODABLE[roles[a]] for a in self.resharded})
+            self.note = (
+                f"{plan.strategy!r} lays the model out as {' and '.join(kinds)}, which does not "
+                f"decode: sampling from a copy of the weights without the {self.resharded} "
+                "axes (the training state is untouched)."
+            )
+        self.row_axes = tuple(
+            a
+            for a in plan.strategy.batch_axes()
+            if a not in self.resharded and mesh.shape.get(a, 1) > 1
+        )
+        self._copied: tuple[list[int], list[Any]] | None = None
 
     # -- layout --------------------------------------------------------------------
-    def _row_axes(self) -> tuple[str, ...]:
-        """The mesh axes the strategy splits a batch's rows over."""
-        mesh = self.plan.mesh
-        probe = {"tokens": jax.ShapeDtypeStruct((mesh.devices.size, 1), jnp.int32)}
-        spec = self.plan.batch_shardings(probe)["tokens"].spec
-        return sh.dimension_axes(spec, 2)[0]
+    def state_leaves(self) -> list[Any]:
+        """The model's arrays now (the trainer's steps replace them), copied into a layout
+        that decodes when the training layout does not (once per state)."""
+        live = jax.tree.leaves(nnx.state(self._model))
+        if not self.resharded:
+            return live
+        ids = [id(x) for x in live]
+        if self._copied is None or self._copied[0] != ids:
+            self._copied = (
+                ids,
+                [jax.device_put(x, self._decodable(x.sharding, x.ndim)) for x in live],
+            )
+        return self._copied[1]
+
+    def _decodable(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
+        dims = sh.dimension_axes(sharding.spec, ndim)
+        kept = [tuple(a for a in axes if a not in self.resharded) or None for axes in dims]
+        return NamedSharding(self.plan.mesh, P(*kept))
+
+    @contextlib.contextmanager
+    def _tracing(self, batch_shardings: Any) -> Iterator[None]:
+        """The plan's trace context; none where the layout was resharded (a pipeline's
+        schedule or a sequence split's rules would take the copy for theirs)."""
+        if self.resharded:
+            yield
+            return
+        with self.plan.trace_context(batch_shardings):
+            yield
 
     @property
     def row_multiple(self) -> int:
@@ -121,9 +171,20 @@ class DecodePrograms:
         return total
 
     def _abstract(self, rows: int, length: int) -> tuple[nnx.GraphDef[Any], Any]:
-        abstract = nnx.eval_shape(lambda: self._decoding_copy(self._state_leaves, rows, length))
-        graphdef, cache, _ = nnx.split(abstract, nnx.Cache, ...)
-        return graphdef, cache
+        leaves = self.state_leaves()
+        graphdefs = []
+
+        # jax.eval_shape, not nnx.eval_shape: shapes only, no sharding made from the
+        # annotations (a mesh in force, inside a fit, need not name the axes they name).
+        def caches(leaves: list[Any]) -> Any:
+            graphdef, cache, *_ = nnx.split(
+                self._decoding_copy(leaves, rows, length), nnx.Cache, ...
+            )
+            graphdefs.append(graphdef)
+            return cache
+
+        cache = jax.eval_shape(caches, leaves)
+        return graphdefs[0], cache
 
     # -- the programs ------------------------------------------------------------------
     def prefill(
@@ -141,14 +202,11 @@ class DecodePrograms:
         key = ("generate/decode", rows, length, how, self.cache_dtype)
         return self.plan.steps.get(key, lambda: self._compile(rows, 1, length, how, False)).fn
 
-    def state_leaves(self) -> list[Any]:
-        return self._state_leaves
-
     def _compile(self, rows: int, columns: int, length: int, how: Sampling, fresh: bool) -> Any:
         graphdef, abstract_cache = self._abstract(rows, length)
         cache_tree = jax.tree.structure(abstract_cache)
         cache_shardings = [self._cache_sharding(x) for x in jax.tree.leaves(abstract_cache)]
-        state_shardings = [x.sharding for x in self._state_leaves]
+        state_shardings = [x.sharding for x in self.state_leaves()]
         treedef, abstract_leaves = self._treedef, jax.tree.leaves(abstract_cache)
         tokens_sharding = self._rows(None)
         batch_shardings = {"tokens": tokens_sharding}
@@ -163,16 +221,22 @@ class DecodePrograms:
             return jax.tree.leaves(nnx.state(model, nnx.Cache)), logits[:, -1].astype(jnp.float32)
 
         def prefill(leaves, tokens, positions, real, seed, row_ids):  # type: ignore[no-untyped-def]
-            with self.plan.trace_context(batch_shardings):
+            with self._tracing(batch_shardings):
                 # The state rides in the carry: NNX refuses variables closed over from
                 # outside the scan (a scanned model's nnx.scan checks their trace).
                 def column(carry: Any, t: jax.Array) -> tuple[Any, None]:
                     state, cache, _ = carry
                     own = real | (jnp.arange(length) == t)  # a padding query sees itself
-                    at = [
+                    column_tokens, column_positions = (
                         jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1) for a in (tokens, positions)
-                    ]
-                    cache, logits = one_column(jax.tree.unflatten(treedef, state), cache, *at, own)
+                    )
+                    cache, logits = one_column(
+                        jax.tree.unflatten(treedef, state),
+                        cache,
+                        column_tokens,
+                        column_positions,
+                        own,
+                    )
                     return (state, cache, logits), None
 
                 cache = [jnp.zeros(x.shape, x.dtype) for x in abstract_leaves]
@@ -184,7 +248,7 @@ class DecodePrograms:
                 return cache, token, logp
 
         def decode(leaves, cache, tokens, positions, real, seed, step, row_ids):  # type: ignore[no-untyped-def]
-            with self.plan.trace_context(batch_shardings):
+            with self._tracing(batch_shardings):
                 state = jax.tree.unflatten(treedef, leaves)
                 cache, logits = one_column(state, cache, tokens[:, None], positions[:, None], real)
                 token, logp = _choose(logits, seed, step, row_ids, how)

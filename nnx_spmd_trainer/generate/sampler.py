@@ -1,8 +1,10 @@
 """Sampler: text from a trained model, on the mesh it trained on.
 
->>> sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer)  # doctest: +SKIP
->>> out = sampler.generate(["Once upon"], max_new_tokens=32, temperature=0.8, top_p=0.95)
->>> out.text[0], out.log_probs[0][:3]  # doctest: +SKIP
+Example::
+
+    sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer)
+    out = sampler.generate(["Once upon"], max_new_tokens=32, temperature=0.8, top_p=0.95)
+    out.text[0], out.log_probs[0][:3]
 
 The contract a model meets (docs/topics/sampling.md): its attention decodes in
 Flax's convention (``nnx.MultiHeadAttention``: a ``decode`` attribute and
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -87,9 +89,13 @@ class Sampler:
       context_length: the most positions the model takes (prompt + generated); default
         read from the model (``seq_len``, ``config.n_positions``), else unchecked.
       cache_dtype: the key-value cache's dtype.
+      print_fn: where the one line saying a layout was resharded goes (a pipeline's, a
+        sequence split's: ``DecodePrograms.note``); ``None``: nowhere.
 
-    >>> sampler = Sampler(trainer.model, trainer.plan)  # doctest: +SKIP
-    >>> sampler.generate([[1, 2, 3]], max_new_tokens=4).tokens  # greedy  # doctest: +SKIP
+    Example::
+
+        sampler = Sampler(trainer.model, trainer.plan)
+        sampler.generate([[1, 2, 3]], max_new_tokens=4).tokens  # greedy: [[...4 ids]]
     """
 
     def __init__(
@@ -100,8 +106,11 @@ class Sampler:
         tokenizer: TextCodec | None = None,
         context_length: int | None = None,
         cache_dtype: Any = jnp.float32,
+        print_fn: Callable[[str], None] | None = print,
     ) -> None:
         self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype)
+        if self.programs.note and print_fn is not None:
+            print_fn(self.programs.note)
         self.tokenizer = tokenizer
         self.context_length = context_length or _context_length(model)
 

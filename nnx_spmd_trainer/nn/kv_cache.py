@@ -34,7 +34,7 @@ from nnx_spmd_trainer.sharding import LAYERS
 __all__ = ["MaskedAttention", "cache_modules", "init_caches", "set_cache_mask", "update_cache"]
 
 
-def cache_modules(model: nnx.Module) -> list[nnx.Module]:
+def cache_modules(model: nnx.Module) -> list[Any]:
     """The modules of ``model`` that decode with a cache: a ``decode`` attribute and an
     ``init_cache`` method (``nnx.MultiHeadAttention``, the shipped GPT-2's attention)."""
     return [
@@ -114,9 +114,7 @@ class MaskedAttention(nnx.MultiHeadAttention):
         return super().__call__(inputs_q, *args, **kwargs)
 
 
-def update_cache(
-    module: nnx.Module, key: jax.Array, value: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, Any, Any]:
     """One decode step of ``module``'s cache, as ``nnx.MultiHeadAttention`` takes it:
     ``key``/``value`` (``[batch, 1, heads, head_dim]``) written at ``cache_index``, which
     moves on; returns the whole cached keys and values and the mask of the positions
