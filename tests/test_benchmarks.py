@@ -82,3 +82,24 @@ def test_memory_frontier_runs_at_tiny_sizes(tmp_path):
     assert float(full["per block / none"]) < 1
     assert float(losses[-1]["temporaries / device"]) < 1  # the ratio chunked / plain
     assert all(int(row["layers"]) >= 1 for row in frontier)
+
+
+def test_minigpt_overhead_runs_at_tiny_sizes(tmp_path):
+    """``minigpt_overhead.py --quick``: the miniGPT port's losses checked, every loop timed
+    (wall and CPU), the JSON and the table written."""
+    script = Path(__file__).parent.parent / "benchmarks" / "minigpt_overhead.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", f"--out={tmp_path}"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "minigpt_overhead.json").read_text())
+    assert result["loss_difference"] <= 1e-6
+    rows = {row["loop"]: row for row in result["rows"]}
+    assert {"tutorial nnx.jit loop", "Trainer.fit (defaults)"} <= set(rows)
+    assert rows["tutorial nnx.jit loop"]["wall_vs_tutorial"] == 1.0
+    assert all(row["cpu_ms_per_step"] > 0 for row in rows.values())
+    assert (
+        "| loop | wall ms/step | wall vs tutorial |"
+        in (tmp_path / "minigpt_overhead.md").read_text()
+    )
