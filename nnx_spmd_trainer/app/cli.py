@@ -139,13 +139,13 @@ def _main(argv: Sequence[str]) -> int:
             )
     except (tasks.ConfigError, ShardingError) as error:  # the config, not the code
         fail(str(error))
-    except callbacks.checkpoint_checks.CheckpointOfAnotherModel as error:  # workdir vs config
+    except callbacks.CheckpointOfAnotherModel as error:  # workdir vs config
         record = Path(workdir).absolute() / "config.json"  # left as it was: see run()
         fail(
             f"{error} The config they were trained with is in {record}; "
             "--config.resume=False starts over (they are moved aside, not deleted)."
         )
-    except callbacks.checkpoint_save.CheckpointWriteError as error:  # names step, path, cause
+    except callbacks.CheckpointWriteError as error:  # names step, path, cause
         fail(str(error), status=1)
     if flags.FLAGS.dry_run:
         return 0

@@ -90,7 +90,7 @@ def check_first_batch(
 
 def check_checkpoints_are_of_this_model(run_callbacks: list[Any], notes: list[str] | None) -> None:
     """The checkpoints to resume must be of this model (``CheckpointOfAnotherModel``)."""
-    with refused_or_noted(notes, callbacks.checkpoint_checks.CheckpointOfAnotherModel):
+    with refused_or_noted(notes, callbacks.CheckpointOfAnotherModel):
         for callback in run_callbacks:
             if isinstance(callback, callbacks.OrbaxCheckpoint):
                 callback.check_model()
