@@ -15,8 +15,10 @@ under ``--workdir`` (default ``runs/<config name>``).
 A configuration error (an unknown key, a value of the wrong type or out of
 range, a layout that does not fit the devices or the model, a batch the mesh
 cannot split, an unwritable ``--workdir``, an occupied ``--export``, an
-``--export_format=safetensors`` for a task without a weight map) is found
-before anything is written: one line on stderr naming the key and the fix,
+``--export_format=safetensors`` for a task without a weight map, a resume whose
+learning-rate schedule differs from its checkpoints' without
+``--config.replan_schedule=True``) is found before anything is written: one line
+on stderr naming the key and the fix,
 ``nnx-spmd-train: error: config.max_steps=-1: must be ...``, and exit status 2.
 
 Without an accelerator, ``config.num_devices`` CPU devices are simulated
