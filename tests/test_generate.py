@@ -25,7 +25,7 @@ from nnx_spmd_trainer import (
 )
 from nnx_spmd_trainer.app.models.gpt import GPT
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config
-from nnx_spmd_trainer.generate import Sampler, Sampling, row_key, sample
+from nnx_spmd_trainer.generate import CacheTooLarge, Sampler, Sampling, row_key, sample
 
 # Unequal lengths: left padding is in play in every test.
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
@@ -196,6 +196,17 @@ def test_bad_input_is_named(small: Sampler) -> None:
         small.generate([list(range(14))], max_new_tokens=4)
     with pytest.raises(ValueError, match="empty prompt"):
         small.generate([[]], max_new_tokens=2)
+
+
+def test_a_cache_that_cannot_fit_is_refused_with_its_numbers(small: Sampler) -> None:
+    # Two prompts padded to 8 rows (DataParallel over 8 devices: one row each), 16 prompt
+    # columns + 5 rounded up to 32 positions. Per layer (2): keys and values of one row
+    # (32 positions x 8 heads x 4 dims x float32), its row of the mask (32 bools), the index.
+    need = small.cache_bytes(["bcdef", "hi"], max_new_tokens=5)
+    assert need == 2 * (2 * 32 * 8 * 4 * 4 + 32 + 4)
+    tight = Sampler(small.programs._model, small.programs.plan, memory_budget_bytes=need - 1)
+    with pytest.raises(CacheTooLarge, match=f"needs {need:,} bytes per device, more than"):
+        tight.generate([[1, 2, 3, 4, 5], [7, 8]], max_new_tokens=5)
 
 
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:

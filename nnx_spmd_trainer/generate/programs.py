@@ -143,6 +143,9 @@ class DecodePrograms:
         return axes if axes and heads % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
     def _cache_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        rows = self.row_axes or None
+        if jnp.dtype(leaf.dtype) == jnp.dtype(bool):  # cache_mask: [(layers,) rows, length]
+            return NamedSharding(self.plan.mesh, P(*(None,) * (leaf.ndim - 2), rows, None))
         if leaf.ndim < 4:  # cache_index (one per layer when stacked)
             return NamedSharding(self.plan.mesh, P())
         lead = (None,) * (leaf.ndim - 4)  # a stack's layer dimension

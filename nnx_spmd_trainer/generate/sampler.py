@@ -30,11 +30,29 @@ from nnx_spmd_trainer.generate.programs import DecodePrograms
 from nnx_spmd_trainer.generate.sampling import Sampling
 from nnx_spmd_trainer.planner.plan import Plan
 
-__all__ = ["Generation", "Sampler", "TextCodec"]
+__all__ = ["CacheTooLarge", "Generation", "Sampler", "TextCodec"]
 
 #: Prompt columns and cache lengths are rounded up to a multiple of this: one
 #: compiled prefill and decode serve every batch in the bucket.
 BUCKET = 16
+
+
+class CacheTooLarge(ValueError):
+    """A generate call whose key-value cache would not fit a device: refused before
+    anything is compiled or allocated, with the numbers."""
+
+
+def _free_device_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The least any of this process's ``devices`` has free (limit minus in use), where
+    the backend says (GPUs, TPUs); ``None`` where it does not (the CPU)."""
+    free = []
+    for device in devices:
+        if device.process_index != jax.process_index():
+            continue
+        stats = device.memory_stats()
+        if stats and "bytes_limit" in stats:
+            free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(free, default=None)
 
 
 class TextCodec(Protocol):
@@ -89,6 +107,9 @@ class Sampler:
       context_length: the most positions the model takes (prompt + generated); default
         read from the model (``seq_len``, ``config.n_positions``), else unchecked.
       cache_dtype: the key-value cache's dtype.
+      memory_budget_bytes: the most a device may give the cache; default what the device
+        has free, where the backend says (else unchecked). A larger cache is refused
+        (``CacheTooLarge``) before anything is compiled.
       print_fn: where the one line saying a layout was resharded goes (a pipeline's, a
         sequence split's: ``DecodePrograms.note``); ``None``: nowhere.
 
@@ -106,8 +127,10 @@ class Sampler:
         tokenizer: TextCodec | None = None,
         context_length: int | None = None,
         cache_dtype: Any = jnp.float32,
+        memory_budget_bytes: int | None = None,
         print_fn: Callable[[str], None] | None = print,
     ) -> None:
+        self.memory_budget_bytes = memory_budget_bytes
         self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype)
         if self.programs.note and print_fn is not None:
             print_fn(self.programs.note)
@@ -137,6 +160,29 @@ class Sampler:
         rows = _round_up(len(prompts), self.programs.row_multiple)
         columns = _round_up(max(len(p) for p in prompts), BUCKET)
         return rows, columns, _round_up(columns + max_new_tokens, BUCKET)
+
+    def cache_bytes(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int
+    ) -> int:
+        """The bytes of key-value cache each device holds to continue ``prompts`` by
+        ``max_new_tokens`` (the bucket's rows and length, laid out as it will be)."""
+        rows, _, length = self.bucket(self._encoded(prompts), max_new_tokens)
+        return self.programs.cache_bytes_per_device(rows, length)
+
+    def _check_fits(self, rows: int, length: int) -> None:
+        budget = self.memory_budget_bytes
+        if budget is None:
+            budget = _free_device_bytes(list(self.programs.plan.mesh.devices.flat))
+        if budget is None:
+            return
+        need = self.programs.cache_bytes_per_device(rows, length)
+        if need > budget:
+            raise CacheTooLarge(
+                f"generate: the key-value cache for {rows} rows x {length} positions needs "
+                f"{need:,} bytes per device, more than the {budget:,} it may have; give fewer "
+                "prompts at a time, fewer max_new_tokens, a smaller cache_dtype, or a layout "
+                "that splits more rows or heads."
+            )
 
     def generate(
         self,
@@ -171,6 +217,7 @@ class Sampler:
                 "the prompt or ask for fewer tokens."
             )
         rows, columns, length = self.bucket(ids, max_new_tokens)
+        self._check_fits(rows, length)
         return self._run(ids, rows, columns, length, how, seed, max_new_tokens, end_token, stop)
 
     def _run(
