@@ -62,7 +62,7 @@ class SampleCallback(Callback):
             raise ValueError(f"SampleCallback: every_n_steps={every_n_steps}; it must be >= 1.")
         if not prompts:
             raise ValueError("SampleCallback: no prompts; give at least one.")
-        self.prompts = list(prompts)
+        self.prompts = prompts
         self.every_n_steps = every_n_steps
         self.options: dict[str, Any] = {
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
