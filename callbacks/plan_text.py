@@ -18,9 +18,3 @@ def plan_report_for(record: Any, trainer: Any, who: str) -> Any | None:
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"{who}: no plan report ({error!r}).", stacklevel=3)
         return None
-
-
-def last_step_plan_report(trainer: Any, who: str) -> Any | None:
-    """``plan_report_for`` the trainer's last step: kept for ``tensorboard.py`` until it
-    passes the record it is handed (``self.step_record``)."""
-    return plan_report_for(trainer.last_step, trainer, who)

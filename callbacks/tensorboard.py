@@ -19,7 +19,7 @@ from typing_extensions import override
 from nnx_spmd_trainer import Callback, Logs, Trainer, path_str, sharding_table
 from nnx_spmd_trainer.adapters import tensorboardx_private
 
-from .plan_text import last_step_plan_report
+from .plan_text import plan_report_for
 from .throughput import Throughput, batch_size_and_tokens
 
 
@@ -86,7 +86,7 @@ class TensorBoard(Callback):
       metrics: host wall time between log points, evaluation and compile time
       excluded, never a per-step sync.
       The batch size comes from ``examples_per_step`` / ``tokens_per_step``
-      or the last step's batch shapes (``trainer.last_step.batch_shapes``);
+      or the last step's batch shapes (``self.step_record.batch_shapes``, as handed);
       without either, only the step rates are written;
     * at the start: the run config (``trainer.config``) and the sharding
       table of the whole state, parameters and optimizer state (path, shape,
@@ -170,7 +170,7 @@ class TensorBoard(Callback):
         writer.add_scalar("perf/step_time_s", seconds, step)
         writer.add_scalar("perf/steps_per_s", 1.0 / seconds, step)
         examples, tokens = self.examples_per_step, self.tokens_per_step
-        record = self.trainer.last_step
+        record = self.step_record
         if examples is None and record is not None:
             examples, tokens = batch_size_and_tokens(record.batch_shapes)
         if examples is not None:
@@ -204,7 +204,7 @@ class TensorBoard(Callback):
         self._plan_due = False
         if (writer := self.writer) is None:
             return
-        report = last_step_plan_report(self.trainer, "TensorBoard")
+        report = plan_report_for(self.step_record, self.trainer, "TensorBoard")
         if report is None:
             return
         writer.add_text("plan", _code(str(report)), step)
@@ -257,7 +257,7 @@ class TensorBoard(Callback):
 
     @override
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        if (record := self.trainer.last_step) is not None:
+        if (record := self.step_record) is not None:
             self._compile_seconds += record.compile_s
         if self._plan_due:
             self._write_plan_report(step)
