@@ -225,7 +225,9 @@ def test_one_process_stopped_during_its_restore_exits_0_leaving_the_checkpoints(
     log = tmp_path / "log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            command(workdir, "--config.max_steps=16", export=False),
+            # 16 steps re-plan the 12-step schedule: allowed, the restore is what is stopped
+            command(workdir, "--config.max_steps=16", "--config.replan_schedule=True",
+                    export=False),
             env={**environment(), "PYTHONUNBUFFERED": "1"},
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip

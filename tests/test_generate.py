@@ -128,7 +128,7 @@ def test_greedy_log_probs_equal_the_training_forward_pass(greedy: tuple[Trainer,
 def test_the_training_state_is_only_read(greedy: tuple[Trainer, Any]) -> None:
     t, _ = greedy
     assert not jax.tree.leaves(nnx.state(t.model, nnx.Cache))
-    assert all(not getattr(m, "decode", False) for _, m in t.model.iter_modules())
+    assert all(not getattr(m, "decode", False) for _, m in nnx.iter_modules(t.model))
 
 
 def test_programs_compile_once_per_bucket_not_per_token() -> None:

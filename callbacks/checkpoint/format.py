@@ -52,6 +52,8 @@ META = "meta"
 DATA = "data"
 FINGERPRINTS = "fingerprints"
 _CALLBACK_ARRAYS = "callback_arrays_"
+#: The ``meta`` key naming the item of each callback's arrays.
+_CALLBACKS_KEY = "callback_arrays"
 
 
 class NewerCheckpointFormat(ValueError):
@@ -98,6 +100,11 @@ def save_args(
     return ocp.args.Composite(**items)
 
 
+def saved_callbacks(meta: dict[str, Any]) -> dict[str, str]:
+    """``{state_key: item name}`` of the callbacks whose arrays a step holds."""
+    return dict(meta.get(_CALLBACKS_KEY, {}))
+
+
 def callback_items(run: RunState) -> dict[str, tuple[str, dict[str, Any]]]:
     """``{item name: (state_key, {"0": array, ...})}``: one Orbax item per callback whose
     state holds arrays, so a restore reads only those of the callbacks it has."""
@@ -105,14 +112,22 @@ def callback_items(run: RunState) -> dict[str, tuple[str, dict[str, Any]]]:
     return {callback_item(n): (key, arrays[key]) for n, key in enumerate(sorted(arrays))}
 
 
-def describe(trainer: Trainer, step: int, run: RunState, monitor: dict[str, Any]) -> dict[str, Any]:
+def describe(
+    trainer: Trainer,
+    step: int,
+    run: RunState,
+    monitor: dict[str, Any],
+    callbacks: dict[str, tuple[str, dict[str, Any]]],
+) -> dict[str, Any]:
     """The ``meta`` item: the run state's host part and what wrote it.
 
-    ``monitor``: ``{logs key: (step, value)}`` of the monitored value, ``{}`` without one."""
+    ``monitor``: ``{logs key: (step, value)}`` of the monitored value, ``{}`` without one.
+    ``callbacks``: ``callback_items(run)``, recorded as ``saved_callbacks`` reads it."""
     host = run.host()
     return {
         **host,
         VERSION_KEY: VERSION,
+        _CALLBACKS_KEY: {key: name for name, (key, _) in callbacks.items()},
         "step": step,
         "data": "grain" if run.data is not None else "skip",
         # Grain keeps no checksum of its file: the position is checked against this.
@@ -176,8 +191,3 @@ def restore_args(
 def data_args(into: Any) -> ocp.args.Composite:
     """The ``data`` item, read by Grain's own handler into ``into`` (``as_position``)."""
     return ocp.args.Composite(**{DATA: grain.checkpoint.CheckpointRestore(into)})
-
-
-def is_array_item(name: str) -> bool:
-    """Whether the fingerprints of item ``name`` cover arrays read back by ``restore_args``."""
-    return name in (STATE, TRAIN_METRICS) or name.startswith(_CALLBACK_ARRAYS)

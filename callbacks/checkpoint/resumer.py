@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from nnx_spmd_trainer import RunState
 from nnx_spmd_trainer.adapters import orbax_private
 
+from . import format
 from .checks import DamagedCheckpoint, agree_on_damage, check_same_model
 from .reports import Reports
 from .step_reader import SavedStep, read_meta, read_step
@@ -204,7 +205,7 @@ def _apply(trainer: Trainer, saved: SavedStep, step: int, directory: Path) -> Re
     arrays = {"state": saved.state, "train_metrics": saved.train_metrics}  # RunState's fields
     callback_arrays = {
         key: saved.callback_arrays[name]
-        for key, name in saved.meta.get("callback_arrays", {}).items()
+        for key, name in format.saved_callbacks(saved.meta).items()
         if name in saved.callback_arrays
     }
     trainer.load_run_state(

@@ -82,7 +82,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> Sa
             # The arrays of the callbacks this trainer has; others' are not read at all.
             stored = {
                 name: stored_arrays(path / name)
-                for key, name in meta.get("callback_arrays", {}).items()
+                for key, name in format.saved_callbacks(meta).items()
                 if key in target.callbacks
             }
         except Exception as error:
@@ -90,7 +90,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> Sa
         check_data_position(path, step, meta)
         targets = {
             name: callback_targets(trainer, meta, key, target.callbacks, stored[name])
-            for key, name in meta.get("callback_arrays", {}).items()
+            for key, name in format.saved_callbacks(meta).items()
             if name in stored
         }
         try:

@@ -88,9 +88,8 @@ class CheckpointWriter:
         monitor = {self.monitor: monitored} if self.monitor else {}
         # A callback state that cannot be stored raises here (TypeError naming the callback
         # and key), before Orbax is called: nothing is left half-written.
-        meta = format.describe(trainer, step, run, monitor)
         per_callback = format.callback_items(run)
-        meta["callback_arrays"] = {key: name for name, (key, _) in per_callback.items()}
+        meta = format.describe(trainer, step, run, monitor, per_callback)
         leaves = {name: arrays for name, (_, arrays) in per_callback.items()}
         pending = PendingSummary()
         args = format.save_args(run, meta, leaves, pending)
