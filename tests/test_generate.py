@@ -3,6 +3,7 @@ every strategy, seeded alike on one device and eight, a user's Flax model, stops
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -187,6 +188,23 @@ def test_stops_on_an_end_token_and_a_stop_string(small: Sampler) -> None:
     stopped = small.generate(["bcdef", "hi"], max_new_tokens=NEW, stop=[stop])
     assert stopped.finish[1] == "stop" and stopped.text is not None
     assert stopped.text[1] == full.text[1][: full.text[1].index(stop)]
+
+
+def test_tokens_per_second_are_measured_and_logged_once_per_call(
+    small: Sampler, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="nnx_spmd_trainer.generate.sampler"):
+        out = small.generate([[1, 2, 3], [4]], max_new_tokens=4)
+    assert out.prefill_tokens_per_second > 0 and out.decode_tokens_per_second > 0
+    timing = small.last_timing
+    assert timing is not None and (timing.prompt_tokens, timing.decode_steps) == (4, 3)
+    assert timing.decode_tokens == 2 * 3  # two prompts, three steps after prefill's token
+    assert out.decode_tokens_per_second == pytest.approx(6 / timing.decode_seconds)
+    assert timing.decode_seconds <= timing.decode_loop_seconds
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "tokens/s" in lines[0], lines
+    one = small.generate([[1, 2, 3]], max_new_tokens=1)
+    assert one.decode_tokens_per_second == 0.0  # no decode step ran
 
 
 def test_bad_input_is_named(small: Sampler) -> None:

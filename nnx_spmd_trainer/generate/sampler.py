@@ -17,7 +17,9 @@ it may attend to (``[rows, 1, 1, cache_length]``), returning logits
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -30,7 +32,9 @@ from nnx_spmd_trainer.generate.programs import DecodePrograms
 from nnx_spmd_trainer.generate.sampling import Sampling
 from nnx_spmd_trainer.planner.plan import Plan
 
-__all__ = ["CacheTooLarge", "Generation", "Sampler", "TextCodec"]
+__all__ = ["CacheTooLarge", "DecodeTiming", "Generation", "Sampler", "TextCodec"]
+
+logger = logging.getLogger(__name__)
 
 #: Prompt columns and cache lengths are rounded up to a multiple of this: one
 #: compiled prefill and decode serve every batch in the bucket.
@@ -74,12 +78,20 @@ class Generation:
       text: the generated text through the tokenizer (the end token and anything from
         a stop string on left out); ``None`` without a tokenizer.
       finish: why each row stopped: ``"end"``, ``"stop"`` (a stop string) or ``"length"``.
+      prefill_tokens_per_second: the prompts' tokens (padding not counted) over the
+        prefill program's wall time (dispatch to result, compilation not counted).
+      decode_tokens_per_second: the tokens the decode steps produced for the prompts
+        (one per prompt and step, the first token of each row being prefill's) over the
+        decode programs' wall time (each call to its result); ``0.0`` when no decode
+        step ran (``max_new_tokens=1``).
     """
 
     tokens: list[list[int]]
     log_probs: list[list[float]]
     text: list[str] | None
     finish: list[str]
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
 
 
 def _context_length(model: nnx.Module) -> int | None:
@@ -136,6 +148,8 @@ class Sampler:
             print_fn(self.programs.note)
         self.tokenizer = tokenizer
         self.context_length = context_length or _context_length(model)
+        #: Where the last ``generate`` call's time went (``None`` before the first).
+        self.last_timing: DecodeTiming | None = None
 
     def _encoded(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         if not prompts:
@@ -246,19 +260,78 @@ class Sampler:
         programs, leaves = self.programs, self.programs.state_leaves()
         prefill = programs.prefill(rows, columns, length, how)
         decode = programs.decode(rows, length, how)
+        timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
         with jax.set_mesh(programs.plan.mesh):
             seed_array = jnp.asarray(seed, jnp.uint32)
-            cache, token, logp = prefill(leaves, tokens, positions, real, seed_array, row_ids)
+            start = time.perf_counter()
+            cache, token, logp = jax.block_until_ready(
+                prefill(leaves, tokens, positions, real, seed_array, row_ids)
+            )
+            timing.prefill_seconds = time.perf_counter() - start
             out = _Rows(n, end_token, stop, self.tokenizer)
-            for step in range(max_new_tokens):
-                if step:
-                    cache, token, logp = decode(
+            done = out.take(np.asarray(token), np.asarray(logp))
+            loop_start = time.perf_counter()
+            for step in range(1, max_new_tokens):
+                if done:
+                    break
+                start = time.perf_counter()
+                cache, token, logp = jax.block_until_ready(
+                    decode(
                         leaves, cache, token, lengths + step - 1, real,
                         seed_array, jnp.int32(step), row_ids,
-                    )  # fmt: skip
-                if out.take(np.asarray(token), np.asarray(logp)):
-                    break
-        return out.result()
+                    )
+                )  # fmt: skip
+                timing.decode_seconds += time.perf_counter() - start
+                timing.decode_steps += 1
+                done = out.take(np.asarray(token), np.asarray(logp))
+            timing.decode_loop_seconds = time.perf_counter() - loop_start
+        timing.decode_tokens = n * timing.decode_steps
+        self.last_timing = timing
+        logger.info(
+            "generate: %d prompts (%d rows x %d columns, cache of %d): %s", n, rows, columns,
+            length, timing.line(),
+        )  # fmt: skip
+        return out.result(timing)
+
+
+@dataclasses.dataclass
+class DecodeTiming:
+    """Where one ``generate`` call's time went (``Sampler.last_timing``): what
+    ``Generation``'s tokens per second are computed from.
+
+    Attributes:
+      prompt_tokens: the prompts' tokens (padding not counted).
+      prefill_seconds: the prefill program, from its call to its result.
+      decode_steps: the decode steps run (the first token of each row is prefill's).
+      decode_tokens: the tokens they produced for the prompts (prompts x steps).
+      decode_seconds: the decode programs, each from its call to its result.
+      decode_loop_seconds: the whole loop of decode steps, the host's work included
+        (the inputs, reading each step's tokens back, the stop checks).
+    """
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_loop_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def line(self) -> str:
+        """One line: the tokens, seconds and tokens per second of each phase."""
+        return (
+            f"prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.4f} s "
+            f"({self.prefill_tokens_per_second:.1f} tokens/s), decode {self.decode_tokens} "
+            f"tokens in {self.decode_steps} steps, {self.decode_seconds:.4f} s "
+            f"({self.decode_tokens_per_second:.1f} tokens/s)"
+        )
 
 
 class _Rows:
@@ -297,6 +370,13 @@ class _Rows:
         cuts = [text.index(s) for s in self.stop if s in text]
         return text[: min(cuts)] if cuts else text
 
-    def result(self) -> Generation:
+    def result(self, timing: DecodeTiming) -> Generation:
         text = None if self.tokenizer is None else [self._text(r) for r in range(len(self.tokens))]
-        return Generation(self.tokens, self.log_probs, text, self.finish)
+        return Generation(
+            self.tokens,
+            self.log_probs,
+            text,
+            self.finish,
+            prefill_tokens_per_second=timing.prefill_tokens_per_second,
+            decode_tokens_per_second=timing.decode_tokens_per_second,
+        )
