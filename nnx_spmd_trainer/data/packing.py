@@ -10,6 +10,8 @@ Rows are ``{"inputs", "targets", "segment_ids", "positions"}``, each ``int32
 - ``target_segment_ids``: the segment of each target, the same as ``segment_ids``
   (a row's targets never leave their input's document), so
   ``nn.packed.target_weights`` trains every pair, a segment's last one included.
+- ``loss_weights`` (rows of weighted documents only, ``weighted=True``): ``float32``, the
+  weight of each target (chat data: 1 on the assistant's tokens, ``data.chat``), 0 on padding.
 
 How a document becomes segments (``split_document``): a document of ``n`` ids
 gives the ``n - 1`` (input, target) pairs ``ids[j] -> ids[j+1]``, so no target is
@@ -45,6 +47,10 @@ Row = dict[str, np.ndarray]
 #: The keys of a packed row (and of a batch of them).
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "target_segment_ids")
 
+#: The key of the per-target loss weights a row of weighted documents also carries
+#: (``float32``, aligned with ``targets``, 0 on padding; ``data.chat``'s assistant mask).
+LOSS_WEIGHTS = "loss_weights"
+
 #: Documents read in the packing thread itself. Grain's default (16 reader threads)
 #: costs more in bookkeeping than a memory-map read saves: packing a corpus ran 4x
 #: slower with it (0.29 vs 0.48 M tokens/s). The trainer's prefetch already runs the
@@ -52,20 +58,36 @@ ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "target_segment_ids
 SYNCHRONOUS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def split_document(ids: np.ndarray, seq_len: int) -> list[Row]:
+def split_document(document: np.ndarray | Row, seq_len: int) -> list[Row]:
     """A document's (input, target) pairs in chunks of at most ``seq_len``, one segment each.
+
+    A weighted document (``{"ids", "loss_weights"}``, ``data.chat``'s) gives each chunk the
+    weights of its targets, ``loss_weights[1:]``, as ``loss_weights``.
 
     >>> [c["inputs"].tolist() for c in split_document(np.arange(6), 3)]
     [[0, 1, 2], [3, 4]]
     >>> [c["targets"].tolist() for c in split_document(np.arange(6), 3)]
     [[1, 2, 3], [4, 5]]
+    >>> weighted = {"ids": np.arange(4), "loss_weights": np.array([0.0, 0.0, 1.0, 1.0])}
+    >>> [c["loss_weights"].tolist() for c in split_document(weighted, 2)]
+    [[0.0, 1.0], [1.0]]
     """
-    ids = np.asarray(ids, dtype=np.int32)
+    weights = None
+    if isinstance(document, dict):
+        weights = np.asarray(document["loss_weights"], dtype=np.float32)[1:]
+        document = document["ids"]
+    ids = np.asarray(document, dtype=np.int32)
     inputs, targets = ids[:-1], ids[1:]
-    return [
-        {"inputs": inputs[start : start + seq_len], "targets": targets[start : start + seq_len]}
-        for start in range(0, len(inputs), seq_len)
-    ]
+    chunks = []
+    for start in range(0, len(inputs), seq_len):
+        chunk = {
+            "inputs": inputs[start : start + seq_len],
+            "targets": targets[start : start + seq_len],
+        }
+        if weights is not None:
+            chunk[LOSS_WEIGHTS] = weights[start : start + seq_len]
+        chunks.append(chunk)
+    return chunks
 
 
 class _SplitDocuments(grain.experimental.FlatMapTransform):
@@ -75,20 +97,23 @@ class _SplitDocuments(grain.experimental.FlatMapTransform):
         self.seq_len = seq_len
         self.max_fan_out = 1 << 30  # only a MapDataset's flat map reads it; ours is an IterDataset
 
-    def flat_map(self, element: np.ndarray) -> Sequence[Row]:
+    def flat_map(self, element: np.ndarray | Row) -> Sequence[Row]:
         return split_document(element, self.seq_len)
 
 
 def _row(packed: dict[str, np.ndarray]) -> Row:
     """Grain's packed element (``inputs_segment_ids``, ...) under the row's names."""
     segment_ids = packed["inputs_segment_ids"].astype(np.int32)
-    return {
+    row = {
         "inputs": packed["inputs"].astype(np.int32),
         "targets": packed["targets"].astype(np.int32),
         "segment_ids": segment_ids,
         "positions": packed["inputs_positions"].astype(np.int32),
         "target_segment_ids": segment_ids.copy(),
     }
+    if LOSS_WEIGHTS in packed:  # Grain pads it with 0: padding is never trained
+        row[LOSS_WEIGHTS] = packed[LOSS_WEIGHTS].astype(np.float32)
+    return row
 
 
 def pack_documents(
@@ -101,6 +126,7 @@ def pack_documents(
     seed: int = 0,
     shuffle_bins: bool = True,
     read_options: grain.ReadOptions = SYNCHRONOUS,
+    weighted: bool = False,
 ) -> grain.IterDataset[Row]:
     """Rows of ``seq_len`` from a dataset of documents (``int`` id arrays).
 
@@ -113,6 +139,9 @@ def pack_documents(
       best_fit: Grain's best-fit packer instead of first-fit.
       seed, shuffle_bins: Grain's shuffle of the rows of each round of bins.
       read_options: how a ``MapDataset`` of documents is read (threads, buffer).
+      weighted: the documents are ``{"ids", "loss_weights"}`` (``loss_weights[t]``: the
+        weight of predicting ``ids[t]``; ``data.chat.chat_documents`` makes them), and each
+        row also carries ``loss_weights`` (``LOSS_WEIGHTS``), aligned with its targets.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
@@ -126,7 +155,11 @@ def pack_documents(
     )
     rows = packer(
         chunks,
-        length_struct={"inputs": seq_len, "targets": seq_len},
+        length_struct={
+            "inputs": seq_len,
+            "targets": seq_len,
+            **({LOSS_WEIGHTS: seq_len} if weighted else {}),
+        },
         num_packing_bins=num_packing_bins if packed else 1,
         seed=seed,
         shuffle_bins=shuffle_bins,
@@ -146,6 +179,7 @@ def packed_pipeline(
     packed: bool = True,
     num_packing_bins: int | None = None,
     read_options: grain.ReadOptions = SYNCHRONOUS,
+    weighted: bool = False,
 ) -> grain.IterDataset[Row]:
     """source -> shuffle -> repeat -> this process's documents -> pack -> batch.
 
@@ -161,6 +195,7 @@ def packed_pipeline(
       shard: which documents this process reads (``trainer.placement.data_shard``).
       num_packing_bins: Grain's bins (default: the process's rows a step).
       read_options: how the documents are read (default: in the packing thread).
+      weighted: documents with per-token loss weights (``pack_documents``): chat data.
     """
     index, count = shard
     if global_batch_size % count:
@@ -183,6 +218,7 @@ def packed_pipeline(
         num_packing_bins=num_packing_bins or rows_per_process,
         seed=seed or 0,
         read_options=read_options,
+        weighted=weighted,
     )
     return rows.batch(rows_per_process, drop_remainder=True)
 

@@ -1,0 +1,414 @@
+"""Conversations to token ids and a per-token loss weight: chat data, the loss on the
+assistant's tokens only.
+
+A conversation is a JSONL row ``{"messages": [{"role", "content"}, ...]}`` (roles
+``system``, ``user``, ``assistant``, and ``tool`` where the template speaks of tools).
+It is rendered with the model's own chat template by Hugging Face transformers'
+``apply_chat_template`` (the ``[chat]`` extra; no torch): the template in the
+``tokenizer_config.json`` beside a ``tokenizer.json``, or ``CHATML_TEMPLATE`` for the
+library's own BPE tokenizers when the user chooses it. No template engine is written here.
+
+Which tokens the loss trains (the assistant mask): the assistant's content and its
+end-of-turn token, as the model must write them after the generation prompt.
+
+- A template with ``{% generation %}`` markers: what they enclose
+  (``return_assistant_tokens_mask=True``).
+- A template without them (stock Llama-3, Qwen3, Gemma): each assistant turn is found
+  by rendering the conversation before it with the generation prompt (where the turn
+  starts) and the conversation ending with it (the turn as the model writes it: a
+  think block, the content, the end token). Templates that render an earlier turn
+  otherwise once more turns follow (Qwen3 drops its think block) are read where the
+  turn's content ends in the whole conversation (found by rendering it once more
+  with a probe character after that content). The end text is the end token(s)
+  without the whitespace after them (``<|im_end|>``, not its newline): what a model
+  generates before it stops.
+
+A document (``chat_documents``) is ``{"ids": int32[n], "loss_weights": float32[n]}``,
+``loss_weights[t]`` the weight of predicting ``ids[t]``; ``data.packing``'s
+``pack_documents(..., weighted=True)`` packs them into rows carrying ``loss_weights``
+aligned with ``targets``, which the loss multiplies in (docs/topics/chat.md).
+
+>>> from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN, train_bpe
+>>> bpe = train_bpe(texts=["hi", "hello"], vocab_size=300,
+...                 special_tokens=(EOS_TOKEN, *CHATML_TOKENS))
+>>> tokenizer = ChatTokenizer.from_tokenizer(bpe)  # CHATML_TEMPLATE
+>>> document = tokenizer.encode([{"role": "user", "content": "hi"},
+...                              {"role": "assistant", "content": "hello"}])
+>>> tokenizer.decode(document.ids[document.assistant])
+'hello<|im_end|>'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "CHATML_TOKENS",
+    "ChatCounts",
+    "ChatDocument",
+    "ChatError",
+    "ChatTokenizer",
+    "chat_documents",
+    "load_chat_tokenizer",
+    "read_conversations",
+]
+
+#: The roles every template is given; ``tool`` too where the template mentions tools.
+ROLES = ("system", "user", "assistant")
+
+#: The special tokens ``CHATML_TEMPLATE`` writes: train a BPE with them
+#: (``train_bpe(..., special_tokens=(EOS_TOKEN, *CHATML_TOKENS))``).
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+#: The library's default template (ChatML, with generation markers), for a tokenizer
+#: that has none: ``ChatTokenizer.from_tokenizer(tokenizer)`` or ``template="chatml"``.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>' }}{%- endif %}"
+    "{{- '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# transformers' own test for a template's generation markers
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# appended to one content to find where that content ends in the rendered text
+_PROBE = "\x00"
+
+Messages = list[dict[str, Any]]
+
+
+class ChatError(ValueError):
+    """A conversation, a chat file or a chat template that cannot be read."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ChatError(
+            "Chat data is rendered by Hugging Face transformers' apply_chat_template; "
+            "install it with: pip install 'nnx-spmd-trainer[chat]'"
+        ) from None
+    return transformers
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatDocument:
+    """One conversation's tokens and which of them the assistant writes.
+
+    Attributes:
+      ids: the rendered conversation's token ids, ``int32[n]``.
+      assistant: ``bool[n]``, the tokens the loss trains (content and end tokens).
+    """
+
+    ids: np.ndarray
+    assistant: np.ndarray
+
+    @property
+    def turn_ends(self) -> list[int]:
+        """The token index just after each assistant turn (where a cut keeps whole turns)."""
+        mask = self.assistant.astype(np.int8)
+        return [int(i) + 1 for i in np.flatnonzero(mask[:-1] > mask[1:])] + (
+            [len(mask)] if len(mask) and mask[-1] else []
+        )
+
+    def document(self, end: int | None = None) -> dict[str, np.ndarray]:
+        """``{"ids", "loss_weights"}`` of the first ``end`` tokens (``pack_documents``'s)."""
+        return {
+            "ids": self.ids[:end],
+            "loss_weights": self.assistant[:end].astype(np.float32),
+        }
+
+
+class ChatTokenizer:
+    """A tokenizer and the chat template it renders conversations with.
+
+    Args:
+      backend: a transformers tokenizer (``PreTrainedTokenizerFast``) with ``chat_template``.
+
+    >>> from nnx_spmd_trainer.data import train_bpe
+    >>> ChatTokenizer.from_tokenizer(train_bpe(texts=["hi"], vocab_size=260)).roles
+    ('system', 'user', 'assistant')
+    """
+
+    def __init__(self, backend: Any) -> None:
+        if not getattr(backend, "chat_template", None):
+            raise ChatError(
+                "The tokenizer has no chat template; give a tokenizer_config.json with one "
+                "beside the tokenizer.json, or choose the library's default "
+                "(template='chatml', --config.data.chat_template=chatml)."
+            )
+        self.backend = backend
+        self.template: str = backend.chat_template
+        self.markers = bool(_GENERATION.search(self.template))
+        self.roles = ROLES + (("tool",) if "tool" in self.template else ())
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, template: str = "chatml") -> ChatTokenizer:
+        """The library's own ``Tokenizer`` with ``template``: ``"chatml"``
+        (``CHATML_TEMPLATE``, whose ``CHATML_TOKENS`` the tokenizer should have as special
+        tokens) or a template's Jinja text."""
+        backend = _transformers().PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer.backend, chat_template=_template_text(template)
+        )
+        return cls(backend)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, its added tokens included."""
+        return len(self.backend)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """``ids -> str``, special tokens kept."""
+        return str(self.backend.decode(np.asarray(ids).ravel().tolist()))
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Writes the tokenizer and its template (``save_pretrained``); returns the
+        ``tokenizer.json`` path (what ``data.load_tokenizer`` reads)."""
+        self.backend.save_pretrained(os.fspath(directory))
+        return Path(directory) / TOKENIZER_FILE
+
+    def render(self, messages: Messages, *, generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it."""
+        return str(
+            self.backend.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
+
+    def encode(self, messages: Messages) -> ChatDocument:
+        """The conversation's ids and its assistant mask (the module docstring says how)."""
+        if self.markers:
+            encoded = self.backend.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, mask = encoded["input_ids"], encoded["assistant_masks"]
+            return ChatDocument(np.asarray(ids, np.int32), np.asarray(mask, bool))
+        text = self.render(messages)
+        encoded = self.backend(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2)
+        mask = np.zeros(len(offsets), bool)
+        for start, end in self._assistant_spans(messages, text):
+            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        return ChatDocument(np.asarray(encoded["input_ids"], np.int32), mask)
+
+    def _assistant_spans(self, messages: Messages, text: str) -> list[tuple[int, int]]:
+        """The characters of ``text`` (the whole conversation) each assistant turn writes."""
+        spans = []
+        for number, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:number], generation_prompt=True)
+            if not text.startswith(prompt):
+                raise ChatError(
+                    f"The chat template renders message {number}'s generation prompt otherwise "
+                    "than the conversation around it, so its assistant turn cannot be found; "
+                    "add {% generation %} markers around the assistant's part of the template."
+                )
+            content_end = _common_prefix(text, self.render(_probed(messages, number)))
+            alone = messages[: number + 1]
+            alone_end = _common_prefix(self.render(alone), self.render(_probed(alone, number)))
+            end_text = self.render(alone)[alone_end:].rstrip()
+            if not text.startswith(end_text, content_end):
+                raise ChatError(
+                    f"The chat template ends assistant message {number} with {end_text!r} when "
+                    "it ends the conversation and otherwise when more follows; add "
+                    "{% generation %} markers around the assistant's part of the template."
+                )
+            spans.append((len(prompt), content_end + len(end_text)))
+        return spans
+
+    def __repr__(self) -> str:
+        markers = "generation markers" if self.markers else "no generation markers"
+        return f"ChatTokenizer(vocab_size={self.vocab_size}, {markers}, roles={self.roles})"
+
+
+def _probed(messages: Messages, number: int) -> Messages:
+    """``messages`` with a probe character after message ``number``'s content."""
+    probed = dict(messages[number], content=messages[number]["content"] + _PROBE)
+    return [*messages[:number], probed, *messages[number + 1 :]]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of two strings.
+
+    >>> _common_prefix("abcd", "abxd")
+    2
+    """
+    return len(os.path.commonprefix([a, b]))
+
+
+def load_chat_tokenizer(
+    path: str | os.PathLike[str], *, template: str | None = None
+) -> ChatTokenizer:
+    """The tokenizer in a ``tokenizer.json`` (or its folder) and the chat template in the
+    ``tokenizer_config.json`` (or ``chat_template.jinja``) beside it.
+
+    Args:
+      path: a ``tokenizer.json`` or the folder holding it.
+      template: ``None``: the tokenizer's own; ``"chatml"``: ``CHATML_TEMPLATE``; else
+        the Jinja text of a template.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise ChatError(f"No {TOKENIZER_FILE} in {folder} to render chat data with.")
+    transformers = _transformers()
+    try:
+        backend = transformers.PreTrainedTokenizerFast.from_pretrained(os.fspath(folder))
+    except (OSError, ValueError) as error:
+        raise ChatError(f"The tokenizer in {folder} does not load ({error}).") from None
+    if template is not None:
+        backend.chat_template = _template_text(template)
+    return ChatTokenizer(backend)
+
+
+def _template_text(template: str) -> str:
+    if template == "chatml":
+        return CHATML_TEMPLATE
+    if "{" not in template:
+        raise ChatError(
+            f"template={template!r} is neither 'chatml' (the library's default) nor the "
+            "Jinja text of a chat template."
+        )
+    return template
+
+
+def read_conversations(path: str | os.PathLike[str]) -> list[tuple[str, Messages]]:
+    """``(where, messages)`` of each row of a JSONL file, ``where`` being ``"FILE:LINE"``.
+
+    Raises ``ChatError`` naming the file and line of a row that is not JSON, has no
+    ``messages`` list, or a message without a string ``role`` and ``content``. Blank lines
+    are skipped. Roles are checked against a template by ``chat_documents``.
+    """
+    conversations = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            where = f"{os.fspath(path)}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ChatError(f"{where} is not a JSON object ({error}).") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list):
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ChatError(
+                    f"{where} has no 'messages' list (it has {keys}); each row must be "
+                    '{"messages": [{"role": ..., "content": ...}, ...]}.'
+                )
+            for message in messages:
+                if not (
+                    isinstance(message, dict)
+                    and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)
+                ):
+                    raise ChatError(
+                        f"{where}: the message {message!r} needs a string 'role' and 'content'."
+                    )
+            conversations.append((where, messages))
+    return conversations
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatCounts:
+    """What became of a chat file's conversations (the run's data line).
+
+    Attributes:
+      conversations: rows read.
+      kept: conversations that became documents (``cut`` ones included).
+      cut: longer than a row, cut after their last assistant turn that fits.
+      too_long: longer than a row and dropped (``too_long="drop"``, or no turn fits).
+      no_assistant: skipped: no token for the loss to train (never trained as zero loss).
+      tokens, trained: tokens of the kept documents, and of those the assistant's.
+    """
+
+    conversations: int = 0
+    kept: int = 0
+    cut: int = 0
+    too_long: int = 0
+    no_assistant: int = 0
+    tokens: int = 0
+    trained: int = 0
+
+    def line(self, source: str, seq_len: int) -> str:
+        """``"chat: ..."``, the data line of a dry run and a run's start."""
+        return (
+            f"chat: {self.kept} of {self.conversations} conversations from {source} "
+            f"({self.cut} cut at a turn to fit {seq_len} tokens, {self.too_long} too long "
+            f"dropped, {self.no_assistant} without an assistant token skipped); "
+            f"{self.trained} assistant tokens trained of {self.tokens}"
+        )
+
+
+def chat_documents(
+    conversations: Iterable[tuple[str, Messages]],
+    tokenizer: ChatTokenizer,
+    seq_len: int,
+    *,
+    too_long: Literal["cut", "drop"] = "cut",
+) -> tuple[list[dict[str, np.ndarray]], ChatCounts]:
+    """Weighted documents (``{"ids", "loss_weights"}``) of conversations, each fitting a
+    row of ``seq_len`` (input, target) pairs, and what became of them.
+
+    Args:
+      conversations: ``(where, messages)`` pairs (``read_conversations``).
+      tokenizer: renders them and finds the assistant's tokens.
+      seq_len: pairs a row holds: a document has at most ``seq_len + 1`` tokens.
+      too_long: a longer conversation is ``"cut"`` after its last assistant turn that
+        fits (dropped if none does), or dropped (``"drop"``).
+
+    Raises ``ChatError`` naming the row of an unknown role or a template that fails.
+    """
+    if too_long not in ("cut", "drop"):
+        raise ChatError(f"too_long={too_long!r}: a long conversation is 'cut' or 'drop'ped.")
+    documents = []
+    counts = dict.fromkeys((f.name for f in dataclasses.fields(ChatCounts)), 0)
+    for where, messages in conversations:
+        counts["conversations"] += 1
+        for message in messages:
+            if message["role"] not in tokenizer.roles:
+                raise ChatError(
+                    f"{where}: unknown role {message['role']!r}; this template reads "
+                    f"{', '.join(tokenizer.roles)}."
+                )
+        try:
+            encoded = tokenizer.encode(messages)
+        except ChatError as error:
+            raise ChatError(f"{where}: {error}") from None
+        except Exception as error:  # the template's own raise_exception, a Jinja error
+            raise ChatError(f"{where}: the chat template fails ({error}).") from None
+        end: int | None = None
+        if len(encoded.ids) > seq_len + 1:
+            fits = [e for e in encoded.turn_ends if e <= seq_len + 1]
+            if too_long == "drop" or not fits:
+                counts["too_long"] += 1
+                continue
+            end = max(fits)
+            counts["cut"] += 1
+        document = encoded.document(end)
+        trained = int(document["loss_weights"][1:].sum())
+        if not trained:
+            counts["no_assistant"] += 1
+            continue
+        documents.append(document)
+        counts["kept"] += 1
+        counts["tokens"] += len(document["ids"])
+        counts["trained"] += trained
+    return documents, ChatCounts(**counts)
