@@ -132,14 +132,57 @@ def test_the_training_state_is_only_read(greedy: tuple[Trainer, Any]) -> None:
     assert all(not getattr(m, "decode", False) for _, m in nnx.iter_modules(t.model))
 
 
-def test_programs_compile_once_per_bucket_not_per_token() -> None:
+def test_one_prefill_and_one_decode_program_per_bucket_not_per_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     t = trainer(gpt(), DataParallel())
     sampler = Sampler(t.model, t.plan)
-    first = sampler.generate(PROMPTS, max_new_tokens=NEW)
-    compiled = t.plan.steps.count
-    again = sampler.generate([[3, 4], [5]], max_new_tokens=NEW + 2)  # the same bucket
-    assert t.plan.steps.count == compiled  # prefill + decode, reused
-    assert first.tokens[1][:2] != [] and len(again.tokens) == 2
+    with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax"):
+        first = sampler.generate(PROMPTS, max_new_tokens=NEW + 4)
+        again = sampler.generate([[3, 4], [5]], max_new_tokens=NEW + 6)  # the same bucket
+    compiled = [
+        r.getMessage().split()[4]
+        for r in caplog.records
+        if r.getMessage().startswith("Finished XLA compilation of")
+    ]
+    assert sorted(compiled) == ["jit(decode)", "jit(prefill)"], compiled  # not one per token
+    assert sampler.last_timing is not None and sampler.last_timing.decode_steps == NEW + 5
+    assert [len(x) for x in first.tokens + again.tokens] == [NEW + 4] * 3 + [NEW + 6] * 2
+
+
+def test_the_decode_step_donates_the_cache(small: Sampler) -> None:
+    programs = small.programs
+    rows, columns, length = 8, 16, 32
+    how = Sampling()
+    leaves = programs.state_leaves()
+    tokens = np.ones((rows, columns), np.int32)
+    positions = np.tile(np.arange(columns, dtype=np.int32), (rows, 1))
+    real = np.ones((rows, length), bool)
+    seed, row_ids = jnp.uint32(0), np.arange(rows, dtype=np.int32)
+    cache, token, _ = programs.prefill(rows, columns, length, how)(
+        leaves, tokens, positions, real, seed, row_ids
+    )
+    decode = programs.decode(rows, length, how)
+    after, _, _ = decode(
+        leaves, cache, token, np.full(rows, columns, np.int32), real, seed, jnp.int32(1), row_ids
+    )
+    # The keys, values and index: their buffers became the next cache's. (The padding
+    # mask is rewritten from `real` at every call, so the step never reads the old one.)
+    kept = [x for x in cache if x.dtype != jnp.bool_]
+    assert len(kept) == 2 * 3 and all(x.is_deleted() for x in kept)
+    assert not any(x.is_deleted() for x in after + leaves)
+
+
+def test_prefill_is_one_pass_where_every_attention_takes_a_block() -> None:
+    """GPT's and GPT-2's prompts go through the model once: no loop over the prompt's
+    columns in the program (GPT-2's one loop is its scanned layers'); Flax's own
+    attention takes one position a call, so the user's model loops over them."""
+    for factory, one_pass, loops in ((gpt(), True, 0), (gpt2, True, 1), (UserLM, False, 1)):
+        t = trainer(factory, DataParallel())
+        programs = Sampler(t.model, t.plan).programs
+        assert programs.one_pass_prefill is one_pass
+        text = programs.prefill(8, 16, 32, Sampling()).as_text()
+        assert text.count(" while(") == loops, factory
 
 
 def test_the_same_seed_samples_the_same_tokens_on_one_device_and_on_eight() -> None:

@@ -9,9 +9,11 @@ Example::
 The contract a model meets (docs/topics/sampling.md): its attention decodes in
 Flax's convention (``nnx.MultiHeadAttention``: a ``decode`` attribute and
 ``init_cache``), and it is called ``model(tokens, positions=..., mask=...)`` with
-one column of tokens (``[rows, 1]``), each row's position, and the cached keys
-it may attend to (``[rows, 1, 1, cache_length]``), returning logits
-``[rows, 1, vocab]``. Prompts are left padded (``programs``).
+a block of tokens (``[rows, positions]``: the whole left-padded prompt block at
+prefill where every attention takes a block, ``nn.kv_cache.decodes_blocks``, else
+one column at a time; one column a decode step), each token's position, and the
+cached keys each row may attend to (``[rows, 1, 1, cache_length]``), returning
+logits ``[rows, positions, vocab]``. Prompts are left padded (``programs``).
 """
 
 from __future__ import annotations
@@ -262,10 +264,12 @@ class Sampler:
         decode = programs.decode(rows, length, how)
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
         with jax.set_mesh(programs.plan.mesh):
-            seed_array = jnp.asarray(seed, jnp.uint32)
+            seed_array, real_array, lengths_array, row_array = programs.on_devices(
+                np.uint32(seed), real, lengths, row_ids
+            )
             start = time.perf_counter()
             cache, token, logp = jax.block_until_ready(
-                prefill(leaves, tokens, positions, real, seed_array, row_ids)
+                prefill(leaves, tokens, positions, real_array, seed_array, row_array)
             )
             timing.prefill_seconds = time.perf_counter() - start
             out = _Rows(n, end_token, stop, self.tokenizer)
@@ -277,8 +281,8 @@ class Sampler:
                 start = time.perf_counter()
                 cache, token, logp = jax.block_until_ready(
                     decode(
-                        leaves, cache, token, lengths + step - 1, real,
-                        seed_array, jnp.int32(step), row_ids,
+                        leaves, cache, token, lengths_array, real_array,
+                        seed_array, np.int32(step), row_array,
                     )
                 )  # fmt: skip
                 timing.decode_seconds += time.perf_counter() - start

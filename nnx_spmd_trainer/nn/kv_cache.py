@@ -9,6 +9,14 @@ module with a ``decode`` attribute and that ``init_cache`` takes part:
 ``init_caches`` prepares every one of a model, and ``update_cache`` is the step
 for an attention of one's own (the shipped GPT-2's).
 
+``update_cache`` also takes a *block* of positions at once (a whole prompt: one
+prefill pass writes every prompt position's keys and values, each query seeing the
+cached positions up to its own). An attention that decodes blocks says so with a
+``decodes_blocks = True`` attribute (``MaskedAttention``, GPT-2's); a model all of
+whose cache modules do is prefilled in one pass (``decodes_blocks``), any other
+(Flax's own ``nnx.MultiHeadAttention``, which takes one position a call) one
+position at a time.
+
 A stack of blocks (``stack.stacked``: parameters with a leading ``LAYERS``
 dimension) gets caches with the same leading dimension, so ``nnx.scan`` hands
 each layer its own.
@@ -31,7 +39,14 @@ from flax import nnx
 
 from nnx_spmd_trainer.sharding import LAYERS
 
-__all__ = ["MaskedAttention", "cache_modules", "init_caches", "set_cache_mask", "update_cache"]
+__all__ = [
+    "MaskedAttention",
+    "cache_modules",
+    "decodes_blocks",
+    "init_caches",
+    "set_cache_mask",
+    "update_cache",
+]
 
 
 def cache_modules(model: nnx.Module) -> list[Any]:
@@ -39,9 +54,22 @@ def cache_modules(model: nnx.Module) -> list[Any]:
     ``init_cache`` method (``nnx.MultiHeadAttention``, the shipped GPT-2's attention)."""
     return [
         module
-        for _, module in model.iter_modules()
+        for _, module in nnx.iter_modules(model)
         if hasattr(module, "decode") and callable(getattr(module, "init_cache", None))
     ]
+
+
+def decodes_blocks(model: nnx.Module) -> bool:
+    """Whether every cache module of ``model`` takes a block of positions in one decode
+    call (a ``decodes_blocks = True`` attribute): then a prompt is prefilled in one pass.
+
+    >>> decodes_blocks(nnx.MultiHeadAttention(2, 4, decode=False, rngs=nnx.Rngs(0)))
+    False
+    >>> decodes_blocks(MaskedAttention(2, 4, decode=False, rngs=nnx.Rngs(0)))
+    True
+    """
+    modules = cache_modules(model)
+    return bool(modules) and all(getattr(m, "decodes_blocks", False) for m in modules)
 
 
 def _stacked_layers(module: nnx.Module) -> int | None:
@@ -102,23 +130,47 @@ def _with_cache_mask(module: nnx.Module, mask: jax.Array | None) -> jax.Array | 
 
 
 class MaskedAttention(nnx.MultiHeadAttention):
-    """``nnx.MultiHeadAttention`` whose decode step also hides what its ``cache_mask``
-    marks (a sampler's left padding); otherwise, and in training, exactly Flax's. Its
-    parameters are Flax's, under the same names.
+    """``nnx.MultiHeadAttention`` whose decode call takes a block of positions
+    (``update_cache``: a whole prompt in one prefill pass, or one position a step) and
+    hides what its ``cache_mask`` marks (a sampler's left padding); in training exactly
+    Flax's. Its parameters are Flax's, under the same names. Decoding, it attends to
+    itself only (``inputs_k``/``inputs_v`` are not taken), with no attention dropout.
     """
+
+    #: Its decode call takes a block of positions (``decodes_blocks``).
+    decodes_blocks = True
 
     def __call__(self, inputs_q: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         decode = kwargs.get("decode")
-        if decode if decode is not None else self.decode:
-            kwargs["mask"] = _with_cache_mask(self, kwargs.get("mask"))
-        return super().__call__(inputs_q, *args, **kwargs)
+        if not (decode if decode is not None else self.decode):
+            return super().__call__(inputs_q, *args, **kwargs)
+        if args or kwargs.get("inputs_k") is not None or kwargs.get("inputs_v") is not None:
+            raise ValueError(
+                f"{type(self).__name__}: decoding is self-attention; call it with inputs_q only."
+            )
+        query, key, value = self.query(inputs_q), self.key(inputs_q), self.value(inputs_q)
+        if self.normalize_qk:
+            assert self.query_ln is not None and self.key_ln is not None
+            query, key = self.query_ln(query), self.key_ln(key)
+        key, value, visible = update_cache(self, key, value)
+        mask = kwargs.get("mask")
+        mask = visible if mask is None else jnp.logical_and(mask.astype(bool), visible)
+        x = self.attention_fn(
+            query, key, value, mask=mask, dropout_rng=None, dropout_rate=0.0,
+            broadcast_dropout=self.broadcast_dropout, deterministic=True, dtype=self.dtype,
+            precision=self.precision, module=None,
+        )  # fmt: skip
+        return self.out(x)
 
 
 def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, Any, Any]:
-    """One decode step of ``module``'s cache, as ``nnx.MultiHeadAttention`` takes it:
-    ``key``/``value`` (``[batch, 1, heads, head_dim]``) written at ``cache_index``, which
-    moves on; returns the whole cached keys and values and the mask of the positions
-    written so far (``[batch, 1, 1, length]``) that its ``cache_mask`` keeps.
+    """A decode call's write into ``module``'s cache, as ``nnx.MultiHeadAttention``
+    takes one position, or a block of them: ``key``/``value`` (``[batch, block, heads,
+    head_dim]``) written from ``cache_index``, which moves on by ``block``. Returns the
+    whole cached keys and values and what each of the block's queries may attend to
+    (``[batch, 1, block, length]``): the positions up to its own that the module's
+    ``cache_mask`` keeps, and always itself (a padding query then attends to something,
+    so nothing it computes is NaN; real queries never see it, the mask hides it).
     """
     if getattr(module, "cached_key", None) is None:
         raise ValueError(
@@ -127,10 +179,11 @@ def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, An
         )
     cached_key, cached_value, index = module.cached_key, module.cached_value, module.cache_index
     batch, length = cached_key.shape[0], cached_key.shape[1]
-    if key.shape != (batch, 1, *cached_key.shape[2:]):
+    block = key.shape[1] if key.ndim == 4 else 0
+    if key.shape != (batch, block, *cached_key.shape[2:]) or not 0 < block <= length:
         raise ValueError(
-            f"{type(module).__name__}: a decode step takes one position of shape "
-            f"{(batch, 1, *cached_key.shape[2:])}; got keys of shape {key.shape}."
+            f"{type(module).__name__}: a decode call takes keys of shape (batch={batch}, "
+            f"positions<={length}, *{tuple(cached_key.shape[2:])}); got {key.shape}."
         )
     where = index[...]
     zero = jnp.zeros((), where.dtype)
@@ -138,6 +191,10 @@ def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, An
     cached_value[...] = jax.lax.dynamic_update_slice(
         cached_value[...], value, (zero, where, zero, zero)
     )
-    index[...] = where + 1
-    written = jnp.broadcast_to(jnp.arange(length) <= where, (batch, 1, 1, length))
-    return cached_key[...], cached_value[...], _with_cache_mask(module, written)
+    index[...] = where + block
+    queries = where + jnp.arange(block)[:, None]  # [block, 1]: each query's position
+    keys = jnp.arange(length)[None, :]
+    written = jnp.broadcast_to(keys <= queries, (batch, 1, block, length))
+    kept = _with_cache_mask(module, written)
+    assert kept is not None
+    return cached_key[...], cached_value[...], jnp.logical_or(kept, keys == queries)

@@ -233,6 +233,23 @@ class Plan:
             donate_argnums=donate_argnums,
         )
 
+    def axis_roles(self) -> dict[str, str]:
+        """What each mesh axis carries (``"data"``, ``"model"``, ``"stage"``, ...): the
+        strategy's answer (``Strategy.axis_roles``)."""
+        return self.strategy.axis_roles()
+
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split a batch's rows: the strategy's answer."""
+        return tuple(self.strategy.batch_axes())
+
+    def compile_program(
+        self, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (), **layout: Any
+    ) -> Callable[..., Any]:
+        """``fn`` of any arguments (not a train step's: the sampler's prefill and decode)
+        jitted as the strategy compiles its steps, with the ``in_shardings`` and
+        ``out_shardings`` given; ``fn`` enters ``trace_context`` itself, if it wants it."""
+        return self.strategy.compile_step(fn, donate_argnums=donate_argnums, **layout)
+
     @functools.cached_property
     def leaf_shardings(self) -> list[NamedSharding]:
         """The sharding of each array leaf of the state, in ``jax.tree.leaves`` order."""

@@ -154,7 +154,7 @@ class TransformerBlock(nnx.Module):
         projections around ``causal_attention`` (``nnx.MultiHeadAttention`` passes its
         ``attention_fn`` nothing per call beyond a mask)."""
         if segment_ids is None:
-            return self.mha(inputs_q=x)  # decoding: one position against its cache
+            return self.mha(inputs_q=x)  # decoding: a prompt or one position against its cache
         mha = self.mha
         q, k, v = mha.query(x), mha.key(x), mha.value(x)
         return mha.out(causal_attention(q, k, v, segment_ids=segment_ids))
@@ -311,7 +311,8 @@ class GPT(nnx.Module):
         mask: jax.Array | None = None,
     ) -> jax.Array:
         """Logits ``(batch, seq, vocab)`` in float32. ``mask`` (``[batch, 1, 1, cache]``,
-        decoding only): the cached keys each row may attend to (a sampler's padding hidden)."""
+        decoding only: a prompt's block of positions or one): the cached keys each row may
+        attend to (a sampler's padding hidden); causality is the cache's."""
         if mask is not None:
             set_cache_mask(self, mask)
         return self.head(self.features(tokens, segment_ids, positions)).astype(jnp.float32)

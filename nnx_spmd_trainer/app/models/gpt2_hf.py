@@ -97,6 +97,9 @@ def _linear(n_in: int, n_out: int, split_dim: str, rngs: nnx.Rngs) -> nnx.Linear
 class GPT2Attention(nnx.Module):
     """Causal self-attention: ``c_attn``'s q, k, v as three projections, then ``c_proj``."""
 
+    #: Decoding, a call takes a block of positions (a whole prompt: one prefill pass).
+    decodes_blocks = True
+
     def __init__(self, config: GPT2Config, rngs: nnx.Rngs) -> None:
         d = config.n_embd
         self.n_head = config.n_head
@@ -125,7 +128,7 @@ class GPT2Attention(nnx.Module):
             p(x).reshape(batch, length, self.n_head, d // self.n_head)
             for p in (self.q, self.k, self.v)
         )
-        if self.decode:  # one position against the cache
+        if self.decode:  # a block of positions (a prompt, or one step) against the cache
             k, v, written = update_cache(self, k, v)
             out = causal_attention(q, k, v, mask=written)
         else:
