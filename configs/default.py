@@ -59,4 +59,11 @@ def data_config() -> ml_collections.ConfigDict:
     data.packed = True  # documents packed into rows; False: one document's piece a row
     data.seq_len = 0  # tokens a row; 0: the model's positions (config.gpt.seq_len)
     data.verify = False  # every chunk's checksum checked first (reads the whole corpus)
+    # Chat data (docs/topics/chat.md): a JSONL of {"messages": [...]} rows, the loss on the
+    # assistant's tokens; rendered with data.tokenizer's chat template, or the library's
+    # ChatML (data.chat_template="chatml"); a conversation longer than a row is "cut" at a
+    # turn or "drop"ped (data.chat_too_long)
+    data.chat = ""
+    data.chat_template = ""
+    data.chat_too_long = "cut"
     return data

@@ -16,7 +16,11 @@ the module of its job and is re-exported here. The core imports from the homes:
 - ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
   ``ContiguousRows``;
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
-  (docs/topics/corpora.md: from text files to packed, mixed rows).
+  (docs/topics/corpora.md: from text files to packed, mixed rows);
+- ``chat.py``: ``read_conversations``, ``load_chat_tokenizer``, ``ChatTokenizer``,
+  ``chat_documents``, ``ChatDocument``, ``ChatCounts``, ``ChatError``, ``CHATML_TEMPLATE``,
+  ``CHATML_TOKENS``: conversations to ids and per-token loss weights
+  (docs/topics/chat.md).
 
 The rest is internal (``position.seek`` and ``DataPosition``: a resumed run's data), a line
 each:
@@ -38,6 +42,17 @@ from nnx_spmd_trainer.data.batches import (
     rows_multiple,
     transfer_batch,
 )
+from nnx_spmd_trainer.data.chat import (
+    CHATML_TEMPLATE,
+    CHATML_TOKENS,
+    ChatCounts,
+    ChatDocument,
+    ChatError,
+    ChatTokenizer,
+    chat_documents,
+    load_chat_tokenizer,
+    read_conversations,
+)
 from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, write_corpus
 from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
 from nnx_spmd_trainer.data.packing import (
@@ -57,6 +72,12 @@ from nnx_spmd_trainer.data.tokenizer import (
 __all__ = [
     "BATCHES_TAKEN",
     "BatchMismatch",
+    "CHATML_TEMPLATE",
+    "CHATML_TOKENS",
+    "ChatCounts",
+    "ChatDocument",
+    "ChatError",
+    "ChatTokenizer",
     "ContiguousRows",
     "Corpus",
     "CorpusError",
@@ -65,13 +86,16 @@ __all__ = [
     "Stage",
     "Tokenizer",
     "TokenizerError",
+    "chat_documents",
     "check_batch",
+    "load_chat_tokenizer",
     "load_tokenizer",
     "pack_documents",
     "packed_pipeline",
     "pad_batch",
     "padding_share",
     "place_batch",
+    "read_conversations",
     "rows_multiple",
     "train_bpe",
     "transfer_batch",

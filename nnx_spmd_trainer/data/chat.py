@@ -141,6 +141,11 @@ class ChatTokenizer:
     Args:
       backend: a transformers tokenizer (``PreTrainedTokenizerFast``) with ``chat_template``.
 
+    Attributes:
+      template: the chat template's Jinja text.
+      markers: whether it has ``{% generation %}`` markers (which then give the mask).
+      roles: the roles a conversation may use (``tool`` where the template mentions it).
+
     >>> from nnx_spmd_trainer.data import train_bpe
     >>> ChatTokenizer.from_tokenizer(train_bpe(texts=["hi"], vocab_size=260)).roles
     ('system', 'user', 'assistant')

@@ -80,7 +80,7 @@ def split_document(document: np.ndarray | Row, seq_len: int) -> list[Row]:
     inputs, targets = ids[:-1], ids[1:]
     chunks = []
     for start in range(0, len(inputs), seq_len):
-        chunk = {
+        chunk: Row = {
             "inputs": inputs[start : start + seq_len],
             "targets": targets[start : start + seq_len],
         }

@@ -12,6 +12,8 @@ every bad input refused as a ``ConfigError`` naming its key, before anything is 
 - ``packed``: documents packed into rows (``True``), or one document's piece a row.
 - ``seq_len``: tokens a row; 0: the model's positions (``config.gpt.seq_len``).
 - ``verify``: check every chunk's checksum before training (reads the whole corpus).
+- ``chat``, ``chat_template``, ``chat_too_long``: conversations from a JSONL file, the loss
+  on the assistant's tokens (``app/datasets/chat.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import ml_collections
 
 from nnx_spmd_trainer.app.datasets.base import Splits
+from nnx_spmd_trainer.app.datasets.chat import chat_splits
 from nnx_spmd_trainer.app.datasets.corpora import corpus_splits
 from nnx_spmd_trainer.app.datasets.documents import bpe_lm_splits, pydoc_tokenizer
 from nnx_spmd_trainer.app.datasets.text import SplitOptions, char_lm_splits
@@ -155,6 +158,10 @@ def text_splits(
             f"(config.gpt.seq_len={model_positions}); use at most that, or 0 for the model's."
         )
     options = SplitOptions(**{**options, "seq_len": seq_len})
+    if data.get("chat", ""):  # conversations, the loss on the assistant's tokens
+        if data.get("corpus", ""):
+            raise ConfigError("config.data.chat and config.data.corpus: give one of them.")
+        return chat_splits(config, options, config.gpt.get("vocab_size", 0))
     corpora = _open_corpora(data)
     tokenizer = _tokenizer(data, corpora)
     model_vocab = config.gpt.get("vocab_size", 0) or _padded(tokenizer.vocab_size)
