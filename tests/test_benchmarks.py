@@ -103,3 +103,19 @@ def test_minigpt_overhead_runs_at_tiny_sizes(tmp_path):
         "| loop | wall ms/step | wall vs tutorial |"
         in (tmp_path / "minigpt_overhead.md").read_text()
     )
+
+
+def test_generate_speed_runs_at_tiny_sizes(tmp_path):
+    """``generate_speed.py --quick``: both batch sizes timed, the profile's host share read."""
+    script = Path(__file__).parent.parent / "benchmarks" / "generate_speed.py"
+    proc = subprocess.run(  # the tests' XLA_FLAGS: 8 devices
+        [sys.executable, str(script), "--quick", f"--out={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "generate_speed_8dev.json").read_text())
+    assert [row["batch"] for row in run["rows"]] == [1, 8]
+    for row in run["rows"]:
+        assert row["prefill_tokens_per_s"]["median"] > 0 < row["decode_tokens_per_s"]["median"]
+        assert 0 < row["host_share"]["median"] < 1 and 0 < row["program_share"] <= 1
+    assert "| batch (rows) | prefill tokens/s |" in (tmp_path / "generate_speed.md").read_text()

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.profiler import TraceAnnotation
 
 from nnx_spmd_trainer.generate.programs import DecodePrograms
 from nnx_spmd_trainer.generate.sampling import Sampling
@@ -249,21 +250,14 @@ class Sampler:
         stop: Sequence[str],
     ) -> Generation:
         n = len(ids)
-        tokens = np.zeros((rows, columns), np.int32)
-        positions = np.zeros((rows, columns), np.int32)
-        real = np.zeros((rows, length), bool)
-        real[:, columns:] = True  # what is generated is always attended to
-        lengths = np.array([len(p) for p in ids] + [1] * (rows - n), np.int32)
-        for r, prompt in enumerate(ids + [[0]] * (rows - n)):
-            tokens[r, columns - len(prompt) :] = prompt
-            positions[r, columns - len(prompt) :] = np.arange(len(prompt))
-            real[r, columns - len(prompt) : columns] = True
+        tokens, positions, real, lengths = _left_padded(ids, rows, columns, length)
         row_ids = np.arange(rows, dtype=np.int32)  # a prompt's index: its keys' third input
         programs, leaves = self.programs, self.programs.state_leaves()
         prefill = programs.prefill(rows, columns, length, how)
         decode = programs.decode(rows, length, how)
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
-        with jax.set_mesh(programs.plan.mesh):
+        # TraceAnnotations: a profile (jax.profiler) shows each phase and decode step.
+        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate/prefill"):
             seed_array, real_array, lengths_array, row_array = programs.on_devices(
                 np.uint32(seed), real, lengths, row_ids
             )
@@ -274,21 +268,23 @@ class Sampler:
             timing.prefill_seconds = time.perf_counter() - start
             out = _Rows(n, end_token, stop, self.tokenizer)
             done = out.take(np.asarray(token), np.asarray(logp))
-            loop_start = time.perf_counter()
+        loop_start = time.perf_counter()
+        with jax.set_mesh(programs.plan.mesh):
             for step in range(1, max_new_tokens):
                 if done:
                     break
-                start = time.perf_counter()
-                cache, token, logp = jax.block_until_ready(
-                    decode(
-                        leaves, cache, token, lengths_array, real_array,
-                        seed_array, np.int32(step), row_array,
-                    )
-                )  # fmt: skip
-                timing.decode_seconds += time.perf_counter() - start
-                timing.decode_steps += 1
-                done = out.take(np.asarray(token), np.asarray(logp))
-            timing.decode_loop_seconds = time.perf_counter() - loop_start
+                with TraceAnnotation("generate/decode_step"):
+                    start = time.perf_counter()
+                    cache, token, logp = jax.block_until_ready(
+                        decode(
+                            leaves, cache, token, lengths_array, real_array,
+                            seed_array, np.int32(step), row_array,
+                        )
+                    )  # fmt: skip
+                    timing.decode_seconds += time.perf_counter() - start
+                    timing.decode_steps += 1
+                    done = out.take(np.asarray(token), np.asarray(logp))
+        timing.decode_loop_seconds = time.perf_counter() - loop_start
         timing.decode_tokens = n * timing.decode_steps
         self.last_timing = timing
         logger.info(
@@ -336,6 +332,24 @@ class DecodeTiming:
             f"tokens in {self.decode_steps} steps, {self.decode_seconds:.4f} s "
             f"({self.decode_tokens_per_second:.1f} tokens/s)"
         )
+
+
+def _left_padded(
+    ids: list[list[int]], rows: int, columns: int, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The prompts left padded into ``rows x columns`` (padding rows: one token), each
+    row's positions from its own first token, the cache positions each row may attend
+    to (``rows x length``: its prompt and everything generated), and each row's length."""
+    tokens = np.zeros((rows, columns), np.int32)
+    positions = np.zeros((rows, columns), np.int32)
+    real = np.zeros((rows, length), bool)
+    real[:, columns:] = True  # what is generated is always attended to
+    padded = ids + [[0]] * (rows - len(ids))
+    for r, prompt in enumerate(padded):
+        tokens[r, columns - len(prompt) :] = prompt
+        positions[r, columns - len(prompt) :] = np.arange(len(prompt))
+        real[r, columns - len(prompt) : columns] = True
+    return tokens, positions, real, np.array([len(p) for p in padded], np.int32)
 
 
 class _Rows:
