@@ -5,7 +5,10 @@ input), ``segment_ids`` (``[rows, seq]``: ``1..k`` for the documents of a row, `
 for padding) and ``positions`` (each token's position in its document, restarting
 at 0). The attention reads the first (``attention.causal_attention(...,
 segment_ids=...)``), the position embedding the second; the loss counts the
-targets ``target_weights`` keeps. docs/topics/packing.md shows a model of one's own.
+targets ``target_weights`` keeps. Any batch, packed or not, may also carry
+``loss_weights`` (float ``[rows, seq]``, aligned with ``targets``: the weight of
+predicting each target, 0 for one not trained, such as a chat prompt's tokens);
+``token_weights`` combines the two. docs/topics/packing.md shows a model of one's own.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-__all__ = ["packed_inputs", "target_weights"]
+__all__ = ["PACKING_FIELDS", "packed_inputs", "target_weights", "token_weights"]
+
+# The fields of a batch that say how its rows are packed and which targets train: a loss
+# that never reads one of them trains the rows as if unpacked (planner.step refuses it).
+PACKING_FIELDS = ("segment_ids", "positions", "target_segment_ids", "loss_weights")
 
 
 def packed_inputs(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -61,3 +68,25 @@ def target_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
     if following is None:
         following = jnp.concatenate([segments[:, 1:], segments[:, -1:]], axis=1)
     return (segments != 0) & (following == segments)
+
+
+def token_weights(batch: Mapping[str, jax.Array]) -> jax.Array | None:
+    """The weight of each target (``[batch, seq]`` float32), else ``None``: the packed
+    rule (``target_weights``: 1 for a target within its input's document, 0 otherwise)
+    times ``batch["loss_weights"]`` when the batch has it.
+
+    A loss that averages ``losses * token_weights(batch)`` over the sum of the weights
+    is the mean over the batch's trained targets; ``None`` (neither packed nor
+    weighted) means every target counts.
+
+    >>> batch = {"segment_ids": jnp.array([[1, 1, 1, 0]]),
+    ...          "loss_weights": jnp.array([[0.0, 1.0, 1.0, 1.0]])}
+    >>> token_weights(batch)
+    Array([[0., 1., 0., 0.]], dtype=float32)
+    """
+    packed = target_weights(batch)
+    weights = batch.get("loss_weights")
+    if weights is None:
+        return None if packed is None else packed.astype(jnp.float32)
+    weights = jnp.asarray(weights, jnp.float32)
+    return weights if packed is None else jnp.where(packed, weights, 0.0)

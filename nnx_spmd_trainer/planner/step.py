@@ -19,12 +19,19 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
+from nnx_spmd_trainer.data.batch_reads import refuse_unread, tracked
 from nnx_spmd_trainer.optim import spikes
 from nnx_spmd_trainer.optim.nonfinite import held_state, undo_if_not_finite
 from nnx_spmd_trainer.planner.microbatch import join_microbatches, microbatches, rows_sharding
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Any
+
+# The ``aux`` key under which a loss reports the total weight of the targets its loss is
+# the mean over (a scalar: the number of trained tokens, or the sum of their weights).
+# Gradient accumulation weights each microbatch by it, so the step's loss and gradients
+# are the mean over the whole batch's trained tokens (``compute_gradients``).
+TOKEN_WEIGHT = "token_weight"
 
 
 def checked_loss(output: Any, name: str = "loss_fn") -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -102,6 +109,15 @@ def _merge_metrics(
     return metrics.merge(type(metrics).single_from_model_output(**outputs))
 
 
+def _microbatch_weight(aux: dict[str, jax.Array], microbatch: Batch, masked: bool) -> Any:
+    """What one microbatch counts for in the batch's mean: its trained tokens' weight when
+    the loss reports it (``TOKEN_WEIGHT``), else its real examples when the batch has a
+    ``"mask"``, else 1 (the microbatches equally)."""
+    if TOKEN_WEIGHT in aux:
+        return jnp.asarray(aux[TOKEN_WEIGHT], jnp.float32)
+    return batch_mask(microbatch).sum(dtype=jnp.float32) if masked else 1.0
+
+
 def compute_gradients(
     model: nnx.Module,
     batch: Batch,
@@ -121,6 +137,21 @@ def compute_gradients(
     so they equal one pass over the whole batch when the loss is a mean over
     examples (weighted by each microbatch's real examples when the batch has a
     ``"mask"``).
+
+    The token mean: a loss that is a mean over weighted targets (packed rows, chat
+    rows' ``loss_weights``) reports the total weight it averaged over as
+    ``aux[TOKEN_WEIGHT]`` (``"token_weight"``; the shipped GPT losses do). Each
+    microbatch then counts by that weight, and the step's loss and gradients are the
+    mean over the whole batch's trained tokens, the same for any ``grad_accum_steps``
+    (not a mean of the microbatches' means, which would change with the split). A
+    loss of one's own takes part by returning ``{TOKEN_WEIGHT: weights.sum(), ...}``
+    beside ``(losses * weights).sum() / weights.sum()``; the returned ``aux`` then
+    holds the whole batch's weight under that key.
+
+    While jax traces it, ``loss_fn`` is handed the batch (a ``dict``) as a
+    ``data.batch_reads.ReadBatch``: a key it reads and the batch lacks names the keys
+    the batch has, and a packing field (``segment_ids``, ``positions``, Grain's
+    ``*_segment_ids``...) it never reads is refused, never trained as if unpacked.
 
     ``aux`` comes back shaped as one pass over the whole batch would give it
     (``join_microbatches``): a per-example value (leading dimension: the
@@ -142,7 +173,9 @@ def compute_gradients(
 
     def compute(params: nnx.State, rest: nnx.State, batch: Batch) -> Any:
         module = nnx.merge(model_def, params, rest, copy=True)  # fresh vars: dropout mutates
+        batch = tracked(batch, "loss_fn")
         loss, aux = checked_loss(loss_fn(module, batch))
+        refuse_unread(batch)
         return loss, (aux, nnx.state(module, carried))
 
     if checkpoint is not None:
@@ -158,8 +191,7 @@ def compute_gradients(
         def accumulate(carry: Any, microbatch: Batch) -> tuple[Any, Any]:
             grad_sum, rest, loss_sum, weight_sum = carry
             (loss, (aux, rest)), grads = grad_fn(params, rest, microbatch)
-            # A padded batch's microbatches count by their real examples; others equally.
-            weight = batch_mask(microbatch).sum(dtype=jnp.float32) if masked else 1.0
+            weight = _microbatch_weight(aux, microbatch, masked)
             grad_sum = jax.tree.map(lambda s, g: (s + g * weight).astype(s.dtype), grad_sum, grads)
             carry = (grad_sum, rest, loss_sum + loss * weight, weight_sum + weight)
             return carry, (aux, jnp.asarray(weight, jnp.float32))
@@ -168,11 +200,17 @@ def compute_gradients(
         init = (zeros, rest, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         mbs = microbatches(batch, grad_accum_steps, batch_sharding)
         (grads, rest, loss, weight), (auxes, weights) = jax.lax.scan(accumulate, init, mbs)
-        total: Any = jnp.maximum(weight, 1.0) if masked else grad_accum_steps
+        token_weighted = TOKEN_WEIGHT in auxes
+        weighted = masked or token_weighted
+        # No trained token (or real row) at all: every microbatch added 0; divide by 1.
+        total: Any = jnp.where(weight > 0, weight, 1.0) if weighted else grad_accum_steps
         grads = jax.tree.map(lambda g: (g / total).astype(g.dtype), grads)
         loss = loss / total
         rows = jax.tree.leaves(batch)[0].shape[0]
+        auxes = {name: value for name, value in auxes.items() if name != TOKEN_WEIGHT}
         aux = join_microbatches(auxes, weights / total, rows, rows_sharding(batch_sharding))
+        if token_weighted:
+            aux[TOKEN_WEIGHT] = weight  # the whole batch's, as one pass would report it
     nnx.update(model, rest)
     return loss, aux, grads
 
@@ -245,7 +283,9 @@ def make_eval_step(
     ) -> clu_metrics.Collection:
         model = nnx.merge(graphdef, state)["model"]
         model.eval()
-        loss, aux = checked_loss(eval_fn(model, batch), "eval_fn")
+        read = tracked(batch, "eval_fn")
+        loss, aux = checked_loss(eval_fn(model, read), "eval_fn")
+        refuse_unread(read)
         return _merge_metrics(metrics, loss, aux, batch)
 
     return eval_step
