@@ -15,6 +15,8 @@ the module of its job and is re-exported here. The core imports from the homes:
   ``corpus_inputs.py``: the files a corpus is written from, a binary one named);
 - ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
   ``ContiguousRows``;
+- ``grain_packed.py``: ``from_grain_packed``, rows packed by Grain's own packers as the
+  batch the models take;
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
   (docs/topics/corpora.md: from text files to packed, mixed rows);
 - ``chat.py``: ``read_conversations``, ``load_chat_tokenizer``, ``ChatTokenizer``,
@@ -32,6 +34,7 @@ each:
 - ``grain_input.py``: ``grain_pipeline``, one process's Grain input pipeline
 - ``corpus_inputs.py``: the files a corpus is written from, ``CorpusError``'s home
 - ``reads.py``: what this process read from corpora on disk
+- ``batch_reads.py``: the fields a loss read of its batch (unread packing fields refused)
 """
 
 from nnx_spmd_trainer.data.batch_errors import BatchMismatch
@@ -54,6 +57,7 @@ from nnx_spmd_trainer.data.chat import (
     read_conversations,
 )
 from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, write_corpus
+from nnx_spmd_trainer.data.grain_packed import from_grain_packed
 from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
 from nnx_spmd_trainer.data.packing import (
     ContiguousRows,
@@ -88,6 +92,7 @@ __all__ = [
     "TokenizerError",
     "chat_documents",
     "check_batch",
+    "from_grain_packed",
     "load_chat_tokenizer",
     "load_tokenizer",
     "pack_documents",
