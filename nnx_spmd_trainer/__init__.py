@@ -22,7 +22,7 @@ from nnx_spmd_trainer.planner import auto
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.state import sharding_table
-from nnx_spmd_trainer.planner.step import masked_mean
+from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, masked_mean
 from nnx_spmd_trainer.sharding import ShardingError, path_str
 from nnx_spmd_trainer.strategies import (
     FSDP,
@@ -81,6 +81,7 @@ __all__ = [
     "AxisStrategy",
     "DataShard",
     "HOOKS",
+    "TOKEN_WEIGHT",
     "as_position",
     "is_perf_key",
     "auto",

@@ -17,25 +17,15 @@ from typing import Any
 
 import jax
 
-from nnx_spmd_trainer.nn.packed import PACKING_FIELDS
+from nnx_spmd_trainer.nn.packed import PACKING_FIELDS, packing_fields
 
-__all__ = ["MissingBatchKey", "ReadBatch", "packing_fields", "refuse_unread", "tracked"]
+__all__ = ["MissingBatchKey", "ReadBatch", "refuse_unread", "tracked"]
 
 _GRAIN_HINT = (
     "Rows packed by Grain (grain.experimental.FirstFitPackIterDataset: <feature>_segment_ids, "
     "<feature>_positions) become the batch the models take through "
     "nnx_spmd_trainer.data.from_grain_packed (docs/topics/packing.md)."
 )
-
-
-def packing_fields(keys: Any) -> list[str]:
-    """The keys among ``keys`` that say how rows are packed or which targets train."""
-    return sorted(
-        key
-        for key in keys
-        if isinstance(key, str)
-        and (key in PACKING_FIELDS or key.endswith(("_segment_ids", "_positions")))
-    )
 
 
 def _hint(keys: Any) -> str:

@@ -13,16 +13,34 @@ predicting each target, 0 for one not trained, such as a chat prompt's tokens);
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PACKING_FIELDS", "packed_inputs", "target_weights", "token_weights"]
+__all__ = [
+    "PACKING_FIELDS",
+    "packed_inputs",
+    "packing_fields",
+    "target_weights",
+    "token_weights",
+]
 
 # The fields of a batch that say how its rows are packed and which targets train: a loss
 # that never reads one of them trains the rows as if unpacked (planner.step refuses it).
 PACKING_FIELDS = ("segment_ids", "positions", "target_segment_ids", "loss_weights")
+
+
+def packing_fields(keys: Iterable[Any]) -> list[str]:
+    """The keys among ``keys`` that say how rows are packed or which targets train:
+    ``PACKING_FIELDS`` and any ``*_segment_ids`` / ``*_positions`` (Grain's names)."""
+    return sorted(
+        key
+        for key in keys
+        if isinstance(key, str)
+        and (key in PACKING_FIELDS or key.endswith(("_segment_ids", "_positions")))
+    )
 
 
 def packed_inputs(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

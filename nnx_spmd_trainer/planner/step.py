@@ -27,10 +27,11 @@ from nnx_spmd_trainer.planner.microbatch import join_microbatches, microbatches,
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Any
 
-# The ``aux`` key under which a loss reports the total weight of the targets its loss is
-# the mean over (a scalar: the number of trained tokens, or the sum of their weights).
-# Gradient accumulation weights each microbatch by it, so the step's loss and gradients
-# are the mean over the whole batch's trained tokens (``compute_gradients``).
+#: The ``aux`` key under which a loss reports the total weight of the targets its loss is
+#: the mean over (a scalar: the number of trained tokens, or the sum of their weights).
+#: Gradient accumulation weights each microbatch by it, so the step's loss and gradients
+#: are the mean over the whole batch's trained tokens, whatever the split
+#: (docs/topics/packing.md, "The token mean").
 TOKEN_WEIGHT = "token_weight"
 
 

@@ -20,10 +20,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer.data.batch_reads import packing_fields
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.nn.moe import moe_losses
-from nnx_spmd_trainer.nn.packed import PACKING_FIELDS, packed_inputs, token_weights
+from nnx_spmd_trainer.nn.packed import (
+    PACKING_FIELDS,
+    packed_inputs,
+    packing_fields,
+    token_weights,
+)
 from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, batch_mask, masked_mean
 
 __all__ = ["chunked_loss_fn", "loss_fn"]
