@@ -24,7 +24,9 @@ pytest.importorskip("transformers")
 import tokenizers  # noqa: E402
 from tokenizers import models, pre_tokenizers  # noqa: E402
 
+from nnx_spmd_trainer import DataParallel, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models import gpt  # noqa: E402
+from nnx_spmd_trainer.app.models.gpt_losses import loss_fn  # noqa: E402
 from nnx_spmd_trainer.data.chat import (  # noqa: E402
     CHATML_TOKENS,
     ChatError,
@@ -257,7 +259,11 @@ def weighted_mean_loss(model, batch):
 SEQ = 40
 
 
-def test_packed_and_unpacked_conversations_give_the_same_loss_and_gradients(chat_tokenizers):
+@pytest.fixture(scope="module")
+def chat_batches(chat_tokenizers):
+    """A tiny GPT split as ``(graph, params, rest)``, and the same 8 conversations as one
+    batch packed (several a row, padded to 4 rows with empty ones) and one unpacked (one a
+    row): their trained tokens differ from row to row and microbatch to microbatch."""
     tokenizer = chat_tokenizers["llama3"]
     words = ["hi", "how", "are", "you", "fine", "thanks", "because"]
     conversations = [
@@ -270,13 +276,18 @@ def test_packed_and_unpacked_conversations_give_the_same_loss_and_gradients(chat
 
     def batch(packed: bool):
         rows = list(pack_documents(source, SEQ, packed=packed, weighted=True, num_packing_bins=4))
-        return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}, len(rows)
+        rows += [{k: np.zeros_like(v) for k, v in rows[0].items()}] * (-len(rows) % 4)
+        return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
 
-    (packed, packed_rows), (unpacked, unpacked_rows) = batch(True), batch(False)
-    assert unpacked_rows == len(documents) > packed_rows  # packing did put several in a row
+    packed, unpacked = batch(True), batch(False)
+    assert len(unpacked["inputs"]) == len(documents) > len(packed["inputs"]) == 4
     with nnx.use_eager_sharding(False):  # one device: the model's layout annotations unused
         model = gpt.GPT(len(tokenizer.backend) + 5, SEQ, 32, 4, 64, 1, 0.0, nnx.Rngs(0))
-    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.split(model, nnx.Param, ...), packed, unpacked
+
+
+def test_packed_and_unpacked_conversations_give_the_same_loss_and_gradients(chat_batches):
+    (graph, params, rest), packed, unpacked = chat_batches
 
     def loss(p, b):
         return weighted_mean_loss(nnx.merge(graph, p, rest), b)
@@ -287,6 +298,42 @@ def test_packed_and_unpacked_conversations_give_the_same_loss_and_gradients(chat
     assert float(loss_p) == pytest.approx(float(loss_u), abs=1e-6)
     for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_u), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("accum", [1, 2, 4])
+def test_the_gpt_loss_over_chat_rows_is_the_batch_token_mean_for_any_split(chat_batches, accum):
+    """One SGD step of the Trainer with the shipped GPT loss: it honours ``loss_weights``
+    and gradient accumulation divides by the whole batch's trained weight, so packed or
+    not, split 1, 2 or 4 ways, the step is that of one mean over all the batch's
+    assistant tokens (the test's own loss, plain JAX; 1e-6)."""
+    (graph, params, rest), packed, unpacked = chat_batches
+
+    def own(p, b):
+        return weighted_mean_loss(nnx.merge(graph, p, rest), b)
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(own))(params, unpacked)
+    if accum == 4:  # a mean of the microbatches' means would differ: the split matters
+        rows = [{k: v[i : i + 1] for k, v in packed.items()} for i in range(4)]
+        naive = np.mean([float(own(params, r)) for r in rows if r[LOSS_WEIGHTS].sum()])
+        assert abs(naive - float(want_loss)) > 1e-3
+    want = jax.tree.map(lambda p, g: p - g, params, want_grads)  # SGD, learning rate 1
+
+    for batch in (packed, unpacked):
+        trainer = Trainer(
+            nnx.merge(graph, *jax.tree.map(jnp.copy, (params, rest))),  # the step donates
+            optax.sgd(1.0),
+            loss_fn=loss_fn,
+            grad_accum_steps=accum,
+            strategy=DataParallel(),
+            devices=jax.devices()[:1],
+        )
+        trainer.fit([jax.tree.map(np.asarray, batch)], max_steps=1)
+        assert trainer.history.history["train/loss"][-1] == pytest.approx(
+            float(want_loss), abs=1e-6
+        )
+        got = nnx.state(trainer.model, nnx.Param)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)  # gradients up to ~3
 
 
 # -- bad input: one line each, naming the row and the fix ------------------------------------
