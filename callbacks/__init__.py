@@ -25,6 +25,7 @@ from .checkpoint import (
 )
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
+from .eval_harness import EvalHarnessCallback
 from .lambda_callback import LambdaCallback
 from .lr_monitor import LearningRateMonitor
 from .metrics import MetricsLogger
@@ -43,6 +44,7 @@ __all__ = [
     "DamagedCheckpoint",
     "Callback",
     "EarlyStopping",
+    "EvalHarnessCallback",
     "History",
     "LambdaCallback",
     "LearningRateMonitor",

@@ -65,7 +65,7 @@ _EXTERNAL = (
     "jax|jaxlib|flax|optax|orbax|numpy|np|grain|clu|ml_collections|absl|tensorboardX|tqdm"
     "|typing|typing_extensions|collections|contextlib|pathlib|os|concurrent|threading"
     "|subprocess|signal|socket|enum|dataclasses|types|io|logging|json|datetime|abc|queue"
-    "|nnx|clu_metrics|ocp|P|PartitionSpec|NamedSharding|Mesh|tokenizers"
+    "|nnx|clu_metrics|ocp|P|PartitionSpec|NamedSharding|Mesh|tokenizers|lm_eval"
 )
 nitpick_ignore_regex = [(r"py:.*", rf"(~?)({_EXTERNAL})(\..*)?")]
 

@@ -1,6 +1,7 @@
 """nnx_spmd_trainer: distributed training of Flax NNX models by swapping one strategy object."""
 
 import importlib.metadata
+from typing import Any
 
 from nnx_spmd_trainer import deprecation, distributed, weights
 from nnx_spmd_trainer.callback import HOOKS, Callback, CallbackList, History, Logs
@@ -97,3 +98,13 @@ __all__ = [
     "stack",
     "weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # HarnessLM subclasses lm_eval's LM: imported when asked for, so the package needs
+    # lm-eval (the [lm-eval] extra) only where it is used.
+    if name == "HarnessLM":
+        from nnx_spmd_trainer.generate.harness import HarnessLM
+
+        return HarnessLM
+    raise AttributeError(f"module 'nnx_spmd_trainer' has no attribute {name!r}")

@@ -306,8 +306,19 @@ class Trainer(LayoutAccess, RunAccess):
         logs = self._loop.evaluate(eval_data)
         return {key.removeprefix("eval/"): value for key, value in logs.items()}
 
-    def predict(self, data: Iterable[Any], *, to_numpy: bool = False) -> list[Any]:
+    def predict(
+        self,
+        data: Iterable[Any],
+        *,
+        to_numpy: bool = False,
+        predict_fn: Callable[[nnx.Module, Any], Any] | None = None,
+    ) -> list[Any]:
         """``predict_fn``'s outputs for each batch of ``data``, in order.
+
+        ``predict_fn`` (``(model, batch) -> outputs``) replaces the trainer's for this call:
+        what an evaluation or a post-training loss reads besides the model's outputs
+        (per-token log-probabilities, say). Keep one function object per purpose: each is
+        compiled once per batch structure and kept in the plan's cache.
 
         A batch whose rows the mesh cannot split is padded, and its outputs are
         trimmed back to its rows (outputs then need the rows as their leading
@@ -318,7 +329,7 @@ class Trainer(LayoutAccess, RunAccess):
 
             logits = trainer.predict(test_batches, to_numpy=True)  # [(rows, classes), ...]
         """
-        return self._loop.predict(data, to_numpy=to_numpy)
+        return self._loop.predict(data, to_numpy=to_numpy, predict_fn=predict_fn)
 
     def ema_weights(self) -> contextlib.AbstractContextManager[None]:
         """Within the block the model holds the average of its weights (``Trainer(...,

@@ -85,12 +85,16 @@ class Loop:
         # FLOPs per device of each compiled train step, read once from its program.
         self._step_flops: dict[Callable[..., Any], float | None] = {}
 
-    def compile(self, kind: str, batch: Any, *, norms: bool = False) -> Any:
+    def compile(
+        self, kind: str, batch: Any, *, norms: bool = False, fn: Callable[..., Any] | None = None
+    ) -> Any:
         """The plan's compiled ``kind`` step ("train", "eval", "predict") for ``batch``,
-        running the trainer's override of that kind."""
-        return self.cached_step(kind, batch, norms=norms).fn
+        running the trainer's override of that kind, or ``fn`` where given."""
+        return self.cached_step(kind, batch, norms=norms, fn=fn).fn
 
-    def cached_step(self, kind: str, batch: Any, *, norms: bool = False) -> CachedStep:
+    def cached_step(
+        self, kind: str, batch: Any, *, norms: bool = False, fn: Callable[..., Any] | None = None
+    ) -> CachedStep:
         """``compile``'s step from the plan's cache, and whether this call compiled it."""
         trainer, live = self.trainer, self.run.objects()
         fns: dict[str, Callable[..., Any]] = {
@@ -99,7 +103,12 @@ class Loop:
             "predict": trainer.predict_fn,
         }
         return trainer.plan.cached_step(
-            kind, batch, fn=fns[kind], norms=norms, graphdef=live.graphdef, treedef=live.treedef
+            kind,
+            batch,
+            fn=fns[kind] if fn is None else fn,
+            norms=norms,
+            graphdef=live.graphdef,
+            treedef=live.treedef,
         )
 
     # -- fit -------------------------------------------------------------------------------
@@ -353,14 +362,20 @@ class Loop:
         return logs
 
     # -- predict ---------------------------------------------------------------------------
-    def predict(self, batches: Iterable[Any], *, to_numpy: bool) -> list[Any]:
+    def predict(
+        self,
+        batches: Iterable[Any],
+        *,
+        to_numpy: bool,
+        predict_fn: Callable[..., Any] | None = None,
+    ) -> list[Any]:
         """``predict_fn``'s outputs for each of ``batches`` (see ``Trainer.predict``)."""
         arrays = self.run.objects().arrays()
         with jax.set_mesh(self.trainer.plan.mesh):
             return predict.predict_batches(
                 batches,
                 self.trainer.placement,
-                lambda batch: self.compile("predict", batch),
+                lambda batch: self.compile("predict", batch, fn=predict_fn),
                 arrays,
                 to_numpy=to_numpy,
             )
