@@ -5,6 +5,7 @@
     nnx-spmd-train corpus texts/ --out corpora/mine   # tokenize files into a corpus
     nnx-spmd-train --config.data.corpus=corpora/mine  # ... and train on it
     nnx-spmd-train evaluate runs/default              # a workdir's checkpoint evaluated
+    nnx-spmd-train generate runs/default --prompt Hi  # ... continuing prompts
     python -m nnx_spmd_trainer --config=mlp          # an embedded config, by name
 
 ``--config`` takes a config file path, or the name of a config shipped in
@@ -53,7 +54,7 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import corpus, evaluate, tasks
+from nnx_spmd_trainer.app import corpus, evaluate, generate, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -213,6 +214,9 @@ def main(
     if argv[1:2] == ["evaluate"]:  # nnx-spmd-train evaluate WORKDIR: app/evaluate.py
         _default_sigterm(sigterm_noticed)
         sys.exit(evaluate.main(argv[2:]))
+    if argv[1:2] == ["generate"]:  # nnx-spmd-train generate WORKDIR: app/generate.py
+        _default_sigterm(sigterm_noticed)
+        sys.exit(generate.main(argv[2:]))
     argv = normalize_argv(argv)
     if "--help" in argv or "-h" in argv:
         print(usage(argv))

@@ -152,6 +152,10 @@ def usage(argv: Sequence[str]) -> str:
             "                      tokenize text files into a corpus for --config.data.corpus",
             "  nnx-spmd-train evaluate WORKDIR [--step N] [--max_eval_batches N]",
             "                      evaluate a run's checkpoint; trains and writes nothing",
+            "  nnx-spmd-train generate WORKDIR --prompt TEXT [--step latest|best|N]",
+            "                      [--weights FILE.safetensors] [--tokenizer FILE] [--json]",
+            "                      [--max_new_tokens N --temperature T --top_k K --top_p P]",
+            "                      continue prompts with a run's model; writes nothing",
             "",
             f"Keys of {Path(config_file).name}, with their values (override any with "
             "--config.KEY=VALUE):",

@@ -35,6 +35,9 @@ class Splits:
         (``Tokenizer.save``); ``None``: nothing to save.
       summary: lines a dry run prints about the data (corpus sizes, the mixture, the
         epochs of each source in ``config.max_steps``).
+      codec: encodes and decodes text for sampling (``nnx-spmd-train generate``) where
+        the run saves no ``tokenizer`` (characters, GPT-2's bytes); ``None``: the
+        ``tokenizer``.
     """
 
     train: Iterable[Batch]
@@ -44,6 +47,12 @@ class Splits:
     bytes_per_target: float | None = None
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
     summary: tuple[str, ...] = ()
+    codec: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def text_codec(self) -> Any:
+        """What turns the task's text into its ids and back (``None``: not text)."""
+        return self.codec if self.codec is not None else self.tokenizer
 
     def bits_per_byte(self, nats_per_target: float) -> float | None:
         """A held-out loss (nats per target token) in bits per UTF-8 byte; ``None`` when

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, Unpack
 
@@ -246,7 +247,7 @@ def char_lm_splits(
     tokenizer = CharTokenizer(text)
     utf8_bytes = lambda ids: len(tokenizer.decode(ids).encode("utf-8"))
     splits = _lm_splits(tokenizer.encode(text), tokenizer.vocab_size, utf8_bytes, **options)
-    return tokenizer, splits
+    return tokenizer, dataclasses.replace(splits, codec=tokenizer)
 
 
 def byte_lm_splits(
@@ -259,7 +260,8 @@ def byte_lm_splits(
     """
     text = load_text() if text is None else text
     tokenizer = GPT2ByteTokenizer()
-    return tokenizer, _lm_splits(tokenizer.encode(text), 256, len, **options)
+    splits = _lm_splits(tokenizer.encode(text), 256, len, **options)
+    return tokenizer, dataclasses.replace(splits, codec=tokenizer)
 
 
 def _lm_splits(

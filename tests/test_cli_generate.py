@@ -1,0 +1,128 @@
+"""``nnx-spmd-train generate``: continuations from a workdir's checkpoint and from a
+safetensors file, checked against the trained model's own forward pass; bad input is
+one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from test_cli import load, shrink
+
+from nnx_spmd_trainer.app import generate, job, job_export
+from nnx_spmd_trainer.app.datasets.text import gpt2_byte_ranks
+
+GPT2_BYTES = {int(rank): byte for byte, rank in enumerate(gpt2_byte_ranks())}  # id -> byte
+
+PROMPT = "the cab"
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 2-step gpt2_hf run (256 byte tokens, 16 positions), its safetensors export, and a
+    byte-level tokenizer.json of 256 tokens (the run saves none of its own)."""
+    base = tmp_path_factory.mktemp("generate")
+    config = shrink(load("gpt2_hf"))
+    config.update(strategy="fsdp=4,model=2")
+    result = job.run(config, base / "run")
+    exported = job_export.export(
+        result.trainer, base / "export", "safetensors", weight_map=result.weight_map
+    )
+    byte_level = tokenizers.Tokenizer(tokenizers.models.BPE())
+    byte_level.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
+    byte_level.train_from_iterator(["the cab"], trainer)
+    tokenizer = base / "tokenizer.json"
+    byte_level.save(str(tokenizer))
+    big = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(300)}))
+    big.save(str(base / "big.json"))
+    return {"workdir": base / "run", "weights": exported, "tokenizer": tokenizer,
+            "big": base / "big.json", "trainer": result.trainer, "base": base}  # fmt: skip
+
+
+def _generate(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, Any]]:
+    assert generate.main(list(argv)) == 0
+    out = capsys.readouterr().out.splitlines()
+    return [json.loads(line) for line in out if line.startswith("{")]
+
+
+def _teacher_forced(trainer: Any, ids: list[int], new: list[int]) -> tuple[list[int], np.ndarray]:
+    """The argmax and the log-probability of each generated token from the trained
+    model's forward pass over prompt + continuation (``Trainer.predict``)."""
+    tokens = np.zeros((8, 16), np.int32)
+    tokens[0, : len(ids) + len(new)] = ids + new
+    (logits,) = trainer.predict([{"x": tokens}], to_numpy=True)
+    steps = np.arange(len(ids) - 1, len(ids) + len(new) - 1)
+    log_probs = np.asarray(jax.nn.log_softmax(logits[0, steps].astype(np.float32), axis=-1))
+    return log_probs.argmax(-1).tolist(), log_probs[np.arange(len(new)), new]
+
+
+def test_a_workdirs_checkpoint_continues_greedily_as_its_forward_pass(run, capsys) -> None:
+    before = _files(run["workdir"])
+    (row,) = _generate(
+        capsys, str(run["workdir"]), "--prompt", PROMPT, "--max_new_tokens", str(NEW),
+        "--tokenizer", str(run["tokenizer"]), "--json",
+    )  # fmt: skip
+    ids = tokenizers.Tokenizer.from_file(str(run["tokenizer"])).encode(PROMPT).ids
+    argmax, log_probs = _teacher_forced(run["trainer"], ids, row["tokens"])
+    assert row["tokens"] == argmax[: len(row["tokens"])] and len(row["tokens"]) == NEW
+    np.testing.assert_allclose(row["log_probs"], log_probs, atol=1e-5)
+    assert row["prompt"] == PROMPT
+    assert _files(run["workdir"]) == before  # the checkpoint is only read
+
+
+def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
+    argv = ["--prompt", PROMPT, "--max_new_tokens", str(NEW), "--tokenizer", str(run["tokenizer"])]
+    (from_checkpoint,) = _generate(capsys, str(run["workdir"]), *argv, "--json")
+    (from_file,) = _generate(
+        capsys, str(run["workdir"]), "--weights", str(run["weights"]), *argv, "--json"
+    )
+    assert from_file["tokens"] == from_checkpoint["tokens"]
+    np.testing.assert_allclose(from_file["log_probs"], from_checkpoint["log_probs"], atol=1e-6)
+    # sampled, seeded: the same seed the same tokens; the progress line says its speed
+    sampled = ["--temperature", "1.0", "--seed", "3"]
+    first = _generate(capsys, str(run["workdir"]), *argv, *sampled, "--json")
+    assert generate.main([str(run["workdir"]), *argv, *sampled]) == 0
+    out = capsys.readouterr().out
+    assert first[0]["prompt"] + first[0]["text"] in out.splitlines()
+    assert "tokens/s" in out.splitlines()[-1]
+    # without --tokenizer: the run's own (GPT-2's single-byte ids), text in and out
+    (own,) = _generate(capsys, str(run["workdir"]), "--prompt", PROMPT, "--json")
+    assert own["text"] == bytes(GPT2_BYTES[t] for t in own["tokens"]).decode(errors="replace")
+
+
+def _files(root: Path) -> dict[Path, tuple[int, int]]:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(list(argv))
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
+    workdir, tok = str(run["workdir"]), ["--tokenizer", str(run["tokenizer"])]
+    before = _files(run["base"])
+    (tmp_path / "empty").mkdir()
+    assert "no checkpoint in" in _refused(capsys, str(tmp_path / "empty"), "--prompt", "a")
+    mismatch = _refused(capsys, workdir, "--prompt", "a", "--tokenizer", str(run["big"]))
+    assert "has 300 tokens and the model embeds 256" in mismatch
+    too_long = _refused(capsys, workdir, "--prompt", "x" * 20, *tok)
+    assert "context of 16 positions" in too_long
+    assert "top_p=1.5 is outside (0, 1]" in _refused(
+        capsys, workdir, "--prompt", "a", "--top_p", "1.5", *tok
+    )
+    assert "--weights=" in _refused(capsys, workdir, "--prompt", "a", "--weights", "nope.st")
+    assert _files(run["base"]) == before  # nothing written, nothing touched
