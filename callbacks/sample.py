@@ -11,13 +11,18 @@ from tensorboardX import SummaryWriter
 
 from nnx_spmd_trainer import Callback, Generation, Logs, Sampler
 
+from .tracker import TrackerLogger
+
 
 class SampleCallback(Callback):
     """Every ``every_n_steps`` steps, continues ``prompts`` with the model being trained
     (``Sampler`` on the trainer's mesh and plan) and reports the text from process 0: one
-    console line per prompt (``print_fn``) and, with ``logdir``, TensorBoard's text plugin
-    (tag ``samples/<i>``). The training state is only read, so the run's losses are those
-    of a run without it, bitwise.
+    console line per prompt (``print_fn``); with ``logdir``, TensorBoard's text plugin
+    (tag ``samples/<i>``); and, where the run has an ``MLflowLogger`` or a
+    ``WandbLogger``, a file ``samples/step_<step>.txt`` in its tracker run. The sampler's
+    speed goes to every writer as ``sample/prefill_tokens_per_s`` and
+    ``sample/decode_tokens_per_s``. The training state is only read, so the run's losses
+    are those of a run without it, bitwise.
 
     Args:
       prompts: text (with a ``tokenizer``) or token ids.
@@ -89,6 +94,11 @@ class SampleCallback(Callback):
         self.samples.append((step, out))
         if jax.process_index() == 0:
             self._report(step, out)
+        speed = {
+            "sample/prefill_tokens_per_s": out.prefill_tokens_per_second,
+            "sample/decode_tokens_per_s": out.decode_tokens_per_second,
+        }
+        self.trainer.callbacks.on_logs(step, speed)  # the writers log from process 0
 
     def _texts(self, out: Generation) -> list[str]:
         return out.text if out.text is not None else [" ".join(map(str, t)) for t in out.tokens]
@@ -103,6 +113,14 @@ class SampleCallback(Callback):
                 self._writer.add_text(f"samples/{i}", f"{prompt} → {text}", step)
         if self._writer is not None:
             self._writer.flush()
+        trackers = [c for c in self.trainer.callbacks.callbacks if isinstance(c, TrackerLogger)]
+        if trackers:
+            page = "\n\n".join(
+                f"{prompt!r} -> {text!r}"
+                for prompt, text in zip(self.prompts, self._texts(out), strict=True)
+            )
+            for tracker in trackers:
+                tracker.log_text(f"samples/step_{step:07d}.txt", page + "\n")
 
     def on_train_end(self, logs: Logs) -> None:
         if self._writer is not None:

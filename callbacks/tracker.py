@@ -87,6 +87,12 @@ class TrackerLogger(Callback):
     def _close(self, failed: bool) -> None:
         raise NotImplementedError
 
+    def log_text(self, name: str, text: str) -> None:
+        """``text`` as a file ``name`` of the tracker's run (an MLflow artifact, a W&B
+        run file), from process 0 while ``fit`` runs; a failure warns once, as any other.
+        What ``SampleCallback`` logs its samples with."""
+        self._guarded(f"log {name}", lambda: self._log_text(name, text))
+
     # -- the one place a tracker's failure is caught -----------------------------------
     def _guarded(self, what: str, action: Callable[[], T]) -> T | None:
         if not self._active:

@@ -117,6 +117,7 @@ class WandbLogger(TrackerLogger):
     @override
     def _log_text(self, name: str, text: str) -> None:
         path = Path(self.run.dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)  # "samples/step_0000200.txt"
         path.write_text(text)
         self.run.save(str(path), base_path=self.run.dir, policy="now")
 

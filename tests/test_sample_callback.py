@@ -66,3 +66,38 @@ def test_samples_reach_tensorboards_text_plugin_and_the_losses_are_unchanged(
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match="every_n_steps=0"):
         SampleCallback([[1]], every_n_steps=0)
+
+
+def test_samples_and_their_speed_reach_mlflow_and_wandb(tmp_path: Path, monkeypatch) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    wandb = pytest.importorskip("wandb")
+    from nnx_spmd_trainer.callbacks import CSVLogger, MLflowLogger, WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sampler = SampleCallback([[1, 2, 3], [4]], every_n_steps=2, max_new_tokens=3, print_fn=None)
+    tracked = MLflowLogger(
+        f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="samples",
+        artifact_location=str(tmp_path / "artifacts"),
+    )  # fmt: skip
+    offline = WandbLogger(project="samples", dir=tmp_path, settings=wandb.Settings(console="off"))
+    run([sampler, tracked, offline, CSVLogger(tmp_path / "log.csv")])
+    pages = {}
+    for step, out in sampler.samples:
+        texts = [" ".join(map(str, t)) for t in out.tokens]
+        pages[step] = f"[1, 2, 3] -> {texts[0]!r}\n\n[4] -> {texts[1]!r}\n"
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for step, page in pages.items():
+        name = f"samples/step_{step:07d}.txt"
+        got = Path(client.download_artifacts(tracked.run_id, name, str(tmp_path / "dl")))
+        assert got.read_text() == page
+        (wandb_file,) = (tmp_path / "wandb").glob(f"offline-run-*/files/{name}")
+        assert wandb_file.read_text() == page
+    history = client.get_metric_history(tracked.run_id, "sample/decode_tokens_per_s")
+    speeds = {step: out.decode_tokens_per_second for step, out in sampler.samples}
+    assert {m.step: m.value for m in history} == pytest.approx(speeds)
+    assert all(v > 0 for v in speeds.values())
+    with open(tmp_path / "log.csv") as f:
+        header = f.readline()
+    assert "sample/prefill_tokens_per_s" in header
