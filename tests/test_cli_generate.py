@@ -14,6 +14,7 @@ import pytest
 import tokenizers
 from test_cli import load, shrink
 
+from nnx_spmd_trainer import Sampler
 from nnx_spmd_trainer.app import generate, job, job_export
 from nnx_spmd_trainer.app.datasets.text import gpt2_byte_ranks
 
@@ -76,7 +77,14 @@ def test_a_workdirs_checkpoint_continues_greedily_as_its_forward_pass(run, capsy
     argmax, log_probs = _teacher_forced(run["trainer"], ids, row["tokens"])
     assert row["tokens"] == argmax[: len(row["tokens"])] and len(row["tokens"]) == NEW
     np.testing.assert_allclose(row["log_probs"], log_probs, atol=1e-5)
-    assert row["prompt"] == PROMPT
+    assert row["prompt"] == PROMPT and row["source"] == f"step 2 of {run['workdir']}"
+    # the trained trainer's own Sampler, in this process, says the same
+    trained = run["trainer"]
+    in_process = Sampler(trained.model, trained.plan, print_fn=None).generate(
+        [ids], max_new_tokens=NEW
+    )
+    assert in_process.tokens == [row["tokens"]]
+    np.testing.assert_allclose(row["log_probs"], in_process.log_probs[0], atol=1e-6)
     assert _files(run["workdir"]) == before  # the checkpoint is only read
 
 
@@ -95,9 +103,24 @@ def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
     out = capsys.readouterr().out
     assert first[0]["prompt"] + first[0]["text"] in out.splitlines()
     assert "tokens/s" in out.splitlines()[-1]
-    # without --tokenizer: the run's own (GPT-2's single-byte ids), text in and out
-    (own,) = _generate(capsys, str(run["workdir"]), "--prompt", PROMPT, "--json")
+    # without --tokenizer: the run's own (GPT-2's single-byte ids), text in and out; without
+    # --max_new_tokens: what the 16 positions leave the 7-byte prompt; --step best: the
+    # saved step with the lowest eval/loss in metrics.csv (the run evaluated step 2 only);
+    # a JSONL prompts file after the --prompt
+    prompts = run["base"] / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a\nb"}) + "\n\n" + json.dumps("the") + "\n")
+    own, *more = _generate(
+        capsys, str(run["workdir"]), "--prompt", PROMPT, "--prompts_file", str(prompts),
+        "--step", "best", "--json",
+    )  # fmt: skip
     assert own["text"] == bytes(GPT2_BYTES[t] for t in own["tokens"]).decode(errors="replace")
+    assert len(own["tokens"]) == 16 - len(PROMPT) and own["source"].startswith("step 2 of")
+    assert [m["prompt"] for m in more] == ["a\nb", "the"]
+    # --logprobs: each token's log-probability printed after the text
+    assert generate.main([str(run["workdir"]), *argv, "--logprobs"]) == 0
+    text_line, logprob_line, _ = capsys.readouterr().out.splitlines()[-3:]
+    assert text_line == PROMPT + from_checkpoint["text"]
+    assert f"{from_checkpoint['log_probs'][0]:.4f}" in logprob_line
 
 
 def _files(root: Path) -> dict[Path, tuple[int, int]]:
@@ -125,4 +148,12 @@ def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
         capsys, workdir, "--prompt", "a", "--top_p", "1.5", *tok
     )
     assert "--weights=" in _refused(capsys, workdir, "--prompt", "a", "--weights", "nope.st")
+    assert "temperature=-0.5 is negative" in _refused(
+        capsys, workdir, "--prompt", "a", "--temperature", "-0.5"
+    )
+    assert "--step='soon': give latest, best or a step number" in _refused(
+        capsys, workdir, "--prompt", "a", "--step", "soon"
+    )
+    assert "no checkpoint step 7" in _refused(capsys, workdir, "--prompt", "a", "--step", "7", *tok)
+    assert "no prompt" in _refused(capsys, workdir)
     assert _files(run["base"]) == before  # nothing written, nothing touched

@@ -2,34 +2,38 @@
 on the mesh the run trained on; nothing trained and nothing written.
 
     nnx-spmd-train generate runs/default --prompt "Once upon" --max_new_tokens 40
-    nnx-spmd-train generate runs/default --step best --prompts_file prompts.txt --json
-    nnx-spmd-train generate runs/gpt2 --weights exported/model.safetensors \
-        --tokenizer tokenizer.json --prompt "Hello" --temperature 0.8 --top_p 0.9
+    nnx-spmd-train generate runs/default --step best --prompts_file prompts.jsonl --json
+    nnx-spmd-train generate runs/gpt2 --weights gpt2/model.safetensors \
+        --tokenizer gpt2/tokenizer.json --prompt "Hello" --temperature 0.8 --top_p 0.9
 
 The workdir says what to build (``WORKDIR/config.json``: the model, its sizes, the
-layout) and which tokenizer the run saved; the weights are its checkpoint (``--step``:
-``latest``, ``best`` or a step number) or, with ``--weights``, a safetensors file read
-through the task's weight map (``config.init_from``'s path: Hugging Face's GPT-2 files,
-or a run's ``--export_format=safetensors``). Sampling is ``Sampler.generate``'s:
-greedy at ``--temperature 0``, seeded per (seed, step, row). It prints each
-continuation (``--json``: one JSON line per prompt with its tokens and their
-log-probabilities), then one line of prefill and decode tokens/s. Each refusal is one
-line on stderr and exit status 2.
+layout) and which tokenizer the run used; the weights are its checkpoint (``--step``:
+``latest``, ``best`` (the saved step with the lowest ``eval/loss`` in the run's
+``metrics.csv``) or a step number) or, with ``--weights``, a safetensors file (or a
+folder of them) read through the task's weight map (``config.init_from``'s path:
+Hugging Face's GPT-2 files, or a run's ``--export_format=safetensors``). Sampling is
+``Sampler.generate``'s: greedy at ``--temperature 0``, seeded per (seed, step, row).
+It prints each continuation (``--logprobs``: and its tokens' log-probabilities;
+``--json``: one JSON line per prompt on stdout, everything else on stderr), then one
+line of prefill and decode tokens/s (``Generation``'s). Each refusal is one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Sampler, Sampling, Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Generation, Sampler, Sampling, Trainer, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.app.console import say
@@ -40,9 +44,21 @@ from nnx_spmd_trainer.app.job_checks import blamed_on
 from nnx_spmd_trainer.data.tokenizer import TokenizerError, load_tokenizer
 from nnx_spmd_trainer.sharding import ShardingError
 
-__all__ = ["main", "parser"]
+__all__ = ["generate", "main", "parser"]
 
+#: New tokens when ``--max_new_tokens`` is not given (fewer where the context ends first).
 DEFAULT_NEW_TOKENS = 32
+
+
+class _Refused(Exception):
+    """A bad input found after the arguments parsed: its one line."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusals are one line and exit 2, as every refusal of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"generate: {message} (nnx-spmd-train generate --help lists the arguments)")
 
 
 def _step(value: str) -> str | int:
@@ -58,43 +74,82 @@ def _step(value: str) -> str | int:
 
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
-    commands = argparse.ArgumentParser(
+    commands = _OneLineParser(
         prog="nnx-spmd-train generate",
         description="Continue prompts with a workdir's model (trains nothing, writes nothing).",
     )
     add = commands.add_argument
     add("workdir", help="the --workdir of a run (its config.json; its checkpoints/)")
     add("--step", type=_step, default="latest", help="latest (default), best or a step number")
-    add("--weights", default=None, help="a safetensors file to sample from instead")
+    add("--weights", default=None, help="a safetensors file (or folder) to sample from instead")
     add("--tokenizer", default=None, help="a tokenizer.json instead of the run's own")
     add("--prompt", action="append", default=[], help="a prompt (repeat for several)")
-    add("--prompts_file", default=None, help="a file of prompts, one per line")
-    add("--max_new_tokens", type=int, default=None, help="default: 32, or what the context leaves")
+    add("--prompts_file", default=None, help="prompts: one a line, or JSONL (.jsonl)")
+    add("--max_new_tokens", type=int, default=None,
+        help=f"default {DEFAULT_NEW_TOKENS}, or what the model's context leaves")  # fmt: skip
     add("--temperature", type=float, default=0.0, help="0: greedy")
     add("--top_k", type=int, default=0, help="0: no top-k truncation")
     add("--top_p", type=float, default=1.0, help="in (0, 1]; 1: no nucleus truncation")
     add("--seed", type=int, default=0)
     add("--stop", action="append", default=[], help="a stop string (repeat for several)")
     add("--end_token", type=int, default=None, help="the id that ends a row (default: the EOS)")
+    add("--logprobs", action="store_true", help="print each token's log-probability too")
     add("--json", action="store_true", help="one JSON line per prompt: text, tokens, log_probs")
     return commands
 
 
-class _Refused(Exception):
-    """A bad input found after the arguments parsed: its one line."""
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        value = json.loads(line)
+    except ValueError as error:
+        raise _Refused(f"{where} is not JSON ({error}); give one object a line.") from None
+    if isinstance(value, dict):
+        value = value.get("prompt")
+    if not isinstance(value, str):
+        raise _Refused(f'{where}: give {{"prompt": "..."}} or a JSON string on each line.')
+    return value
 
 
-def _prompts(args: argparse.Namespace) -> list[str]:
+def prompts_of(args: argparse.Namespace) -> list[str]:
+    """``--prompt``s, then ``--prompts_file``'s: one a line, or for a ``.jsonl`` file one
+    JSON object a line with its ``"prompt"`` (or a JSON string), so a prompt may hold
+    newlines. Blank lines are skipped."""
     prompts = list(args.prompt)
     if args.prompts_file is not None:
+        file = Path(args.prompts_file)
         try:
-            text = Path(args.prompts_file).read_text(encoding="utf-8")
-        except OSError as error:
-            raise _Refused(f"--prompts_file={args.prompts_file}: {error.strerror}") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeError) as error:
+            raise _Refused(f"--prompts_file={file}: {error}") from None
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+        if file.suffix == ".jsonl":
+            prompts += [
+                _jsonl_prompt(line, f"--prompts_file={file} line {n}") for n, line in numbered
+            ]
+        else:
+            prompts += [line for _, line in numbered]
     if not prompts:
         raise _Refused("no prompt: give --prompt TEXT (repeatable) or --prompts_file FILE.")
     return prompts
+
+
+def best_step(workdir: Path, saved: Sequence[int]) -> int:
+    """The saved step with the lowest ``eval/loss`` in ``workdir/metrics.csv``."""
+    losses: dict[int, float] = {}
+    try:
+        with (workdir / "metrics.csv").open(encoding="utf-8", newline="") as file:
+            for row in csv.DictReader(file):
+                if row.get("eval/loss") and row.get("step", "").isdigit():
+                    losses[int(row["step"])] = float(row["eval/loss"])
+    except OSError:
+        pass
+    scored = [(losses[s], s) for s in saved if s in losses and math.isfinite(losses[s])]
+    if not scored:
+        raise _Refused(
+            f"--step=best: no saved step {sorted(saved)} has an eval/loss in "
+            f"{workdir / 'metrics.csv'}; give --step latest or a step number."
+        )
+    return min(scored)[1]
 
 
 def _vocabulary(model: Any) -> int | None:
@@ -111,7 +166,7 @@ def _tokenizer(args: argparse.Namespace, run_tokenizer: Any, model: Any) -> Any:
     if args.tokenizer is None:
         if run_tokenizer is None:
             raise _Refused(
-                f"{args.workdir}: the run saved no tokenizer; give --tokenizer tokenizer.json."
+                f"{args.workdir}: the run's task has no tokenizer; give --tokenizer tokenizer.json."
             )
         return run_tokenizer
     try:
@@ -127,9 +182,11 @@ def _tokenizer(args: argparse.Namespace, run_tokenizer: Any, model: Any) -> Any:
     return tokenizer
 
 
-def _trainer(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tuple[Trainer, Any]:
-    """The run's model, its weights from the checkpoint (or ``--weights``), and the run's
-    tokenizer (``None`` where it saved none)."""
+def _trainer(
+    args: argparse.Namespace, config: ml_collections.ConfigDict
+) -> tuple[Trainer, Any, str]:
+    """The run's model with its weights from the checkpoint (or ``--weights``), the run's
+    text codec (``None`` where its task is not text) and where the weights came from."""
     workdir = Path(args.workdir)
     layout = _layout_asked(config)
     if args.weights is not None:
@@ -140,56 +197,90 @@ def _trainer(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tup
     init_from = pretrained(config, task) if args.weights is not None else None
     trainer: Trainer = _build_trainer(config, task, layout, [], init_from)
     _choose_layout(trainer, layout.strategy, task.splits)
-    if args.weights is None:
-        checkpoint = callbacks.OrbaxCheckpoint(
-            workdir / "checkpoints", restore=args.step, print_fn=None
+    if args.weights is not None:
+        return trainer, task.splits.text_codec, str(args.weights)
+    step = args.step
+    if step == "best":
+        step = best_step(workdir, _saved_steps(workdir))
+    checkpoint = callbacks.OrbaxCheckpoint(workdir / "checkpoints", restore=step, print_fn=None)
+    try:
+        restored = checkpoint.restore_into(trainer)
+    except (FileNotFoundError, ValueError, callbacks.DamagedCheckpoint) as error:
+        raise _Refused(f"--step={args.step}: {error}") from None
+    if restored is None:
+        raise _Refused(f"{workdir / 'checkpoints'} holds no checkpoint to generate from.")
+    return trainer, task.splits.text_codec, f"step {restored} of {workdir}"
+
+
+def _saved_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+
+
+def _new_tokens(args: argparse.Namespace, ids: list[list[int]], context: int | None) -> int:
+    """``--max_new_tokens``, or the default cut to what the context leaves the longest
+    prompt; a prompt that fills the context is refused."""
+    longest = max(len(p) for p in ids)
+    if context is not None and longest >= context:
+        raise _Refused(
+            f"a prompt of {longest} tokens fills the model's context of {context} positions; "
+            "shorten it."
         )
-        try:
-            restored = checkpoint.restore_into(trainer)
-        except (FileNotFoundError, ValueError, callbacks.DamagedCheckpoint) as error:
-            raise _Refused(f"--step={args.step}: {error}") from None
-        if restored is None:
-            raise _Refused(f"{workdir / 'checkpoints'} holds no checkpoint to generate from.")
-        say(f"generating from step {restored} of {workdir}")
-    else:
-        say(f"generating from {args.weights} (the model of {workdir})")
-    return trainer, task.splits.text_codec
+    if args.max_new_tokens is not None:
+        return int(args.max_new_tokens)
+    return DEFAULT_NEW_TOKENS if context is None else min(DEFAULT_NEW_TOKENS, context - longest)
+
+
+def _lines(row: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    """What is printed of one continuation."""
+    if args.json:
+        return [json.dumps(row)]
+    lines = [row["prompt"] + row["text"]]
+    if args.logprobs:
+        pieces = [f"{tokenizer.decode([t])!r}={lp:.4f}" for t, lp in zip(
+            row["tokens"], row["log_probs"], strict=True)]  # fmt: skip
+        total = sum(row["log_probs"])
+        lines.append(f"  log-probs ({row['finish']}, total {total:.4f}): " + " ".join(pieces))
+    return lines
 
 
 def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
-    """Each prompt's continuation as printed (``text``, ``tokens``, ``log_probs``)."""
+    """Each prompt's continuation as printed (``prompt``, ``text``, ``tokens``,
+    ``log_probs``, ``finish``, ``source``): the model of ``config`` (a workdir's) with
+    the weights ``args`` name, sampled as ``args`` say."""
+    note = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else say
     how = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    prompts = _prompts(args)
-    trainer, run_tokenizer = _trainer(args, config)
-    model = trainer.model
-    tokenizer = _tokenizer(args, run_tokenizer, model)
-    sampler = Sampler(model, trainer.plan, tokenizer=tokenizer, print_fn=say)
-    end = args.end_token if args.end_token is not None else getattr(tokenizer, "eos_id", None)
-    max_new = args.max_new_tokens
-    if max_new is None:  # 32, or what the longest prompt leaves of the context
-        longest = max(len(tokenizer.encode(p)) for p in prompts)
-        room = (sampler.context_length or 0) - longest
-        fits = sampler.context_length is not None and room > 0
-        max_new = min(DEFAULT_NEW_TOKENS, room) if fits else DEFAULT_NEW_TOKENS
+    prompts = prompts_of(args)
+    trainer, run_tokenizer, source = _trainer(args, config)
+    tokenizer = _tokenizer(args, run_tokenizer, trainer.model)
     try:
-        out = sampler.generate(
-            prompts, max_new_tokens=max_new, temperature=how.temperature,
-            top_k=how.top_k, top_p=how.top_p, seed=args.seed, end_token=end, stop=args.stop,
+        ids = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
+    except (ValueError, KeyError) as error:  # a character the run's text never had
+        raise _Refused(f"a prompt does not encode with the run's tokenizer: {error}") from None
+    sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer, print_fn=note)
+    new_tokens = _new_tokens(args, ids, sampler.context_length)
+    end = args.end_token if args.end_token is not None else getattr(tokenizer, "eos_id", None)
+    note(f"generating from {source}")
+    try:
+        out: Generation = sampler.generate(
+            ids, max_new_tokens=new_tokens, temperature=how.temperature, top_k=how.top_k,
+            top_p=how.top_p, seed=args.seed, end_token=end, stop=args.stop,
         )  # fmt: skip
     except ValueError as error:  # a prompt longer than the context, a cache too large
         raise _Refused(str(error)) from None
-    texts = out.text or [" ".join(map(str, t)) for t in out.tokens]
+    assert out.text is not None  # a tokenizer was given
     rows = [
-        {"prompt": p, "text": t, "tokens": tokens, "log_probs": log_probs, "finish": finish}
+        {"prompt": p, "text": t, "tokens": tokens, "log_probs": log_probs, "finish": finish,
+         "source": source}
         for p, t, tokens, log_probs, finish in zip(
-            prompts, texts, out.tokens, out.log_probs, out.finish, strict=True
+            prompts, out.text, out.tokens, out.log_probs, out.finish, strict=True
         )
-    ]
-    for row, prompt, text in zip(rows, prompts, texts, strict=True):
-        print(json.dumps(row) if args.json else prompt + text, flush=True)
-    generated = sum(len(t) for t in out.tokens)
-    say(
-        f"generated {generated} tokens for {len(prompts)} prompts: prefill "
+    ]  # fmt: skip
+    for row in rows:
+        for line in _lines(row, args, tokenizer):
+            print(line, flush=True)
+    note(
+        f"generated {sum(map(len, out.tokens))} tokens for {len(prompts)} "
+        f"prompt{'s' if len(prompts) > 1 else ''}: prefill "
         f"{out.prefill_tokens_per_second:,.0f} tokens/s, decode "
         f"{out.decode_tokens_per_second:,.0f} tokens/s"
     )
@@ -200,25 +291,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Prints the continuations; returns 0, or exits 2 with one line."""
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     workdir = Path(args.workdir)
-    if args.weights is None and not any(
-        p.name.isdigit() for p in (workdir / "checkpoints").glob("*")
-    ):
+    if args.weights is None and not _saved_steps(workdir):
         fail(
             f"generate: no checkpoint in {workdir / 'checkpoints'}: train first (nnx-spmd-train "
             f"--workdir={workdir}), or give --weights FILE.safetensors."
         )
-    if args.weights is not None and not Path(args.weights).is_file():
-        fail(f"generate: --weights={args.weights}: there is no file there.")
+    if args.weights is not None and not Path(args.weights).exists():
+        fail(f"generate: --weights={args.weights}: there is no file or folder there.")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         fail(f"generate: --max_new_tokens={args.max_new_tokens}; it must be >= 1.")
+    try:  # the sampling keys and the prompts, before anything is built
+        Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        prompts_of(args)
+    except (_Refused, ValueError) as error:
+        fail(f"generate: {error}")
     config = run_config(workdir, None)
     simulate_host_devices(config.get("num_devices", 8))  # before JAX starts its backend
     try:
-        Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         generate(args, config)
     except (_Refused, tasks.ConfigError, ShardingError, ValueError, TypeError) as error:
-        message = str(error)
-        fail(message if message.startswith("generate:") else f"generate: {message}")
+        fail(f"generate: {error}")
     return 0
 
 
