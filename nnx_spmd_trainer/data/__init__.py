@@ -15,6 +15,8 @@ the module of its job and is re-exported here. The core imports from the homes:
   ``corpus_inputs.py``: the files a corpus is written from, a binary one named);
 - ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
   ``ContiguousRows``;
+- ``packed_blocks.py``: ``PackedBlocks``, documents packed block by block into the same
+  global rows on any process count (each process reading its rows' documents only);
 - ``grain_packed.py``: ``from_grain_packed``, rows packed by Grain's own packers as the
   batch the models take;
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
@@ -59,6 +61,7 @@ from nnx_spmd_trainer.data.chat import (
 from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, write_corpus
 from nnx_spmd_trainer.data.grain_packed import from_grain_packed
 from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
+from nnx_spmd_trainer.data.packed_blocks import PackedBlocks
 from nnx_spmd_trainer.data.packing import (
     ContiguousRows,
     pack_documents,
@@ -87,6 +90,7 @@ __all__ = [
     "CorpusError",
     "Mixture",
     "MixtureError",
+    "PackedBlocks",
     "Stage",
     "Tokenizer",
     "TokenizerError",

@@ -5,8 +5,9 @@ Each corpus holds out its last documents (``eval_fraction`` of them, at least
 one), read only as far as the held-out batches need. Training reads documents
 before those:
 
-- one corpus, no weights: its documents shuffled, sharded between the processes and
-  packed by Grain's first-fit packer (``data.packing.packed_pipeline``);
+- one corpus, no weights: its documents shuffled and packed block by block into the
+  same global rows on any process count, each process reading the chunks of its own
+  rows (``data.PackedBlocks``);
 - several corpora (or weights, or stages): a ``data.mixture.Mixture`` of each
   corpus's ``data.packing.ContiguousRows``, rows cut from its flat token array one
   after another (the documents' order as written; a row may hold the end of one
@@ -48,6 +49,17 @@ class DocumentRange:
         if not 0 <= index < len(self):
             raise IndexError(f"document {index} of {len(self)}")
         return self.corpus[self.start + index]
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Document ``index``'s ``[start, end)`` in the corpus's token array (reads its
+        offsets only): ``data.PackedBlocks`` lays rows out from it."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"document {index} of {len(self)}")
+        return self.corpus.span(self.start + index)
+
+    def read(self, start: int, end: int, what: str = "") -> np.ndarray:
+        """Tokens ``[start, end)`` of the corpus (``Corpus.read``): a chunk, not a document."""
+        return self.corpus.read(start, end, what)
 
 
 def held_out_range(corpus: Corpus, eval_fraction: float) -> tuple[int, int]:

@@ -2,8 +2,9 @@
 
 The pydoc topics (``pydoc_data.topics``, one topic a document) are tokenized by a
 byte-level BPE (``data.train_bpe``, trained on them in about a second, the same
-merges every time) and packed into rows (``data.packing.packed_pipeline``): each
-row carries ``segment_ids`` and ``positions``, and no target crosses a document.
+merges every time) and packed into rows (``data.PackedBlocks``: the same rows on any
+process count): each row carries ``segment_ids`` and ``positions``, and no target
+crosses a document.
 
 Held out is the same text the character job holds out: the end of the topics in
 sorted order (``split_documents`` cuts the topic where the cut falls in two).
@@ -29,7 +30,7 @@ import numpy as np
 
 from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 from nnx_spmd_trainer.app.datasets.text import SplitOptions
-from nnx_spmd_trainer.data import Tokenizer, packed_pipeline, train_bpe
+from nnx_spmd_trainer.data import PackedBlocks, Tokenizer, train_bpe
 
 __all__ = [
     "DocumentOptions",
@@ -180,8 +181,9 @@ def document_splits(
     """
     train = train_rows
     if train is None:
-        # packed rows carry target_segment_ids: their targets never leave the document
-        train = packed_pipeline(
+        # the same global rows on any process count (data.packed_blocks); packed rows carry
+        # target_segment_ids: their targets never leave the document
+        train = PackedBlocks(
             train_documents, seq_len, batch_size * shard[1], shard, seed=seed, packed=packed
         )
     held_out_data, scored = held_out_batches(
