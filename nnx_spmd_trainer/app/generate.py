@@ -161,12 +161,14 @@ def _vocabulary(model: Any) -> int | None:
     return None
 
 
-def _tokenizer(args: argparse.Namespace, run_tokenizer: Any, model: Any) -> Any:
+def _tokenizer(args: argparse.Namespace, run_tokenizer: Any, model: Any, model_name: str) -> Any:
     """``--tokenizer`` checked against the model's vocabulary, else the run's own."""
     if args.tokenizer is None:
         if run_tokenizer is None:
             raise _Refused(
-                f"{args.workdir}: the run's task has no tokenizer; give --tokenizer tokenizer.json."
+                f"{args.workdir}: its task (config.model={model_name!r}) is not text and has no "
+                "tokenizer; generate continues a language model's prompts (gpt, gpt2_hf), or "
+                "give --tokenizer tokenizer.json."
             )
         return run_tokenizer
     try:
@@ -251,7 +253,7 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
     how = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = prompts_of(args)
     trainer, run_tokenizer, source = _trainer(args, config)
-    tokenizer = _tokenizer(args, run_tokenizer, trainer.model)
+    tokenizer = _tokenizer(args, run_tokenizer, trainer.model, str(config.model))
     try:
         ids = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
     except (ValueError, KeyError) as error:  # a character the run's text never had
@@ -275,7 +277,9 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
             prompts, out.text, out.tokens, out.log_probs, out.finish, strict=True
         )
     ]  # fmt: skip
-    for row in rows:
+    for i, row in enumerate(rows):
+        if i and not args.json:  # a continuation may hold newlines: a blank line between
+            print(flush=True)
         for line in _lines(row, args, tokenizer):
             print(line, flush=True)
     note(
