@@ -44,9 +44,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     byte_level.train_from_iterator(["the cab"], trainer)
     tokenizer = base / "tokenizer.json"
     byte_level.save(str(tokenizer))
+    hf = base / "hf"  # a Hugging Face GPT-2 folder: config.json, weights, tokenizer
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(Path(exported).read_bytes())
+    sizes = config.gpt2_hf
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256,
+        "n_positions": 16, "n_embd": sizes.n_embd, "n_layer": sizes.n_layer,
+        "n_head": sizes.n_head}))  # fmt: skip
+    byte_level.save(str(hf / "tokenizer.json"))
     big = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(300)}))
     big.save(str(base / "big.json"))
-    return {"workdir": base / "run", "weights": exported, "tokenizer": tokenizer,
+    return {"workdir": base / "run", "weights": exported, "tokenizer": tokenizer, "hf": hf,
             "big": base / "big.json", "trainer": result.trainer, "base": base}  # fmt: skip
 
 
@@ -96,6 +104,13 @@ def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
     )
     assert from_file["tokens"] == from_checkpoint["tokens"]
     np.testing.assert_allclose(from_file["log_probs"], from_checkpoint["log_probs"], atol=1e-6)
+    # no workdir: a Hugging Face GPT-2 folder, sized by its config.json, its tokenizer.json
+    (from_folder,) = _generate(
+        capsys, "--weights", str(run["hf"]), "--prompt", PROMPT, "--max_new_tokens", str(NEW),
+        "--json",
+    )  # fmt: skip
+    assert from_folder["tokens"] == from_checkpoint["tokens"]
+    np.testing.assert_allclose(from_folder["log_probs"], from_checkpoint["log_probs"], atol=1e-6)
     # sampled, seeded: the same seed the same tokens; the progress line says its speed
     sampled = ["--temperature", "1.0", "--seed", "3"]
     first = _generate(capsys, str(run["workdir"]), *argv, *sampled, "--json")
@@ -156,4 +171,5 @@ def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
     )
     assert "no checkpoint step 7" in _refused(capsys, workdir, "--prompt", "a", "--step", "7", *tok)
     assert "no prompt" in _refused(capsys, workdir)
+    assert "give the WORKDIR of a run, or --weights DIR" in _refused(capsys, "--prompt", "a")
     assert _files(run["base"]) == before  # nothing written, nothing touched

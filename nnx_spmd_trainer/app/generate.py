@@ -41,6 +41,7 @@ from nnx_spmd_trainer.app.evaluate import run_config
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.app.job import _build_trainer, _choose_layout, _layout_asked, pretrained
 from nnx_spmd_trainer.app.job_checks import blamed_on
+from nnx_spmd_trainer.configs import gpt2_hf
 from nnx_spmd_trainer.data.tokenizer import TokenizerError, load_tokenizer
 from nnx_spmd_trainer.sharding import ShardingError
 
@@ -79,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
         description="Continue prompts with a workdir's model (trains nothing, writes nothing).",
     )
     add = commands.add_argument
-    add("workdir", help="the --workdir of a run (its config.json; its checkpoints/)")
+    add("workdir", nargs="?", default=None,
+        help="the --workdir of a run (its config.json; its checkpoints/); without one, "
+        "--weights names a Hugging Face GPT-2 folder (its config.json)")  # fmt: skip
     add("--step", type=_step, default="latest", help="latest (default), best or a step number")
     add("--weights", default=None, help="a safetensors file (or folder) to sample from instead")
     add("--tokenizer", default=None, help="a tokenizer.json instead of the run's own")
@@ -152,6 +155,35 @@ def best_step(workdir: Path, saved: Sequence[int]) -> int:
     return min(scored)[1]
 
 
+#: Hugging Face's GPT-2 ``config.json`` keys, and the ``config.gpt2_hf`` key each sets.
+_HF_GPT2_KEYS = {"vocab_size": "vocab_size", "n_positions": "n_positions", "n_embd": "n_embd",
+                 "n_layer": "n_layer", "n_head": "n_head"}  # fmt: skip
+
+
+def hf_gpt2_config(weights: Path) -> ml_collections.ConfigDict:
+    """The shipped ``gpt2_hf`` config sized by the Hugging Face GPT-2 ``config.json`` in
+    the ``weights`` folder (or beside the ``weights`` file): what to build when no
+    workdir says it."""
+    folder = weights if weights.is_dir() else weights.parent
+    record = folder / "config.json"
+    try:
+        hf = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise _Refused(
+            f"--weights={weights} without a WORKDIR needs Hugging Face's config.json beside "
+            f"it ({record}: {error}); or give the WORKDIR of the run the weights are from."
+        ) from None
+    if hf.get("model_type") != "gpt2" or not all(k in hf for k in _HF_GPT2_KEYS):
+        raise _Refused(
+            f"{record} is not a GPT-2 config (model_type={hf.get('model_type')!r}; needs "
+            f"{sorted(_HF_GPT2_KEYS)}); without a WORKDIR only GPT-2 folders are read."
+        )
+    config = gpt2_hf.get_config()
+    config.gpt2_hf.update({ours: int(hf[theirs]) for theirs, ours in _HF_GPT2_KEYS.items()})
+    config.gpt2_hf.update(seq_len=config.gpt2_hf.n_positions, dropout=0.0)
+    return config
+
+
 def _vocabulary(model: Any) -> int | None:
     """The token ids a shipped model embeds (GPT's ``vocab_size``, GPT-2's config)."""
     for owner in (model, getattr(model, "config", None)):
@@ -189,18 +221,20 @@ def _trainer(
 ) -> tuple[Trainer, Any, str]:
     """The run's model with its weights from the checkpoint (or ``--weights``), the run's
     text codec (``None`` where its task is not text) and where the weights came from."""
-    workdir = Path(args.workdir)
     layout = _layout_asked(config)
     if args.weights is not None:
         config.init_from = args.weights
     with blamed_on(f"config.{config.model}"):
-        task_config = datasets.from_config.run_tokenizer_config(config, workdir)
+        task_config = config
+        if args.workdir is not None:  # the run's own tokenizer.json, where it saved one
+            task_config = datasets.from_config.run_tokenizer_config(config, Path(args.workdir))
         task = tasks.build_task(task_config, shard=layout.shard)
     init_from = pretrained(config, task) if args.weights is not None else None
     trainer: Trainer = _build_trainer(config, task, layout, [], init_from)
     _choose_layout(trainer, layout.strategy, task.splits)
     if args.weights is not None:
         return trainer, task.splits.text_codec, str(args.weights)
+    workdir = Path(args.workdir)
     step = args.step
     if step == "best":
         step = best_step(workdir, _saved_steps(workdir))
@@ -294,7 +328,12 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
 def main(argv: Sequence[str] | None = None) -> int:
     """Prints the continuations; returns 0, or exits 2 with one line."""
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    workdir = Path(args.workdir)
+    if args.workdir is None and args.weights is None:
+        fail(
+            "generate: give the WORKDIR of a run, or --weights DIR (a Hugging Face GPT-2 "
+            "folder: config.json, model.safetensors) with --tokenizer DIR/tokenizer.json."
+        )
+    workdir = Path(args.workdir or ".")
     if args.weights is None and not _saved_steps(workdir):
         fail(
             f"generate: no checkpoint in {workdir / 'checkpoints'}: train first (nnx-spmd-train "
@@ -309,7 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts_of(args)
     except (_Refused, ValueError) as error:
         fail(f"generate: {error}")
-    config = run_config(workdir, None)
+    try:
+        config = hf_gpt2_config(Path(args.weights)) if args.workdir is None else None
+    except _Refused as error:
+        fail(f"generate: {error}")
+    config = config or run_config(workdir, None)
+    if args.workdir is None and args.tokenizer is None:  # a Hugging Face folder's own
+        folder = Path(args.weights) if Path(args.weights).is_dir() else Path(args.weights).parent
+        if (folder / "tokenizer.json").is_file():
+            args.tokenizer = str(folder / "tokenizer.json")
     simulate_host_devices(config.get("num_devices", 8))  # before JAX starts its backend
     try:
         generate(args, config)
