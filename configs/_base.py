@@ -86,6 +86,15 @@ def training_config() -> ml_collections.ConfigDict:
     # task's weight map (the gpt2_hf task reads HF's GPT-2 files); "": random. A resume from
     # the run's own checkpoints wins and never reads it.
     config.init_from = ""
+    # LoRA fine-tuning: adapters of rank lora.rank (0: off, the whole model trains) beside
+    # the layers whose paths match lora.targets (a regex over NNX paths, "h/0/attn/q"; "":
+    # the attention's projections), scaled lora.alpha / lora.rank; only they train.
+    # --export_format=peft writes them as a PEFT adapter, =merged folds them into the base.
+    config.lora = ml_collections.ConfigDict()
+    config.lora.rank = 0
+    config.lora.alpha = 16.0
+    config.lora.targets = ""
+    config.lora.dropout = 0.0
     # JAX's persistent compilation cache: a directory, "off", or "auto" (the environment's
     # NNX_SPMD_TRAINER_COMPILE_CACHE, else JAX's own setting, else
     # $XDG_CACHE_HOME/nnx_spmd_trainer/jax): a rerun reads its compiled programs back

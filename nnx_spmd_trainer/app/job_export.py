@@ -12,11 +12,21 @@ import ml_collections
 from nnx_spmd_trainer import Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
 
-#: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, or the
-#: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf).
-EXPORT_FORMATS = ("orbax", "safetensors")
+#: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
+#: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf),
+#: and for a LoRA run (``config.lora.rank``) the adapters alone as a PEFT adapter
+#: directory, or the adapters merged into the base in the pretrained file format.
+EXPORT_FORMATS = ("orbax", "safetensors", "peft", "merged")
+#: The formats that need LoRA adapters to write.
+LORA_FORMATS = ("peft", "merged")
 #: The file ``export(..., "safetensors")`` writes in the ``--export`` directory (HF's name).
 SAFETENSORS_FILE = "model.safetensors"
+
+
+def lora_rank(config: ml_collections.ConfigDict) -> int:
+    """``config.lora.rank`` (0 where the config has no ``lora`` section: LoRA is off)."""
+    lora = config.get("lora")
+    return int(lora.get("rank", 0) or 0) if lora is not None else 0
 
 
 def check_export_format(
@@ -27,7 +37,12 @@ def check_export_format(
     key = f"--export_format={export_format}"
     if export_format not in EXPORT_FORMATS:
         raise tasks.ConfigError(f"{key}: must be one of {', '.join(EXPORT_FORMATS)}.")
-    if export_format == "safetensors" and task.weight_map is None:
+    if export_format in LORA_FORMATS and not lora_rank(config):
+        raise tasks.ConfigError(
+            f"{key}: this run trains no LoRA adapters (config.lora.rank=0); give "
+            "--config.lora.rank=8 (say), or --export_format=safetensors for the whole model."
+        )
+    if export_format in ("safetensors", *LORA_FORMATS) and task.weight_map is None:
         raise tasks.ConfigError(
             f"{key}: config.model={config.model!r} has no weight map to write a safetensors "
             "file's names through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); "
