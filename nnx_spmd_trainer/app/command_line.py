@@ -156,6 +156,8 @@ def usage(argv: Sequence[str]) -> str:
             "                      [--weights FILE.safetensors] [--tokenizer FILE] [--json]",
             "                      [--max_new_tokens N --temperature T --top_k K --top_p P]",
             "                      continue prompts with a run's model; writes nothing",
+            "  nnx-spmd-train generate --weights HF_GPT2_DIR --prompt TEXT",
+            "                      ... with a Hugging Face GPT-2 folder's model and tokenizer",
             "",
             f"Keys of {Path(config_file).name}, with their values (override any with "
             "--config.KEY=VALUE):",

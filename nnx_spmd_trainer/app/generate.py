@@ -11,7 +11,9 @@ layout) and which tokenizer the run used; the weights are its checkpoint (``--st
 ``latest``, ``best`` (the saved step with the lowest ``eval/loss`` in the run's
 ``metrics.csv``) or a step number) or, with ``--weights``, a safetensors file (or a
 folder of them) read through the task's weight map (``config.init_from``'s path:
-Hugging Face's GPT-2 files, or a run's ``--export_format=safetensors``). Sampling is
+Hugging Face's GPT-2 files, or a run's ``--export_format=safetensors``); without a
+workdir, ``--weights DIR`` is a Hugging Face GPT-2 folder, its ``config.json`` sizing the
+shipped ``gpt2_hf`` model and its ``tokenizer.json`` the text. Sampling is
 ``Sampler.generate``'s: greedy at ``--temperature 0``, seeded per (seed, step, row).
 It prints each continuation (``--logprobs``: and its tokens' log-probabilities;
 ``--json``: one JSON line per prompt on stdout, everything else on stderr), then one
