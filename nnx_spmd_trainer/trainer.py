@@ -270,6 +270,28 @@ class Trainer(LayoutAccess, RunAccess):
         divisor = self.plan.grad_accum_steps if divisor is None else divisor
         return self.placement.padded(batch, divisor=divisor)
 
+    def prepare_batch(self, batch: Any) -> Any:
+        """A batch placed on the devices (laid out as ``self.plan`` lays it out), before the
+        train step or the evaluation step reads it: called on the host, outside the compiled
+        step, once per batch, by ``fit`` and ``evaluate``. The default returns it unchanged.
+
+        Override it to add what the step reads and another compiled program computes, such
+        as a frozen model's outputs (``post_training.DPOTrainer`` adds the reference model's
+        log-probabilities here). Return the batch's keys with the same row layout: new
+        leaves laid out as ``self.plan.batch_shardings`` lays out the returned batch.
+        """
+        return batch
+
+    def initial_state(self) -> nnx.State:
+        """The run's first state built anew, as step 0 held it: ``{"model", "optimizer"}``,
+        from the factory and ``seed`` or from ``init_from``, every leaf born with the plan's
+        sharding. The live state is untouched. For a frozen copy of the starting model
+        beside the trained one (a reference model), the same on a fresh and a resumed run.
+        A model given as a built module builds once: give a factory.
+        """
+        initial = self.run.initial_state
+        return self.plan.materialize() if initial is None else initial(self.plan)
+
     # -- the loops ---------------------------------------------------------------
     def fit(
         self,

@@ -294,6 +294,7 @@ class Loop:
 
     def _train_one(self, batch: Any, host: Any, *, norms: bool) -> jax.Array:
         run, metric_log = self.run, self.run.metric_log
+        batch = self.trainer.prepare_batch(batch)
         count = run.step  # before dispatch: afterwards the counter is a future array
         live = run.objects()
         try:
@@ -343,6 +344,7 @@ class Loop:
                 callbacks.on_test_batch_begin(batches, {})
                 try:
                     batch = placement.place(placement.eval_batch(host_batch))
+                    batch = self.trainer.prepare_batch(batch)
                     if eval_step is None or jax.tree.structure(batch) != structure:
                         eval_step = self.compile("eval", batch)
                         structure = jax.tree.structure(batch)

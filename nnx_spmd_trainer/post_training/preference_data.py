@@ -1,0 +1,192 @@
+"""Preference rows (``{"prompt", "chosen", "rejected"}``) to the arrays a DPO step reads.
+
+A row becomes two weighted token sequences (``WeightedTokens``: the prompt's tokens then
+a completion's, weight 1 on the completion's tokens only), and a batch of pairs becomes
+six arrays (``pair_batch``), ``[rows, seq_len]`` each::
+
+    chosen_inputs,   chosen_targets,   chosen_weights
+    rejected_inputs, rejected_targets, rejected_weights
+
+``*_weights[r, t]`` is the weight of predicting ``*_targets[r, t]`` (the ``loss_weights``
+contract of ``data.packing``): 1 on a completion's tokens, 0 on the prompt and padding,
+so a sequence's log-probability sums the completion's tokens only.
+
+Text rows are encoded by ``encode_text_pair``; a chat row (messages rendered with a chat
+template, the assistant's tokens weighted 1) needs only another encoder returning the
+same ``WeightedTokens`` pair: ``pair_batch`` reads nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+#: The keys of a preference row.
+ROW_KEYS = ("prompt", "chosen", "rejected")
+#: The keys of a batch of pairs (``pair_batch``).
+BATCH_KEYS = tuple(
+    f"{side}_{part}" for side in ("chosen", "rejected") for part in ("inputs", "targets", "weights")
+)
+
+
+class PreferenceError(ValueError):
+    """A preference row that cannot be read (the message names the line and the fix)."""
+
+
+class WeightedTokens(NamedTuple):
+    """One sequence: its token ids and the weight of each token in the sequence's
+    log-probability (1.0 on a completion's tokens, 0.0 on the prompt's)."""
+
+    tokens: np.ndarray
+    weights: np.ndarray
+
+
+class EncodedPair(NamedTuple):
+    """A preference pair as two weighted sequences, the same prompt before each."""
+
+    chosen: WeightedTokens
+    rejected: WeightedTokens
+
+
+@dataclass(frozen=True)
+class PreferenceRows:
+    """The rows read from a file, and what was left out.
+
+    Attributes:
+      rows: the usable rows, in file order.
+      identical: rows whose ``chosen`` equals ``rejected`` (no preference), skipped.
+    """
+
+    rows: list[dict[str, Any]]
+    identical: int = 0
+
+    def line(self) -> str:
+        """The data line a run prints: the pairs kept and those skipped."""
+        return (
+            f"preference data: {len(self.rows)} pairs, {self.identical} skipped "
+            "(chosen identical to rejected)"
+        )
+
+
+def check_row(row: Any, where: str) -> bool:
+    """Whether ``row`` is a usable pair: ``False`` when ``chosen`` equals ``rejected``
+    (skipped, counted by the caller); a row that is not one raises ``PreferenceError``."""
+    if not isinstance(row, Mapping):
+        raise PreferenceError(
+            f"{where}: a preference row is a JSON object with {', '.join(ROW_KEYS)}; "
+            f"got {type(row).__name__}."
+        )
+    missing = [key for key in ROW_KEYS if key not in row]
+    if missing:
+        raise PreferenceError(
+            f"{where}: the preference row has no {', '.join(repr(k) for k in missing)}; "
+            f"every row needs {', '.join(repr(k) for k in ROW_KEYS)}."
+        )
+    for key in ROW_KEYS:
+        if not isinstance(row[key], str):
+            raise PreferenceError(
+                f"{where}: {key!r} must be text, got {type(row[key]).__name__}; "
+                "give each of prompt, chosen and rejected as a string."
+            )
+    return bool(row["chosen"] != row["rejected"])
+
+
+def read_preferences(path: str | os.PathLike[str]) -> PreferenceRows:
+    """The rows of a JSONL file of preference pairs, one JSON object a line; rows whose
+    ``chosen`` equals ``rejected`` are counted and skipped. Raises ``PreferenceError``
+    naming the line of a row that is not JSON or lacks a key."""
+    rows: list[dict[str, Any]] = []
+    identical = 0
+    with Path(path).open(encoding="utf-8") as lines:
+        for number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise PreferenceError(f"{where}: not a JSON object ({error.msg}).") from None
+            if check_row(row, where):
+                rows.append(row)
+            else:
+                identical += 1
+    if not rows:
+        raise PreferenceError(f"{path}: no usable preference pair; give rows that differ.")
+    return PreferenceRows(rows, identical)
+
+
+def encode_text_pair(row: Mapping[str, str], encode: Callable[[str], np.ndarray]) -> EncodedPair:
+    """A text row as two weighted sequences: ``encode(prompt)`` then ``encode(completion)``,
+    weight 1 on the completion's tokens. ``encode``: a tokenizer's ``str -> ids``."""
+    prompt = np.asarray(encode(row["prompt"]), np.int32)
+
+    def side(text: str) -> WeightedTokens:
+        completion = np.asarray(encode(text), np.int32)
+        weights = np.concatenate([np.zeros(len(prompt)), np.ones(len(completion))])
+        return WeightedTokens(np.concatenate([prompt, completion]), weights.astype(np.float32))
+
+    return EncodedPair(side(row["chosen"]), side(row["rejected"]))
+
+
+def _shifted(sequence: WeightedTokens, seq_len: int, pad_id: int) -> tuple[np.ndarray, ...]:
+    """``(inputs, targets, weights)`` of one sequence, cut or padded to ``seq_len``: the
+    weight of a target is that of the token predicted."""
+    tokens, weights = sequence.tokens[: seq_len + 1], sequence.weights[: seq_len + 1]
+    inputs = np.full(seq_len, pad_id, np.int32)
+    targets = np.full(seq_len, pad_id, np.int32)
+    target_weights = np.zeros(seq_len, np.float32)
+    n = len(tokens) - 1
+    inputs[:n], targets[:n], target_weights[:n] = tokens[:-1], tokens[1:], weights[1:]
+    return inputs, targets, target_weights
+
+
+def pair_batch(pairs: Sequence[EncodedPair], seq_len: int, *, pad_id: int = 0) -> dict[str, Any]:
+    """The arrays of a batch of pairs (``BATCH_KEYS``), ``[len(pairs), seq_len]`` each.
+
+    A sequence longer than ``seq_len + 1`` tokens is cut at its end; a pair whose cut
+    leaves a side no completion token raises ``PreferenceError`` (give a longer
+    ``seq_len`` or shorter prompts).
+    """
+    columns: dict[str, list[np.ndarray]] = {key: [] for key in BATCH_KEYS}
+    for index, pair in enumerate(pairs):
+        for side, sequence in zip(("chosen", "rejected"), pair, strict=True):
+            inputs, targets, weights = _shifted(sequence, seq_len, pad_id)
+            if not weights.any():
+                raise PreferenceError(
+                    f"pair {index}: its {side} completion does not fit in seq_len={seq_len} "
+                    "after the prompt; give a longer seq_len or a shorter prompt."
+                )
+            columns[f"{side}_inputs"].append(inputs)
+            columns[f"{side}_targets"].append(targets)
+            columns[f"{side}_weights"].append(weights)
+    return {key: np.stack(values) for key, values in columns.items()}
+
+
+def preference_batches(
+    pairs: Sequence[EncodedPair],
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    pad_id: int = 0,
+) -> Iterator[dict[str, Any]]:
+    """Endless batches of ``batch_size`` pairs, each pass over ``pairs`` in a new order
+    drawn from ``seed`` (the same order for the same seed); the last partial batch of a
+    pass is left out."""
+    if len(pairs) < batch_size:
+        raise PreferenceError(
+            f"{len(pairs)} pairs cannot fill a batch of {batch_size}; give more pairs or a "
+            "smaller batch_size."
+        )
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(pairs))
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            chosen = [pairs[i] for i in order[start : start + batch_size]]
+            yield pair_batch(chosen, seq_len, pad_id=pad_id)

@@ -1,0 +1,88 @@
+"""The reference model: a frozen copy of the policy's starting weights, laid out as the
+policy is, and the compiled program that gives its log-probabilities of a batch.
+
+It is built by ``Trainer.initial_state`` (the run's first state built anew, every leaf
+born with the plan's sharding), so its leaves have exactly the policy's specs under any
+strategy, and a resumed run rebuilds the same bytes instead of reading them from the
+checkpoint. It is never an input of the train step's gradients nor of the optimizer:
+its outputs reach the step as batch leaves (``Trainer.prepare_batch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.trainer import Trainer
+
+#: ``(model, batch, side) -> [rows]``: a model's summed log-probabilities of one side
+#: (``"chosen"``, ``"rejected"``) of a batch of pairs.
+SideLogps = Callable[[nnx.Module, Any, str], jax.Array]
+
+
+class ReferenceModel:
+    """A frozen copy of ``trainer``'s starting model, laid out as its policy.
+
+    Args:
+      trainer: the trainer whose plan lays the copy out (``trainer.initial_state()``).
+      side_logps: what the reference computes of a batch, per side.
+
+    Attributes:
+      graphdef, state: the copy (``nnx.split`` of the model); ``state`` leaves carry the
+        policy's shardings.
+    """
+
+    #: The batch keys the reference's log-probabilities are given under.
+    KEYS = ("reference_chosen_logps", "reference_rejected_logps")
+
+    def __init__(self, trainer: Trainer, side_logps: SideLogps) -> None:
+        objects = nnx.merge(trainer.plan.graphdef, trainer.initial_state())
+        model = objects["model"]
+        model.eval()  # no dropout in the reference's log-probabilities
+        self.graphdef, self.state = nnx.split(model)
+        self._plan = trainer.plan
+        self._side_logps = side_logps
+        self._programs: dict[Any, Callable[..., Any]] = {}
+
+    def bytes_per_device(self) -> int:
+        """The bytes of the copy one device holds (its shards of every leaf)."""
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.state))
+
+    def shardings(self) -> Any:
+        """The ``NamedSharding`` of each leaf of ``state``."""
+        return jax.tree.map(lambda leaf: leaf.sharding, self.state)
+
+    def logps(self, batch: Any) -> dict[str, jax.Array]:
+        """``{KEYS[0]: [rows], KEYS[1]: [rows]}`` of a placed batch of pairs, laid out as
+        the plan lays out those leaves of the batch; one compiled program per batch
+        structure and shapes."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(abstract)))
+        if key not in self._programs:
+            self._programs[key] = self._compile(abstract)
+        return self._programs[key](self.state, batch)  # type: ignore[no-any-return]
+
+    def _compile(self, abstract: Any) -> Callable[..., Any]:
+        plan, graphdef, side_logps = self._plan, self.graphdef, self._side_logps
+        rows = jax.tree.leaves(abstract)[0].shape[0]
+        out = {k: jax.ShapeDtypeStruct((rows,), np.float32) for k in self.KEYS}
+        batch_shardings = plan.batch_shardings(abstract)
+        out_shardings = {k: plan.batch_shardings({**abstract, **out})[k] for k in self.KEYS}
+
+        def program(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
+            with plan.trace_context(batch_shardings):
+                model = nnx.merge(graphdef, state)
+                chosen = side_logps(model, batch, "chosen")
+                rejected = side_logps(model, batch, "rejected")
+            return dict(zip(self.KEYS, (chosen, rejected), strict=True))
+
+        return plan.compile_program(
+            program,
+            in_shardings=(self.shardings(), batch_shardings),
+            out_shardings=out_shardings,
+        )

@@ -1,0 +1,246 @@
+"""DPOTrainer: the loss, TRL's metrics and the gradients against a one-device loop written
+from the paper's formulas (DataParallel, FSDP x TP), the reference model laid out as the
+policy, learning a toy preference, an exact resume, bad preference rows."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_spmd_trainer import FSDP, Callback, DataParallel, Hybrid, TensorParallel
+from nnx_spmd_trainer.app.models import gpt
+from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+from nnx_spmd_trainer.post_training import (
+    DPOTrainer,
+    PreferenceError,
+    encode_text_pair,
+    pair_batch,
+    read_preferences,
+)
+
+VOCAB, SEQ, ROWS, LR, BETA = 16, 8, 8, 0.5, 0.1
+LETTERS = "abcdefghijklmnop"  # one token a letter: the test's tokenizer
+FSDP_TP = Hybrid(FSDP(4, min_size=64), TensorParallel(2))
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def encode(text: str) -> np.ndarray:
+    return np.asarray([LETTERS.index(c) for c in text], np.int32)
+
+
+def make_model(rngs: nnx.Rngs) -> gpt.GPT:
+    return gpt.GPT(VOCAB, SEQ, 32, 2, 64, 1, 0.0, rngs)
+
+
+def toy_rows(count: int, seed: int) -> list[dict[str, str]]:
+    """Prefer the completion that repeats the prompt's last letter three times."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        prompt = "".join(rng.choice(list(LETTERS), 4))
+        other = rng.choice([c for c in LETTERS if c != prompt[-1]])
+        rows.append({"prompt": prompt, "chosen": prompt[-1] * 3, "rejected": other * 3})
+    return rows
+
+
+def toy_batches(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rows = toy_rows(ROWS * steps, seed)
+    pairs = [encode_text_pair(row, encode) for row in rows]
+    return [pair_batch(pairs[i * ROWS : (i + 1) * ROWS], SEQ) for i in range(steps)]
+
+
+class Params(Callback):
+    """The parameters after each step, on the host."""
+
+    def __init__(self) -> None:
+        self.after: list[dict] = []
+
+    def on_train_batch_end(self, step, logs):
+        self.after.append(jax.device_get(nnx.to_pure_dict(nnx.state(self.trainer.model, nnx.Param))))
+
+
+# -- the one-device loop, from the papers' formulas -----------------------------------------
+def plain_loss(params, reference, rest, graphdef, batch, loss_type, smoothing, beta):
+    def logp(state, side, mean):
+        logits = nnx.merge(graphdef, state, rest)(jnp.asarray(batch[f"{side}_inputs"]))
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        targets = jnp.asarray(batch[f"{side}_targets"])
+        weights = jnp.asarray(batch[f"{side}_weights"])
+        total = jnp.sum(jnp.take_along_axis(lp, targets[..., None], -1)[..., 0] * weights, -1)
+        return total / jnp.sum(weights, -1) if mean else total
+
+    mean = loss_type == "ipo"  # Azar et al. as TRL computes it: per-token means
+    pc, pr = logp(params, "chosen", mean), logp(params, "rejected", mean)
+    rc, rr = logp(reference, "chosen", mean), logp(reference, "rejected", mean)
+    h = (pc - rc) - (pr - rr)
+    if loss_type == "ipo":
+        loss = jnp.mean((h - 1 / (2 * beta)) ** 2)
+    else:  # Rafailov et al. eq. 7; label smoothing: conservative DPO
+        p = jax.nn.sigmoid(beta * h)
+        loss = jnp.mean(-(1 - smoothing) * jnp.log(p) - smoothing * jnp.log(1 - p))
+    sums = (logp(params, "chosen", False), logp(params, "rejected", False))
+    sums_ref = (logp(reference, "chosen", False), logp(reference, "rejected", False))
+    chosen, rejected = beta * (sums[0] - sums_ref[0]), beta * (sums[1] - sums_ref[1])
+    metrics = {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+        "logps/chosen": sums[0].mean(),
+        "logps/rejected": sums[1].mean(),
+    }
+    return loss, metrics
+
+
+def plain_run(initial, batches, loss_type, smoothing, lr, beta):
+    with nnx.use_eager_sharding(False):  # one device: the annotations unused
+        graphdef, state, rest = nnx.split(make_model(nnx.Rngs(0)), nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, initial))
+    reference = state
+    losses, metrics, after = [], [], []
+    grad_fn = jax.value_and_grad(plain_loss, has_aux=True)
+    for batch in batches:
+        (loss, logs), grads = grad_fn(state, reference, rest, graphdef, batch, loss_type, smoothing, beta)
+        state = jax.tree.map(lambda p, g: p - lr * g, state, grads)
+        losses.append(float(loss))
+        metrics.append({k: float(v) for k, v in logs.items()})
+        after.append(nnx.to_pure_dict(state))
+    return losses, metrics, after
+
+
+def trainer_for(strategy, loss_type="sigmoid", smoothing=0.0, callbacks=(), lr=LR, beta=BETA):
+    return DPOTrainer(
+        make_model,
+        optax.sgd(lr),
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=smoothing,
+        strategy=strategy,
+        log_every_n_steps=1,
+        callbacks=list(callbacks),
+    )
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "loss_type", "smoothing", "lr"),  # beta: BETA, IPO's 1 (a gentler square)
+    [
+        (DataParallel(), "sigmoid", 0.1, LR),
+        (FSDP_TP, "sigmoid", 0.0, LR),
+        (FSDP_TP, "ipo", 0.0, 0.5),
+    ],
+    ids=["dp-cdpo", "fsdp_tp-dpo", "fsdp_tp-ipo"],
+)
+def test_three_steps_equal_a_one_device_loop(strategy, loss_type, smoothing, lr):
+    batches = toy_batches(3)
+    recorded = Params()
+    beta = 1.0 if loss_type == "ipo" else BETA
+    trainer = trainer_for(strategy, loss_type, smoothing, callbacks=[recorded], lr=lr, beta=beta)
+    initial = jax.device_get(nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+    trainer.fit(batches, max_steps=3)
+    losses, metrics, after = plain_run(initial, batches, loss_type, smoothing, lr, beta)
+
+    np.testing.assert_allclose(trainer.history.history["train/loss"], losses, atol=1e-5)
+    for name in METRICS:
+        got = trainer.history.history[f"train/{name}"]
+        np.testing.assert_allclose(got, [m[name] for m in metrics], atol=1e-5, err_msg=name)
+    previous = flat(initial)
+    for step, (got, want) in enumerate(zip(recorded.after, after, strict=True)):
+        got, want = flat(got), flat(want)
+        for key in want:  # the gradient of each step: SGD's update over the rate
+            np.testing.assert_allclose(
+                (previous[key] - got[key]) / lr,
+                (previous[key] - want[key]) / lr,
+                atol=1e-5,
+                err_msg=f"step {step + 1} {key}",
+            )
+        previous = got
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), FSDP_TP], ids=["dp", "fsdp_tp"])
+def test_the_reference_is_laid_out_as_the_policy(strategy):
+    trainer = trainer_for(strategy)
+    policy = nnx.state(trainer.model)
+    reference = trainer.reference.state
+    policy_leaves = jax.tree_util.tree_flatten_with_path(policy)[0]
+    reference_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
+    assert [p for p, _ in policy_leaves] == [p for p, _ in reference_leaves]
+    sharded = 0
+    for (path, mine), (_, theirs) in zip(policy_leaves, reference_leaves, strict=True):
+        assert theirs.sharding == mine.sharding, jax.tree_util.keystr(path)
+        if jnp.issubdtype(mine.dtype, jax.dtypes.prng_key):
+            mine, theirs = jax.random.key_data(mine), jax.random.key_data(theirs)
+        np.testing.assert_array_equal(np.asarray(theirs), np.asarray(mine))  # step 0's weights
+        sharded += not mine.sharding.is_fully_replicated
+    assert sharded > 0 or isinstance(strategy, DataParallel)
+    total = sum(x.nbytes for x in jax.tree.leaves(reference))
+    per_device = trainer.reference.bytes_per_device()
+    assert per_device == total if isinstance(strategy, DataParallel) else per_device < total
+
+
+def test_dpo_learns_a_toy_preference():
+    batches = toy_batches(16, seed=1)
+    trainer = trainer_for(DataParallel(), lr=0.5)
+    trainer.fit(batches, max_steps=16)
+    history = trainer.history.history
+    assert max(history["train/rewards/accuracies"][-3:]) > 0.9
+    assert history["train/logps/chosen"][-1] > history["train/logps/chosen"][0] + 1.0
+
+
+class Crash(Callback):
+    def on_train_batch_end(self, step, logs):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_stopped_run_resumes_bitwise(tmp_path):
+    batches = toy_batches(5, seed=2)
+    whole = trainer_for(FSDP_TP)
+    whole.fit(batches, max_steps=5)
+
+    crashed = trainer_for(FSDP_TP, callbacks=[OrbaxCheckpoint(tmp_path, save_every_n_steps=2), Crash()])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.fit(batches, max_steps=5)
+    checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_steps=2)
+    resumed = trainer_for(FSDP_TP, callbacks=[checkpoint])
+    with pytest.warns(UserWarning, match="read and discarded"):
+        resumed.fit(batches, max_steps=5)
+    assert checkpoint.restored_step == 2 and resumed.step == 5
+    want = flat(jax.device_get(nnx.to_pure_dict(nnx.state(whole.model))))
+    got = flat(jax.device_get(nnx.to_pure_dict(nnx.state(resumed.model))))
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert resumed.history.history["train/loss"] == whole.history.history["train/loss"]
+
+
+def test_bad_preference_rows(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    good = {"prompt": "ab", "chosen": "c", "rejected": "d"}
+    same = {"prompt": "ab", "chosen": "c", "rejected": "c"}
+    path.write_text("\n".join(json.dumps(r) for r in (good, same, good)) + "\n")
+    rows = read_preferences(path)
+    assert len(rows.rows) == 2 and rows.identical == 1
+    assert "2 pairs, 1 skipped (chosen identical to rejected)" in rows.line()
+
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    with pytest.raises(PreferenceError, match=r"pairs.jsonl:2: .*no 'rejected'") as error:
+        read_preferences(path)
+    assert "\n" not in str(error.value)
