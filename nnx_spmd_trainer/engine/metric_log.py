@@ -154,7 +154,13 @@ class StepPerf:
         return now
 
     def timing(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """``with perf.timing("compile"): ...``: the block's time goes to ``seconds[what]``."""
+        """``with perf.timing("compile"): ...``: the block's time goes to ``seconds[what]``.
+
+        A name not in ``GOODPUT`` becomes a part of its own, reported beside them
+        (``goodput/<what>_s``): a trainer's own phase, such as ``GRPOTrainer``'s
+        ``rollout`` and ``reference`` inside its step (nested: the step keeps the rest).
+        """
+        self.seconds.setdefault(what, 0.0)
         return _Timer(self, what)
 
     def waiting_for_data(
@@ -170,7 +176,9 @@ class StepPerf:
         """``goodput/<part>_s``: seconds of each part since ``fit`` began, and
         ``goodput/wall_s``, their sum, the wall time since then."""
         now = self._charge()
-        parts = {f"goodput/{k}_s": v - self._seconds_at_fit[k] for k, v in self.seconds.items()}
+        parts = {
+            f"goodput/{k}_s": v - self._seconds_at_fit.get(k, 0.0) for k, v in self.seconds.items()
+        }
         return {**parts, "goodput/wall_s": now - self._fit_start}
 
     def read(self) -> Logs:
@@ -181,7 +189,7 @@ class StepPerf:
         ``perf/flops_per_s_per_device``, ``perf/mfu``); and the ``goodput``."""
         logs = self.goodput()
         now = self._since
-        spent = {k: v - self._seconds_read[k] for k, v in self.seconds.items()}
+        spent = {k: v - self._seconds_read.get(k, 0.0) for k, v in self.seconds.items()}
         if spent["compile"] > 0:
             logs["perf/compile_time_s"] = spent["compile"]
         training = now - self._read_at - spent["compile"] - spent["eval"]
