@@ -5,7 +5,8 @@ their Orbax arguments here, so an item is named once. One step is a directory
 ``<tier>/<step>/`` with these items:
 
 * ``state`` (``STATE``): the model and optimizer state, sharded, each process writing
-  its own shards;
+  its own shards; with ``OrbaxCheckpoint(trainable_only=True)``, all of it but the
+  model's frozen parameters (``kept_state``; ``meta[KEPT_KEY]`` is ``"trainable"``);
 * ``train_metrics`` (``TRAIN_METRICS``): the on-device metric accumulators;
 * ``meta`` (``META``, JSON): the run state's host part (``RunState.host()``), the
   format ``VERSION``, library versions, strategy, mesh, config (``describe``);
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from nnx_spmd_trainer import RunState, as_position
 
@@ -54,6 +56,25 @@ FINGERPRINTS = "fingerprints"
 _CALLBACK_ARRAYS = "callback_arrays_"
 #: The ``meta`` key naming the item of each callback's arrays.
 _CALLBACKS_KEY = "callback_arrays"
+#: The ``meta`` key saying what of the state a step holds: ``"all"`` or ``"trainable"``.
+KEPT_KEY = "state_kept"
+
+
+def kept_state(state: Any, trained: nnx.filterlib.Filter | None) -> Any:
+    """The part of a run's state (``{"model", "optimizer"}``, arrays or restore targets)
+    a step holds: all of it where ``trained`` is None; else all but the model's
+    parameters that ``trained`` (the trainer's ``wrt``: ``nnx.LoRAParam``) leaves out,
+    the frozen base, which a restore takes from the trainer's first state (its
+    ``init_from``) again. The optimizer's state and the model's RNG state are kept."""
+    if trained is None:
+        return state
+    frozen = nnx.All(nnx.Param, nnx.Not(trained))
+    return nnx.State({**state, "model": nnx.filter_state(state["model"], nnx.Not(frozen))})
+
+
+def onto_base(base: Any, kept: Any) -> Any:
+    """A whole state: ``kept`` (a ``kept_state``) over ``base`` (the first state)."""
+    return nnx.merge_state(base, kept)
 
 
 class NewerCheckpointFormat(ValueError):
@@ -118,15 +139,19 @@ def describe(
     run: RunState,
     monitor: dict[str, Any],
     callbacks: dict[str, tuple[str, dict[str, Any]]],
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """The ``meta`` item: the run state's host part and what wrote it.
 
     ``monitor``: ``{logs key: (step, value)}`` of the monitored value, ``{}`` without one.
-    ``callbacks``: ``callback_items(run)``, recorded as ``saved_callbacks`` reads it."""
+    ``callbacks``: ``callback_items(run)``, recorded as ``saved_callbacks`` reads it.
+    ``trainable_only``: the step holds a ``kept_state`` without the frozen parameters."""
     host = run.host()
     return {
         **host,
         VERSION_KEY: VERSION,
+        KEPT_KEY: "trainable" if trainable_only else "all",
         _CALLBACKS_KEY: {key: name for name, (key, _) in callbacks.items()},
         "step": step,
         "data": "grain" if run.data is not None else "skip",

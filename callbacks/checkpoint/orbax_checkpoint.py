@@ -121,6 +121,11 @@ class OrbaxCheckpoint(Callback):
         directory) or a step is set aside; e.g. ``print``. Without it, a step set aside
         is a ``RuntimeWarning``; each is reported once, by one or the other. ``report=``
         is its deprecated name.
+      trainable_only: save all of the run but the model's frozen parameters (those the
+        trainer's ``wrt`` leaves out: the base under LoRA), so a step holds the adapters,
+        the optimizer state and the RNG state (small). A restore reads them over the
+        trainer's first state, the base as ``init_from`` loads it again: give the
+        resumed trainer the same ``init_from``. Resume is bitwise as with whole steps.
 
     It is built of three parts it holds: ``tiers`` (each directory and its Orbax
     manager), ``writer`` (a ``CheckpointWriter``: one step saved) and ``resumer`` (a
@@ -156,6 +161,7 @@ class OrbaxCheckpoint(Callback):
         async_save: bool = True,
         restore: Restore = "latest",
         print_fn: Callable[[str], None] | None = None,
+        trainable_only: bool = False,
     ) -> None:
         if save_every_n_steps is not None and save_every_n_steps < 1:
             raise ValueError(f"save_every_n_steps must be >= 1, got {save_every_n_steps}.")
@@ -191,12 +197,13 @@ class OrbaxCheckpoint(Callback):
         )  # fmt: skip
         #: Saves one step into a tier.
         self.writer = CheckpointWriter(
-            self.tiers, monitor=monitor, async_save=async_save, reports=reports
-        )
+            self.tiers, monitor=monitor, async_save=async_save, reports=reports,
+            trainable_only=trainable_only,
+        )  # fmt: skip
         #: Finds the step to restore and restores it (None with ``restore=None``).
         self.resumer = (
             CheckpointResumer(self.tiers, restore=restore, monitor=monitor, mode=mode,
-                              reports=reports)
+                              reports=reports, trainable_only=trainable_only)
             if restore is not None else None
         )  # fmt: skip
         self._reports = reports

@@ -54,6 +54,8 @@ class CheckpointResumer:
       monitor: the ``logs`` key ``"best"`` ranks by, or None.
       mode: ``"min"`` or ``"max"``: which ``monitor`` values are best.
       reports: where a step skipped as damaged is reported.
+      trainable_only: the steps hold all but the model's frozen parameters
+        (``format.kept_state``); a restore puts them over the trainer's first state.
     """
 
     def __init__(
@@ -64,9 +66,11 @@ class CheckpointResumer:
         monitor: str | None,
         mode: Literal["min", "max"],
         reports: Reports,
+        trainable_only: bool = False,
     ) -> None:
         self.tiers = tiers
         self.restore = restore
+        self.trainable_only = trainable_only
         self.monitor = monitor
         self.mode = mode
         self.reports = reports
@@ -110,7 +114,9 @@ class CheckpointResumer:
         with self.step_to_resume() as (manager, step):
             if manager is not None and step is not None:
                 state = trainer.run_state(abstract=True).state
-                check_same_model(Path(manager.directory) / str(step), step, state)
+                trained = trainer.plan.wrt if self.trainable_only else None
+                kept = format.kept_state(state, trained)
+                check_same_model(Path(manager.directory) / str(step), step, kept)
 
     @contextlib.contextmanager
     def step_to_resume(self) -> Iterator[tuple[ocp.CheckpointManager | None, int | None]]:
@@ -174,13 +180,16 @@ class CheckpointResumer:
         for manager, step in candidates:
             damaged: DamagedCheckpoint | None = None
             try:
-                saved = read_step(trainer, manager, step)
+                saved = read_step(trainer, manager, step, trainable_only=self.trainable_only)
             except DamagedCheckpoint as error:
                 damaged = error
             # Every process must take the same branch: one that read damage makes all skip.
             damaged = agree_on_damage(damaged, step, manager.directory)
             if damaged is None:
-                return _apply(trainer, saved, step, Path(manager.directory))
+                return _apply(
+                    trainer, saved, step, Path(manager.directory),
+                    trainable_only=self.trainable_only,
+                )  # fmt: skip
             if not fall_back:
                 raise damaged
             if move_damaged:
@@ -201,8 +210,13 @@ class CheckpointResumer:
                 )
 
 
-def _apply(trainer: Trainer, saved: SavedStep, step: int, directory: Path) -> Restored:
-    arrays = {"state": saved.state, "train_metrics": saved.train_metrics}  # RunState's fields
+def _apply(
+    trainer: Trainer, saved: SavedStep, step: int, directory: Path, *, trainable_only: bool
+) -> Restored:
+    state = saved.state
+    if trainable_only:  # the frozen base: the trainer's first state (init_from), built now
+        state = format.onto_base(trainer.run_state().state, saved.state)
+    arrays = {"state": state, "train_metrics": saved.train_metrics}  # RunState's fields
     callback_arrays = {
         key: saved.callback_arrays[name]
         for key, name in format.saved_callbacks(saved.meta).items()

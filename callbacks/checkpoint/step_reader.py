@@ -49,8 +49,11 @@ class SavedStep:
     data: Any
 
 
-def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> SavedStep:
+def read_step(
+    trainer: Trainer, manager: ocp.CheckpointManager, step: int, *, trainable_only: bool = False
+) -> SavedStep:
     """The step's items, read into this trainer's layout and checked; nothing applied.
+    ``trainable_only``: the step holds a ``format.kept_state`` (``state`` is that part).
 
     Raises ``DamagedCheckpoint`` for a step that cannot be trusted, and
     ``CheckpointOfAnotherModel`` or ``format.NewerCheckpointFormat`` for one this trainer
@@ -63,7 +66,8 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> Sa
         )
     where = f"checkpoint step {step} at {path}"
     target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
-    check_same_model(path, step, target.state)
+    kept = format.kept_state(target.state, trainer.plan.wrt if trainable_only else None)
+    check_same_model(path, step, kept)
     if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
 
@@ -94,7 +98,7 @@ def read_step(trainer: Trainer, manager: ocp.CheckpointManager, step: int) -> Sa
             if name in stored
         }
         try:
-            args = format.restore_args(target.state, target.train_metrics, targets)
+            args = format.restore_args(kept, target.train_metrics, targets)
             saved = dict(manager.restore(step, args=args))
             data = read_data_position(manager, step, meta)
         except Exception as error:  # Orbax and Grain raise many kinds: "cannot be read"

@@ -8,6 +8,7 @@ moved aside as soon as that is known. ``OrbaxCheckpoint``'s hooks decide when to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,12 +35,20 @@ class CheckpointWriter:
       monitor: the ``logs`` key recorded with each step (``keep_best``, "best"), or None.
       async_save: return once the arrays are off the devices (True) or once written.
       reports: where a step set aside is reported.
+      trainable_only: save all but the model's frozen parameters (``format.kept_state``).
     """
 
     def __init__(
-        self, tiers: Tiers, *, monitor: str | None, async_save: bool, reports: Reports
+        self,
+        tiers: Tiers,
+        *,
+        monitor: str | None,
+        async_save: bool,
+        reports: Reports,
+        trainable_only: bool = False,
     ) -> None:
         self.tiers = tiers
+        self.trainable_only = trainable_only
         self.monitor = monitor
         self.async_save = async_save
         self.reports = reports
@@ -85,11 +94,15 @@ class CheckpointWriter:
             return False
         check_writable(directory, step)
         run = trainer.run_state()
+        if self.trainable_only:  # the frozen base stays out: the first state has it
+            run = dataclasses.replace(run, state=format.kept_state(run.state, trainer.plan.wrt))
         monitor = {self.monitor: monitored} if self.monitor else {}
         # A callback state that cannot be stored raises here (TypeError naming the callback
         # and key), before Orbax is called: nothing is left half-written.
         per_callback = format.callback_items(run)
-        meta = format.describe(trainer, step, run, monitor, per_callback)
+        meta = format.describe(
+            trainer, step, run, monitor, per_callback, trainable_only=self.trainable_only
+        )
         leaves = {name: arrays for name, (_, arrays) in per_callback.items()}
         pending = PendingSummary()
         args = format.save_args(run, meta, leaves, pending)
