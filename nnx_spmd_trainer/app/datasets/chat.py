@@ -32,10 +32,10 @@ from nnx_spmd_trainer.data import (
     CHATML_TOKENS,
     ChatError,
     ChatTokenizer,
+    PackedBlocks,
     chat_documents,
     load_chat_tokenizer,
     pack_documents,
-    packed_pipeline,
     read_conversations,
     train_bpe,
 )
@@ -127,7 +127,7 @@ def chat_splits(
     eval_batches = _held_out_batches(
         held_out, seq_len, options["batch_size"], shard, options.get("max_eval_batches")
     )
-    train_rows = packed_pipeline(
+    train_rows = PackedBlocks(  # the same rows on any process count
         train,
         seq_len,
         options["batch_size"] * shard[1],
