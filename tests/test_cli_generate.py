@@ -172,4 +172,13 @@ def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
     assert "no checkpoint step 7" in _refused(capsys, workdir, "--prompt", "a", "--step", "7", *tok)
     assert "no prompt" in _refused(capsys, workdir)
     assert "give the WORKDIR of a run, or --weights DIR" in _refused(capsys, "--prompt", "a")
+    # nan passes every range check; an end token the model cannot emit would never end a row
+    assert "'nan' is not a finite number" in _refused(
+        capsys, workdir, "--prompt", "a", "--temperature", "nan"
+    )
+    assert "--end_token=256 is not one of the model's token ids (0 to 255)" in _refused(
+        capsys, workdir, "--prompt", "a", "--end_token", "256", *tok
+    )
+    overrun = _refused(capsys, workdir, "--prompt", "a", "--max_new_tokens", "20", *tok)
+    assert overrun.startswith("nnx-spmd-train: error: generate: a prompt of 1 tokens plus")
     assert _files(run["base"]) == before  # nothing written, nothing touched

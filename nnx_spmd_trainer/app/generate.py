@@ -75,6 +75,17 @@ def _step(value: str) -> str | int:
         ) from None
 
 
+def _finite(value: str) -> float:
+    """A float argument; ``nan`` and ``inf`` would pass ``Sampling``'s range checks."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+    return number
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
     commands = _OneLineParser(
@@ -92,9 +103,9 @@ def parser() -> argparse.ArgumentParser:
     add("--prompts_file", default=None, help="prompts: one a line, or JSONL (.jsonl)")
     add("--max_new_tokens", type=int, default=None,
         help=f"default {DEFAULT_NEW_TOKENS}, or what the model's context leaves")  # fmt: skip
-    add("--temperature", type=float, default=0.0, help="0: greedy")
+    add("--temperature", type=_finite, default=0.0, help="0: greedy")
     add("--top_k", type=int, default=0, help="0: no top-k truncation")
-    add("--top_p", type=float, default=1.0, help="in (0, 1]; 1: no nucleus truncation")
+    add("--top_p", type=_finite, default=1.0, help="in (0, 1]; 1: no nucleus truncation")
     add("--seed", type=int, default=0)
     add("--stop", action="append", default=[], help="a stop string (repeat for several)")
     add("--end_token", type=int, default=None, help="the id that ends a row (default: the EOS)")
@@ -297,6 +308,12 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
     sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer, print_fn=note)
     new_tokens = _new_tokens(args, ids, sampler.context_length)
     end = args.end_token if args.end_token is not None else getattr(tokenizer, "eos_id", None)
+    vocabulary = _vocabulary(trainer.model) or getattr(tokenizer, "vocab_size", None)
+    if args.end_token is not None and vocabulary and not 0 <= args.end_token < vocabulary:
+        raise _Refused(
+            f"--end_token={args.end_token} is not one of the model's token ids (0 to "
+            f"{vocabulary - 1}); give the id that ends a document, or leave it out for the EOS."
+        )
     note(f"generating from {source}")
     try:
         out: Generation = sampler.generate(
@@ -363,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         generate(args, config)
     except (_Refused, tasks.ConfigError, ShardingError, ValueError, TypeError) as error:
-        fail(f"generate: {error}")
+        fail(f"generate: {str(error).removeprefix('generate: ')}")  # the sampler's say it too
     return 0
 
 
