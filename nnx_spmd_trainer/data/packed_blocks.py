@@ -67,10 +67,12 @@ def first_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     for item, size in enumerate(sizes):
         if not 0 < size <= capacity:
             raise ValueError(f"item {item} of size {size} does not fit a bin of {capacity}.")
-        fits = np.flatnonzero(free[: len(bins)] >= size) if size < capacity else ()
+        # a full item opens a bin: no bin has all its room
+        fits: Any = np.flatnonzero(free[: len(bins)] >= size) if size < capacity else ()
         if len(fits):
-            free[fits[0]] -= size
-            bins[fits[0]].append(item)
+            first = int(fits[0])
+            free[first] -= size
+            bins[first].append(item)
         else:
             free[len(bins)] = capacity - size
             bins.append([item])
@@ -241,7 +243,7 @@ class PackedBlocks(grain.IterDataset):  # type: ignore[type-arg]
         """Global row ``index`` (the same on every process count)."""
         block, within = self._locate(index)
         layout = self.layout(block)
-        row = {key: np.zeros(self.seq_len, np.int32) for key in ("inputs", "targets")}
+        row: Row = {key: np.zeros(self.seq_len, np.int32) for key in ("inputs", "targets")}
         segment_ids = np.zeros(self.seq_len, np.int32)
         positions = np.zeros(self.seq_len, np.int32)
         weights = np.zeros(self.seq_len, np.float32)
