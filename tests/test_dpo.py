@@ -69,7 +69,9 @@ class Params(Callback):
         self.after: list[dict] = []
 
     def on_train_batch_end(self, step, logs):
-        self.after.append(jax.device_get(nnx.to_pure_dict(nnx.state(self.trainer.model, nnx.Param))))
+        self.after.append(
+            jax.device_get(nnx.to_pure_dict(nnx.state(self.trainer.model, nnx.Param)))
+        )
 
 
 # -- the one-device loop, from the papers' formulas -----------------------------------------
@@ -113,7 +115,9 @@ def plain_run(initial, batches, loss_type, smoothing, lr, beta):
     losses, metrics, after = [], [], []
     grad_fn = jax.value_and_grad(plain_loss, has_aux=True)
     for batch in batches:
-        (loss, logs), grads = grad_fn(state, reference, rest, graphdef, batch, loss_type, smoothing, beta)
+        (loss, logs), grads = grad_fn(
+            state, reference, rest, graphdef, batch, loss_type, smoothing, beta
+        )
         state = jax.tree.map(lambda p, g: p - lr * g, state, grads)
         losses.append(float(loss))
         metrics.append({k: float(v) for k, v in logs.items()})
@@ -219,7 +223,9 @@ def test_a_stopped_run_resumes_bitwise(tmp_path):
     whole = trainer_for(FSDP_TP)
     whole.fit(batches, max_steps=5)
 
-    crashed = trainer_for(FSDP_TP, callbacks=[OrbaxCheckpoint(tmp_path, save_every_n_steps=2), Crash()])
+    crashed = trainer_for(
+        FSDP_TP, callbacks=[OrbaxCheckpoint(tmp_path, save_every_n_steps=2), Crash()]
+    )
     with pytest.raises(RuntimeError, match="simulated crash"):
         crashed.fit(batches, max_steps=5)
     checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_steps=2)

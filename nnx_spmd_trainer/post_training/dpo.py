@@ -123,7 +123,10 @@ class DPOTrainer(Trainer):
     def loss_fn(self, model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The DPO (or IPO) loss of a batch of pairs, and TRL's metrics as ``aux``."""
         chosen_key, rejected_key = ReferenceModel.KEYS
-        policy = (self.side_logps(model, batch, "chosen"), self.side_logps(model, batch, "rejected"))
+        policy = (
+            self.side_logps(model, batch, "chosen"),
+            self.side_logps(model, batch, "rejected"),
+        )
         reference = (batch[chosen_key], batch[rejected_key])
         tokens = (
             jnp.sum(batch["chosen_weights"], axis=-1),
