@@ -200,7 +200,7 @@ def test_a_hand_written_peft_directory_reads_into_the_library_and_back(tmp_path)
 
 
 def test_a_linear_file_is_out_by_in():
-    """A PyTorch Linear stores ``[out, in]`` (the map transposes it): A ``[r, in]``, B ``[out, r]``."""
+    """A PyTorch Linear stores ``[out, in]`` (the map transposes it): A [r, in], B [out, r]."""
     weight_map = WeightMap({"proj/kernel": transpose(tensor("proj.weight", (5, 3)), (1, 0))})
     rng = np.random.default_rng(2)
     a, b = rng.normal(size=(3, RANK)), rng.normal(size=(RANK, 5))
@@ -226,3 +226,77 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
         read_peft_adapter(tmp_path / "f")
     with pytest.raises(FileExistsError):
         write_peft_adapter(PeftAdapter(config, {}), tmp_path / "f")
+
+
+# -- from a model's nnx.LoRA layers: the adapters and the merged weights ---------------------
+def adapted_gpt2(config: GPT2Config, seed: int = 0):
+    """GPT-2 with nnx.LoRA (rank RANK) on q, v and mlp.c_fc, every adapter non-zero."""
+    from flax import nnx
+
+    from nnx_spmd_trainer.app.models.gpt2_hf import GPT2
+
+    rngs = nnx.Rngs(seed)
+    with nnx.use_eager_sharding(False):
+        model = GPT2(config, rngs)
+        for block in model.h:
+            for owner, name in ((block.attn, "q"), (block.attn, "v"), (block.mlp, "c_fc")):
+                base = getattr(owner, name)
+                lora = nnx.LoRA(base.in_features, RANK, base.out_features, base_module=base,
+                                b_initializer=nnx.initializers.normal(0.5), rngs=rngs)  # fmt: skip
+                setattr(owner, name, lora)
+    model.eval()
+    return model
+
+
+def test_the_merged_export_loads_as_the_plain_model_with_the_same_logits(tmp_path):
+    from flax import nnx
+
+    from nnx_spmd_trainer.app.models.gpt2_hf import GPT2
+    from nnx_spmd_trainer.weights import save_safetensors
+    from nnx_spmd_trainer.weights.merge import merged_params
+
+    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=2, n_head=2, dropout=0.0)
+    model = adapted_gpt2(config)
+    tokens = np.random.default_rng(0).integers(0, 32, size=(2, 12)).astype(np.int32)
+    adapted = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+    path = save_safetensors(merged_params(model), tmp_path / "model.safetensors",
+                            gpt2_weight_map(config))  # fmt: skip
+    file = safetensors.numpy.load_file(str(path))
+    with nnx.use_eager_sharding(False):
+        plain = GPT2(config, nnx.Rngs(1))
+    by_path = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(plain, nnx.Param))}
+    for target, expr in gpt2_weight_map(config).targets.items():  # the file read by the map
+        by_path[target].set_value(expr.read(tuple(slice(0, n) for n in expr.shape), file))
+    plain.eval()
+    logits = nnx.jit(lambda m, t: m(t))(plain, tokens)
+    np.testing.assert_allclose(np.asarray(logits), adapted, rtol=1e-5, atol=1e-5)
+    # and the adapters changed the weights: the merged q is not the base's
+    base = model.h[0].attn.q.base_module.kernel[...]
+    merged_q = file["h.0.attn.c_attn.weight"][:, : config.n_embd]
+    assert not np.allclose(merged_q, np.asarray(base), atol=1e-4)
+
+
+def test_a_models_lora_layers_export_as_peft_modules(tmp_path):
+    from nnx_spmd_trainer.weights.merge import lora_pairs
+
+    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=2, n_head=2, dropout=0.0)
+    model = adapted_gpt2(config)
+    pairs = lora_pairs(model)
+    assert sorted(pairs) == sorted(
+        f"h/{i}/{m}/kernel" for i in range(2) for m in ("attn/q", "attn/v", "mlp/c_fc")
+    )
+    # nnx.LoRA adds lora_a @ lora_b unscaled: alpha = rank makes PEFT's scaling 1
+    adapter = peft_adapter(pairs, gpt2_weight_map(config), rank=RANK, alpha=RANK,
+                           fan_in_fan_out=True, module_prefix="transformer.")  # fmt: skip
+    d = config.n_embd
+    for i in range(2):
+        layer = model.h[i].attn
+        delta = peft_delta(adapter, f"transformer.h.{i}.attn.c_attn")
+        q = np.asarray(layer.q.lora_a[...] @ layer.q.lora_b[...])
+        v = np.asarray(layer.v.lora_a[...] @ layer.v.lora_b[...])
+        np.testing.assert_allclose(delta[:, :d], q, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(delta[:, d : 2 * d], 0)  # k has no adapter
+        np.testing.assert_allclose(delta[:, 2 * d :], v, rtol=1e-5, atol=1e-6)
+        assert adapter.rank(f"transformer.h.{i}.attn.c_attn") == 2 * RANK
+    write_peft_adapter(adapter, tmp_path / "peft")
+    assert read_peft_adapter(tmp_path / "peft").config["target_modules"] == adapter.modules()
