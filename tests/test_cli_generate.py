@@ -5,6 +5,7 @@ one line and exit status 2."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +112,15 @@ def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
     )  # fmt: skip
     assert from_folder["tokens"] == from_checkpoint["tokens"]
     np.testing.assert_allclose(from_folder["log_probs"], from_checkpoint["log_probs"], atol=1e-6)
-    # sampled, seeded: the same seed the same tokens; the progress line says its speed
+    # sampled, seeded: the same seed the same text and log-probabilities (--logprobs prints
+    # them after the text); the progress line says its speed
     sampled = ["--temperature", "1.0", "--seed", "3"]
-    first = _generate(capsys, str(run["workdir"]), *argv, *sampled, "--json")
-    assert generate.main([str(run["workdir"]), *argv, *sampled]) == 0
-    out = capsys.readouterr().out
-    assert first[0]["prompt"] + first[0]["text"] in out.splitlines()
-    assert "tokens/s" in out.splitlines()[-1]
+    (first,) = _generate(capsys, str(run["workdir"]), *argv, *sampled, "--json")
+    assert generate.main([str(run["workdir"]), *argv, *sampled, "--logprobs"]) == 0
+    text_line, logprob_line, speed_line = capsys.readouterr().out.splitlines()[-3:]
+    assert text_line == PROMPT + first["text"] and "tokens/s" in speed_line
+    printed = re.findall(r"=(-?\d+\.\d{4})(?= |$)", logprob_line.split(": ", 1)[1])
+    assert printed == [f"{lp:.4f}" for lp in first["log_probs"]]
     # without --tokenizer: the run's own (GPT-2's single-byte ids), text in and out; without
     # --max_new_tokens: what the 16 positions leave the 7-byte prompt; --step best: the
     # saved step with the lowest eval/loss in metrics.csv (the run evaluated step 2 only);
@@ -131,11 +134,6 @@ def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
     assert own["text"] == bytes(GPT2_BYTES[t] for t in own["tokens"]).decode(errors="replace")
     assert len(own["tokens"]) == 16 - len(PROMPT) and own["source"].startswith("step 2 of")
     assert [m["prompt"] for m in more] == ["a\nb", "the"]
-    # --logprobs: each token's log-probability printed after the text
-    assert generate.main([str(run["workdir"]), *argv, "--logprobs"]) == 0
-    text_line, logprob_line, _ = capsys.readouterr().out.splitlines()[-3:]
-    assert text_line == PROMPT + from_checkpoint["text"]
-    assert f"{from_checkpoint['log_probs'][0]:.4f}" in logprob_line
 
 
 def _files(root: Path) -> dict[Path, tuple[int, int]]:
@@ -182,3 +180,17 @@ def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
     overrun = _refused(capsys, workdir, "--prompt", "a", "--max_new_tokens", "20", *tok)
     assert overrun.startswith("nnx-spmd-train: error: generate: a prompt of 1 tokens plus")
     assert _files(run["base"]) == before  # nothing written, nothing touched
+
+
+def test_a_workdir_that_cannot_say_what_to_build_is_refused(run, capsys, tmp_path) -> None:
+    """A folder with checkpoints but no config.json, and --weights for a model that has no
+    weight map (the shipped GPT reads only its own checkpoints): one line each, naming
+    generate and the fix."""
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    no_config = _refused(capsys, str(tmp_path), "--prompt", "a")
+    assert no_config.startswith("nnx-spmd-train: error: generate: ")
+    assert "config.json does not exist" in no_config
+    (tmp_path / "config.json").write_text(shrink(load("char")).to_json())
+    no_map = _refused(capsys, str(tmp_path), "--prompt", "a", "--weights", str(run["weights"]))
+    assert "config.model='gpt' has no weight map" in no_map
+    assert "leave --weights out" in no_map

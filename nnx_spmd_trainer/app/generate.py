@@ -242,6 +242,12 @@ def _trainer(
         if args.workdir is not None:  # the run's own tokenizer.json, where it saved one
             task_config = datasets.from_config.run_tokenizer_config(config, Path(args.workdir))
         task = tasks.build_task(task_config, shard=layout.shard)
+    if args.weights is not None and task.weight_map is None:  # pretrained() would say init_from
+        raise _Refused(
+            f"--weights={args.weights}: config.model={config.model!r} has no weight map to read "
+            "a safetensors file through (gpt2_hf has one); leave --weights out to sample from "
+            "the run's checkpoint."
+        )
     init_from = pretrained(config, task) if args.weights is not None else None
     trainer: Trainer = _build_trainer(config, task, layout, [], init_from)
     _choose_layout(trainer, layout.strategy, task.splits)
@@ -371,6 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = hf_gpt2_config(Path(args.weights)) if args.workdir is None else None
     except _Refused as error:
         fail(f"generate: {error}")
+    if config is None and not (workdir / "config.json").is_file():  # run_config says "evaluate"
+        fail(
+            f"generate: {workdir / 'config.json'} does not exist: {workdir} is not the --workdir "
+            "of a run (nnx-spmd-train --workdir=DIR writes one)."
+        )
     config = config or run_config(workdir, None)
     if args.workdir is None and args.tokenizer is None:  # a Hugging Face folder's own
         folder = Path(args.weights) if Path(args.weights).is_dir() else Path(args.weights).parent
