@@ -58,7 +58,7 @@ PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 #: One library adapter: ``lora_a`` ``[(layers,) in, r]`` and ``lora_b`` ``[(layers,) r, out]``.
-LoraPair = tuple[np.ndarray, np.ndarray]
+LoraPair = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,8 @@ def peft_adapter(
 
     Args:
       adapters: kernel path (``"h/0/attn/q/kernel"``, the map's key) -> ``(lora_a,
-        lora_b)``, the update being ``alpha / rank * lora_a @ lora_b``.
+        lora_b)`` (or a tuple starting so: ``nn.lora.adapters``'s), the update being
+        ``alpha / rank * lora_a @ lora_b``.
       weight_map: the map the base loads and exports through.
       rank, alpha, dropout: the adapters' (``lora_alpha = alpha``).
       fan_in_fan_out: the file stores ``[in, out]`` (GPT-2's ``Conv1D``); else
@@ -188,9 +189,7 @@ def peft_adapter(
         model ``peft`` wraps (``"transformer."`` for ``GPT2LMHeadModel``).
       base_model_name_or_path, task_type: written to the config for ``peft``.
     """
-    shapes = {
-        path: tuple(np.shape(a))[:-1] + (np.shape(b)[-1],) for path, (a, b) in adapters.items()
-    }
+    shapes = {p: (*np.shape(pair[0])[:-1], np.shape(pair[1])[-1]) for p, pair in adapters.items()}
     tensors: dict[str, np.ndarray] = {}
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
@@ -201,7 +200,7 @@ def peft_adapter(
         lora_A = np.zeros((total, file_in), np.float32)
         lora_B = np.zeros((file_out, total), np.float32)
         for k, (path, place) in enumerate(places):
-            a, b = (np.asarray(x, np.float32) for x in adapters[path])
+            a, b = (np.asarray(x, np.float32) for x in adapters[path][:2])
             if a.ndim == 3:
                 a, b = a[place.layer], b[place.layer]
             ranks = slice(k * rank, (k + 1) * rank)
