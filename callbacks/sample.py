@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from tensorboardX import SummaryWriter
 
-from nnx_spmd_trainer import Callback, Generation, Logs, Sampler
+from nnx_spmd_trainer import Callback, Generation, Logs, Sampler, Sampling
 
 from .tracker import TrackerLogger
 
@@ -30,6 +30,8 @@ class SampleCallback(Callback):
       max_new_tokens, temperature, top_k, top_p, seed, end_token, stop: as
         ``Sampler.generate``; the seed is the same at every step, so samples differ
         only as the weights do.
+      sampling: a ``Sampling`` (temperature, top_k, top_p in one value) instead of
+        those three keywords; giving both is refused.
       tokenizer: encodes text prompts and decodes the samples (``encode``/``decode``);
         without one the text logged is the token ids.
       logdir: where the TensorBoard text goes (its own event file beside the
@@ -43,7 +45,8 @@ class SampleCallback(Callback):
 
         trainer.fit(batches, max_steps=1000, callbacks=[
             SampleCallback(["Once upon a time"], every_n_steps=200, tokenizer=tokenizer,
-                           logdir="runs/a", max_new_tokens=48, temperature=0.8)])
+                           logdir="runs/a", max_new_tokens=48,
+                           sampling=Sampling(temperature=0.8, top_p=0.95))])
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class SampleCallback(Callback):
         seed: int = 0,
         end_token: int | None = None,
         stop: Sequence[str] = (),
+        sampling: Sampling | None = None,
         tokenizer: Any = None,
         logdir: str | os.PathLike[str] | None = None,
         print_fn: Callable[[str], None] | None = print,
@@ -67,11 +71,19 @@ class SampleCallback(Callback):
             raise ValueError(f"SampleCallback: every_n_steps={every_n_steps}; it must be >= 1.")
         if not prompts:
             raise ValueError("SampleCallback: no prompts; give at least one.")
+        if sampling is None:
+            sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        elif (temperature, top_k, top_p) != (0.0, 0, 1.0):
+            raise TypeError(
+                "SampleCallback: give either sampling= or temperature/top_k/top_p, not both."
+            )
         self.prompts = prompts
+        self.sampling = sampling
         self.every_n_steps = every_n_steps
         self.options: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-            "top_p": top_p, "seed": seed, "end_token": end_token, "stop": tuple(stop),
+            "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed,
+            "end_token": end_token, "stop": tuple(stop),
         }  # fmt: skip
         self.tokenizer = tokenizer
         self.logdir = None if logdir is None else os.fspath(logdir)

@@ -1,7 +1,7 @@
 """lm-evaluation-harness through ``generate.harness.HarnessLM`` on the training mesh:
 local tasks (YAML over JSONL, offline) scored by lm_eval itself, each example's
 log-likelihood checked against the model's own teacher-forced forward pass, computed
-here from the logits; and ``EvalHarnessCallback`` logging the scores during a run."""
+here by the model on one device; and ``EvalHarnessCallback`` logging the scores during a run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -94,26 +96,30 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def forward_log_probs(t: Trainer, inputs: list[int], targets: list[int]) -> np.ndarray:
-    """The log-probability of each target from the trainer's forward pass (its logits,
-    ``Trainer.predict``), softmaxed here in float64."""
-    tokens = np.zeros((8, SEQ), np.int32)
-    tokens[0, : len(inputs)] = inputs
-    (logits,) = t.predict([{"x": tokens}], to_numpy=True)
-    row = np.asarray(logits[0, : len(inputs)], np.float64)
-    shifted = row - row.max(-1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+@pytest.fixture(scope="module")
+def one_device(trainer: Trainer) -> nnx.Module:
+    """The trainer's model, its weights gathered to the host and put on one device: the
+    independent forward pass the harness's scores are checked against."""
+    graphdef, state = nnx.split(trainer.model)
+    return nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
+
+
+def forward_log_probs(model: nnx.Module, inputs: list[int], targets: list[int]) -> np.ndarray:
+    """Each target's log-probability: ``jax.nn.log_softmax`` of the one-device model's
+    logits over the unpadded row, gathered at the targets."""
+    logits = model(jnp.asarray([inputs], jnp.int32))[0].astype(jnp.float32)
+    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     return log_probs[np.arange(len(targets)), targets]
 
 
-def expected_choice(t: Trainer, context: str, choice: str) -> float:
+def expected_choice(model: nnx.Module, context: str, choice: str) -> float:
     codec = Letters()
     context_ids = codec.encode(context) or [EOS]
     whole = context_ids + codec.encode(choice)
-    return float(forward_log_probs(t, whole[:-1], whole[1:])[len(context_ids) - 1 :].sum())
+    return float(forward_log_probs(model, whole[:-1], whole[1:])[len(context_ids) - 1 :].sum())
 
 
-def expected_rolling(t: Trainer, text: str) -> float:
+def expected_rolling(model: nnx.Module, text: str) -> float:
     """lm_eval's rolling windows: the text in windows of SEQ targets, each predicted
     from the SEQ tokens before it at most (end-of-text first), so the last window keeps
     as much context as fits."""
@@ -124,11 +130,13 @@ def expected_rolling(t: Trainer, text: str) -> float:
         end = start + len(window)
         inputs = seq[max(0, end - SEQ) : end]
         targets = [0] * (len(inputs) - len(window)) + window  # context positions unscored
-        total += float(forward_log_probs(t, inputs, targets)[-len(window) :].sum())
+        total += float(forward_log_probs(model, inputs, targets)[-len(window) :].sum())
     return total
 
 
-def test_local_tasks_score_each_example_as_the_forward_pass(trainer: Trainer, tasks: Path) -> None:
+def test_local_tasks_score_each_example_as_the_forward_pass(
+    trainer: Trainer, one_device: nnx.Module, tasks: Path
+) -> None:
     model = HarnessLM(trainer, Letters(), batch_size=4)
     results = lm_eval.simple_evaluate(
         model=model, tasks=["tiny_mc", "tiny_rolling"],
@@ -137,43 +145,96 @@ def test_local_tasks_score_each_example_as_the_forward_pass(trainer: Trainer, ta
     for sample in results["samples"]["tiny_mc"]:
         doc = sample["doc"]
         got = [resp[0][0] for resp in sample["resps"]]
-        want = [expected_choice(trainer, doc["question"], c) for c in doc["choices"]]
+        want = [expected_choice(one_device, doc["question"], c) for c in doc["choices"]]
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         assert sample["acc"] == float(np.argmax(want) == doc["label"])
     rolling = results["samples"]["tiny_rolling"]
     assert len(Letters().encode(TEXTS[1]["text"])) > 2 * SEQ  # three windows
     for sample in rolling:
         got = sample["resps"][0][0]
-        np.testing.assert_allclose(got, expected_rolling(trainer, sample["doc"]["text"]), atol=1e-5)
+        np.testing.assert_allclose(
+            got, expected_rolling(one_device, sample["doc"]["text"]), atol=1e-5
+        )
     assert results["results"]["tiny_rolling"]["bits_per_byte,none"] > 0.0
 
 
-def test_generate_until_is_the_samplers_greedy_text_cut_at_until(trainer: Trainer) -> None:
-    class Request:
-        def __init__(self, *args: Any) -> None:
-            self.args = args
+class Request:
+    """What lm_eval hands a model: an object whose ``args`` are the request's."""
 
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+def test_generate_until_is_the_samplers_greedy_text_cut_at_until(trainer: Trainer) -> None:
     model = HarnessLM(trainer, Letters())
-    (text,) = model.generate_until([Request("abc", {"max_gen_toks": 8})])
-    greedy = Sampler(trainer.model, trainer.plan, tokenizer=Letters(), print_fn=None).generate(
-        ["abc"], max_new_tokens=8
-    )
-    assert greedy.text is not None and text == greedy.text[0]
-    assert text  # eight characters of the alphabet (no end token in it)
+    prompts = ["abc", "j", "a big"]
+    texts = model.generate_until([Request(p, {"max_gen_toks": 8}) for p in prompts])
+    sampler = Sampler(trainer.model, trainer.plan, tokenizer=Letters(), print_fn=None)
+    for prompt, text in zip(prompts, texts, strict=True):  # batched: as each alone
+        greedy = sampler.generate([prompt], max_new_tokens=8, end_token=EOS)
+        assert greedy.text is not None and text == greedy.text[0]
+    text = texts[0]
+    assert text  # characters of the alphabet
     stop = text[-1]  # cut at a string that occurs: it and everything after are dropped
     (cut,) = model.generate_until([Request("abc", {"max_gen_toks": 8, "until": [stop]})])
     assert cut == text[: text.index(stop)]
+
+
+class Pairs:
+    """Merges "ab" into one token (12) where it occurs: a context's end and a
+    continuation's start tokenize differently apart than together."""
+
+    eos_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for c in text:
+            if out and out[-1] == 0 and c == "b":
+                out[-1] = 12
+            else:
+                out.append(ALPHABET.index(c))
+        return out
+
+    def decode(self, ids: Any) -> str:
+        return "".join("ab" if i == 12 else ALPHABET[i] for i in ids)
+
+
+def test_the_continuation_is_tokenized_in_its_context_as_lm_evals_models_do() -> None:
+    harness = HarnessLM(None, Pairs())
+    # "ca" + "bd": the whole is c, ab, d; the continuation is the whole's tokens past as
+    # many as the context has alone (lm_eval's HFLM._encode_pair), not "bd" on its own.
+    assert harness._pair("ca", "bd") == ([2, 0], [3])
+    assert harness._pair("c", "abd") == ([2], [12, 3])
+    assert harness._pair("a b ", "c") == ([0, 10, 1], [10, 2])  # trailing space moves
+    assert harness._pair("", "ab") == ([EOS], [12])  # no context: the end-of-text token
+
+
+def test_the_module_imports_without_lm_eval_and_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+    import sys
+
+    import nnx_spmd_trainer.generate.harness as installed
+
+    for name in [n for n in sys.modules if n == "lm_eval" or n.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails
+    spec = importlib.util.spec_from_file_location("harness_without_lm_eval", installed.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports: score_tokens needs no lm_eval
+    assert callable(module.score_tokens)
+    with pytest.raises(ImportError, match=r"nnx-spmd-trainer\[lm-eval\]"):
+        module.HarnessLM(None, Letters())
 
 
 def test_a_request_without_context_needs_a_prefix_token(trainer: Trainer) -> None:
     class NoEos(Letters):
         eos_id = None  # type: ignore[assignment]
 
-    class Request:
-        args = ("", "abc")
-
     with pytest.raises(ValueError, match="prefix_token"):
-        HarnessLM(trainer, NoEos()).loglikelihood([Request()])
+        HarnessLM(trainer, NoEos()).loglikelihood([Request("", "abc")])
 
 
 def test_the_callback_logs_the_scores_to_the_run(tasks: Path, tmp_path: Path) -> None:

@@ -101,3 +101,16 @@ def test_samples_and_their_speed_reach_mlflow_and_wandb(tmp_path: Path, monkeypa
     with open(tmp_path / "log.csv") as f:
         header = f.readline()
     assert "sample/prefill_tokens_per_s" in header
+
+
+def test_a_sampling_value_stands_for_the_three_keywords() -> None:
+    from nnx_spmd_trainer import Sampling
+
+    how = Sampling(temperature=0.7, top_k=3, top_p=0.9)
+    given = SampleCallback([[1]], every_n_steps=1, sampling=how, seed=5)
+    spelled = SampleCallback([[1]], every_n_steps=1, temperature=0.7, top_k=3, top_p=0.9, seed=5)
+    assert given.options == spelled.options and spelled.sampling == how
+    with pytest.raises(TypeError, match="either sampling= or temperature"):
+        SampleCallback([[1]], every_n_steps=1, sampling=how, temperature=0.5)
+    with pytest.raises(ValueError, match="top_p=1.5"):  # refused when built, not at step N
+        SampleCallback([[1]], every_n_steps=1, top_p=1.5)

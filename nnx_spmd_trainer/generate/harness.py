@@ -30,19 +30,31 @@ from flax import nnx
 
 from nnx_spmd_trainer.generate.sampler import Sampler, TextCodec
 
-try:
-    from lm_eval.api.model import LM
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-except ImportError as missing:  # the module names the extra, once used
-    raise ImportError(
-        "nnx_spmd_trainer.generate.harness needs lm-evaluation-harness: "
-        "pip install 'nnx-spmd-trainer[lm-eval]'"
-    ) from missing
-
 __all__ = ["HarnessLM", "score_tokens"]
 
 Forward = Callable[[nnx.Module, jax.Array], jax.Array]
 MIN_LENGTH = 16  # the shortest padded row: a power of two from here on
+MISSING_LM_EVAL = (
+    "HarnessLM needs lm-evaluation-harness, which is not installed: "
+    "pip install 'nnx-spmd-trainer[lm-eval]'"
+)
+
+
+class _LMEvalMissing:
+    """Stands in for ``lm_eval.api.model.LM`` where lm-eval is not installed: this module
+    still imports (``score_tokens`` needs no lm_eval), and building a ``HarnessLM`` says
+    which extra to install."""
+
+    def __init__(self) -> None:
+        raise ImportError(MISSING_LM_EVAL)
+
+
+def _lm_base() -> type:
+    try:
+        from lm_eval.api.model import LM
+    except ImportError:
+        return _LMEvalMissing
+    return LM
 
 
 def _model_forward(model: nnx.Module, inputs: jax.Array) -> jax.Array:
@@ -73,7 +85,7 @@ def _padded_length(n: int, most: int) -> int:
     return min(length, most)
 
 
-class HarnessLM(LM):  # type: ignore[misc]
+class HarnessLM(_lm_base()):  # type: ignore[misc]
     """``trainer``'s model as an lm-evaluation-harness ``LM``.
 
     Args:
@@ -149,9 +161,15 @@ class HarnessLM(LM):  # type: ignore[misc]
         """Each ``(context ids, continuation ids)``: the continuation's summed
         log-probability given the context, and whether every one of its tokens is the
         argmax. Contexts too long for ``max_length`` keep their end."""
-        out: list[tuple[float, bool]] = []
-        for start in range(0, len(pairs), self.batch_size):
-            out.extend(self._score_batch(pairs[start : start + self.batch_size]))
+        # Longest first, as lm_eval's own models order them: rows of a batch have like
+        # lengths, so they pad little and the short batches share the small buckets.
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        for start in range(0, len(order), self.batch_size):
+            chosen = order[start : start + self.batch_size]
+            scored = self._score_batch([pairs[i] for i in chosen])
+            for i, result in zip(chosen, scored, strict=True):
+                out[i] = result
         return out
 
     def _score_batch(
@@ -169,7 +187,8 @@ class HarnessLM(LM):  # type: ignore[misc]
         for r, (row_inputs, row_targets, _) in enumerate(rows):
             inputs[r, : len(row_inputs)] = row_inputs
             targets[r, : len(row_targets)] = row_targets
-        batch = {"inputs": inputs, "targets": targets}
+        # Rows padded to a count the mesh splits (a "mask" marks them): any batch_size runs.
+        batch = self.trainer.padded({"inputs": inputs, "targets": targets}, divisor=1)
         (scored,) = self.trainer.predict([batch], to_numpy=True, predict_fn=self._score)
         results = []
         for r, (row_inputs, _, scored_tokens) in enumerate(rows):
@@ -200,10 +219,13 @@ class HarnessLM(LM):  # type: ignore[misc]
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
         """Each request's whole text's log-probability, window by window."""
-        totals = []
-        for request in requests:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows: list[tuple[list[int], list[int]]] = []
+        owners: list[int] = []  # the request each window belongs to
+        for r, request in enumerate(requests):
             (text,) = request.args
-            windows = [
+            mine = [
                 make_disjoint_window(window)
                 for window in get_rolling_token_windows(
                     token_list=self._encode(text),
@@ -212,25 +234,44 @@ class HarnessLM(LM):  # type: ignore[misc]
                     context_len=1,
                 )
             ]
-            totals.append(sum(logp for logp, _ in self.score(windows)))
+            windows.extend(mine)
+            owners.extend([r] * len(mine))
+        totals = [0.0] * len(requests)
+        for r, (logp, _) in zip(owners, self.score(windows), strict=True):
+            totals[r] += logp  # the windows of all requests share batches
         return totals
 
     def generate_until(self, requests: list[Any]) -> list[str]:
-        """Greedy continuations, cut at the first of each request's ``until`` strings."""
-        out = []
-        for request in requests:
+        """Greedy continuations, stopped at the end-of-text token (``prefix_token``) and
+        cut at the first of each request's ``until`` strings. Requests that ask alike
+        are generated together, ``batch_size`` prompts a call."""
+        groups: dict[tuple[tuple[str, ...], int], list[int]] = {}
+        prompts: list[list[int]] = []
+        for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = (until,) if isinstance(until, str) else tuple(until)
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             ids = self._encode(context) or [self._prefix()]
             room = self.sampler.context_length
-            if room is not None:
+            if room is not None:  # the prompt keeps its end, the continuation fits
                 max_new = min(max_new, room - 1)
                 ids = ids[-(room - max_new) :]
-            generated = self.sampler.generate([ids], max_new_tokens=max_new, stop=until)
-            text = generated.text[0] if generated.text is not None else ""
-            for stop in until:
-                text = text.split(stop)[0]
-            out.append(text)
+            prompts.append(ids)
+            groups.setdefault((until, max_new), []).append(index)
+        out = [""] * len(requests)
+        for (until, max_new), indices in groups.items():
+            for start in range(0, len(indices), self.batch_size):
+                chosen = indices[start : start + self.batch_size]
+                generated = self.sampler.generate(
+                    [prompts[i] for i in chosen],
+                    max_new_tokens=max_new,
+                    stop=until,
+                    end_token=self.prefix_token,
+                )
+                texts = generated.text or [""] * len(chosen)
+                for i, text in zip(chosen, texts, strict=True):
+                    for stop in until:
+                        text = text.split(stop)[0]
+                    out[i] = text
         return out
