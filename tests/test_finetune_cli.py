@@ -31,3 +31,46 @@ def test_job_refuses_a_lora_export_of_a_run_without_adapters(tmp_path):
     with pytest.raises(tasks.ConfigError, match=r"--export_format=peft: .*config\.lora\.rank=0"):
         job.run(config, tmp_path / "run", export_format="peft")
     assert not (tmp_path / "run").exists()
+
+
+def test_export_writes_the_adapters_as_peft_and_the_merged_weights(tmp_path):
+    import ml_collections
+    import numpy as np
+    import safetensors.numpy
+    from test_finetune_checkpoints import CONFIG, batches, trainer_for
+    from test_weights_gpt2 import hf_weights
+
+    from nnx_spmd_trainer.app import job_export
+    from nnx_spmd_trainer.app.models.gpt2_hf import gpt2_weight_map
+    from nnx_spmd_trainer.weights import peft
+
+    base = tmp_path / "base.safetensors"
+    safetensors.numpy.save_file(hf_weights(CONFIG, seed=5), str(base))
+    trainer = trainer_for(base)
+    trainer.fit(batches(2), max_steps=2)  # the adapters move off their start (B = 0)
+    lora = ml_collections.ConfigDict({"rank": 2, "alpha": 2.0, "dropout": 0.0})  # nnx.LoRA: 1
+    weight_map = gpt2_weight_map(CONFIG)
+    d = CONFIG.n_embd
+    q = trainer.model.h[0].attn.q
+    a, b = np.asarray(q.lora_a[...]), np.asarray(q.lora_b[...])
+    assert np.abs(b).max() > 0
+
+    out = job_export.export(trainer, tmp_path / "peft", "peft", weight_map=weight_map, lora=lora)
+    adapter = peft.read_peft_adapter(out)
+    assert adapter.config["fan_in_fan_out"] is True and adapter.config["r"] == 2
+    module = "transformer.h.0.attn.c_attn"
+    assert module in adapter.modules() and adapter.rank(module) == 4  # q and v fused
+    lora_A, lora_B = adapter.pair(module)
+    delta = (adapter.scaling(module) * lora_B @ lora_A).T
+    np.testing.assert_allclose(delta[:, :d], a @ b, rtol=1e-5, atol=1e-6)
+
+    merged = job_export.export(
+        trainer, tmp_path / "merged", "merged", weight_map=weight_map, lora=lora
+    )
+    file = safetensors.numpy.load_file(str(merged))
+    w = np.asarray(q.base_module.kernel[...])
+    np.testing.assert_allclose(file["h.0.attn.c_attn.weight"][:, :d], w + a @ b, rtol=1e-6)
+    np.testing.assert_array_equal(  # k has no adapter: the base's, bit for bit
+        file["h.0.attn.c_attn.weight"][:, d : 2 * d],
+        np.asarray(trainer.model.h[0].attn.k.kernel[...]),
+    )

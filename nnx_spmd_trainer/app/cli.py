@@ -158,6 +158,7 @@ def _main(argv: Sequence[str]) -> int:
             path = export(
                 result.trainer, flags.FLAGS.export, flags.FLAGS.export_format,
                 weight_map=result.weight_map, ema=flags.FLAGS.export_ema,
+                lora=config.get("lora"),
             )  # fmt: skip
         except OSError as error:  # a full disk, a read-only directory: no partial file left
             fail(
@@ -168,7 +169,12 @@ def _main(argv: Sequence[str]) -> int:
                 status=1,
             )
         what = "the average of the parameters (EMA)" if flags.FLAGS.export_ema else "parameters"
-        if jax.process_index() == 0 and flags.FLAGS.export_format == "safetensors":
+        if jax.process_index() == 0 and flags.FLAGS.export_format == "peft":
+            say(
+                f"LoRA adapters exported to {path} as a PEFT adapter (adapter_config.json, "
+                "adapter_model.safetensors): peft.PeftModel.from_pretrained(base, path)"
+            )
+        elif jax.process_index() == 0 and flags.FLAGS.export_format in ("safetensors", "merged"):
             say(
                 f"{what} exported to {path} under the task's weight map's names; "
                 f"load them with safetensors.numpy.load_file({str(path)!r})"
@@ -246,7 +252,9 @@ def main(
         "orbax",
         list(EXPORT_FORMATS),
         "With --export: a plain Orbax checkpoint (orbax), or DIR/model.safetensors under "
-        "the task's weight map's names (safetensors; gpt2_hf: Hugging Face's GPT-2).",
+        "the task's weight map's names (safetensors; gpt2_hf: Hugging Face's GPT-2); with "
+        "--config.lora.rank: the adapters as a PEFT adapter directory (peft), or merged into "
+        "the base as DIR/model.safetensors (merged).",
     )
     flags.DEFINE_bool(
         "export_ema",

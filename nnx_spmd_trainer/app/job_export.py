@@ -7,10 +7,12 @@ import contextlib
 import os
 from pathlib import Path
 
+import jax
 import ml_collections
 
 from nnx_spmd_trainer import Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.data.to_host import gather_to_host
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
 #: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf),
@@ -57,14 +59,23 @@ def export(
     *,
     weight_map: weights.WeightMap | None = None,
     ema: bool = False,
+    lora: ml_collections.ConfigDict | None = None,
 ) -> Path:
     """``trainer``'s parameters written under ``directory`` (``--export``): a plain Orbax
     checkpoint there (``export_params``), or, with ``"safetensors"``, the file
     ``directory/model.safetensors`` through the task's ``weight_map`` (Hugging Face's
     names and shapes for gpt2_hf: ``transformers`` loads the directory). ``ema``
     (``--export_ema``): the average of the weights (``config.ema_decay``) in their place.
+    ``"peft"``: the LoRA adapters alone as a PEFT adapter directory (``weights.peft``);
+    ``"merged"``: the adapters folded into the base (``W + alpha / rank * A B``), as
+    ``"safetensors"`` writes the base; ``lora`` (``config.lora``) gives rank and alpha.
     Every process calls it.
     """
+    if export_format in LORA_FORMATS:
+        if weight_map is None or lora is None or not lora.get("rank"):
+            raise tasks.ConfigError(f"--export_format={export_format}: the run has no LoRA.")
+        with trainer.ema_weights() if ema else contextlib.nullcontext():
+            return export_lora(trainer, Path(directory), export_format, weight_map, lora)
     with trainer.ema_weights() if ema else contextlib.nullcontext():
         if export_format != "safetensors":
             return export_params(trainer.model, directory)
@@ -72,3 +83,30 @@ def export(
             raise tasks.ConfigError(f"--export_format={export_format}: the task has no weight map.")
         Path(directory).mkdir(parents=True, exist_ok=True)
         return trainer.export(Path(directory) / SAFETENSORS_FILE, weight_map=weight_map)
+
+
+def export_lora(
+    trainer: Trainer,
+    directory: Path,
+    export_format: str,
+    weight_map: weights.WeightMap,
+    lora: ml_collections.ConfigDict,
+) -> Path:
+    """``--export_format=peft`` (``directory`` holds ``adapter_config.json`` and
+    ``adapter_model.safetensors``) or ``merged`` (``directory/model.safetensors``)."""
+    from nnx_spmd_trainer.weights import merge, peft
+
+    rank, alpha = int(lora.rank), float(lora.alpha)
+    if export_format == "merged":
+        directory.mkdir(parents=True, exist_ok=True)
+        params = merge.merged_params(trainer.model, scale=alpha / rank)
+        return weights.save_safetensors(params, directory / SAFETENSORS_FILE, weight_map)
+    pairs = {path: tuple(gather_to_host(x) for x in pair)
+             for path, pair in merge.lora_pairs(trainer.model).items()}  # fmt: skip
+    adapter = peft.peft_adapter(
+        pairs, weight_map, rank=rank, alpha=alpha, dropout=float(lora.get("dropout", 0.0)),
+        fan_in_fan_out=True, module_prefix="transformer.",
+    )  # fmt: skip
+    if jax.process_index() == 0:
+        peft.write_peft_adapter(adapter, directory)
+    return directory
