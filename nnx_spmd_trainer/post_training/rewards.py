@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RewardError", "RewardFn", "group_advantages", "load_reward", "score"]
+__all__ = ["RewardError", "RewardFn", "check_group_size", "group_advantages", "load_reward", "score"]
 
 #: ``(prompts, completions, **fields) -> one float per completion``.
 RewardFn = Callable[..., Sequence[float]]
@@ -76,7 +76,8 @@ def score(
         ) from error
     if rewards.shape != (len(completions),):
         raise RewardError(
-            f"reward function {name} returned shape {rewards.shape}; expected {expected}."
+            f"reward function {name} returned {type(answer).__name__} of shape "
+            f"{rewards.shape}; expected {expected}."
         )
     if not np.isfinite(rewards).all():
         raise RewardError(
