@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +51,12 @@ class EvalHarnessCallback(Callback):
             )
         if not tasks:
             raise ValueError("EvalHarnessCallback: no tasks; name at least one lm_eval task.")
-        import nnx_spmd_trainer  # HarnessLM needs the lm-eval extra: said now, not at step N
+        if importlib.util.find_spec("lm_eval") is None:  # said now, not at step N
+            raise ImportError(
+                "EvalHarnessCallback needs lm-evaluation-harness, which is not installed: "
+                "pip install 'nnx-spmd-trainer[lm-eval]'"
+            )
+        import nnx_spmd_trainer
 
         self._harness_lm = nnx_spmd_trainer.HarnessLM
         self.tasks = list(tasks)

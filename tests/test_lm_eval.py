@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,6 @@ def test_the_module_imports_without_lm_eval_and_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import importlib.util
-    import sys
 
     import nnx_spmd_trainer.generate.harness as installed
 
@@ -255,3 +255,11 @@ def test_the_callback_logs_the_scores_to_the_run(tasks: Path, tmp_path: Path) ->
     assert logged == computed and len(computed) == 2  # step 2, and the end (step 3)
     assert all(v in (0.0, 1 / 3, 2 / 3, 1.0) for v in computed.values())
     assert lines and lines[0].startswith("lm_eval at step")
+
+
+def test_the_callback_without_lm_eval_names_the_extra_when_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # find_spec("lm_eval") now fails
+    with pytest.raises(ImportError, match=r"nnx-spmd-trainer\[lm-eval\]"):
+        EvalHarnessCallback(["tiny_mc"], every_n_steps=1, tokenizer=Letters())
