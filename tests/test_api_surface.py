@@ -22,6 +22,7 @@ MODULES = (
     "nnx_spmd_trainer.callbacks",
     "nnx_spmd_trainer.data",
     "nnx_spmd_trainer.weights",
+    "nnx_spmd_trainer.post_training",
 )
 
 

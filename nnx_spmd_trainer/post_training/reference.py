@@ -20,17 +20,14 @@ from flax import nnx
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
-#: ``(model, batch, side) -> [rows]``: a model's summed log-probabilities of one side
-#: (``"chosen"``, ``"rejected"``) of a batch of pairs.
-SideLogps = Callable[[nnx.Module, Any, str], jax.Array]
-
 
 class ReferenceModel:
     """A frozen copy of ``trainer``'s starting model, laid out as its policy.
 
     Args:
       trainer: the trainer whose plan lays the copy out (``trainer.initial_state()``).
-      side_logps: what the reference computes of a batch, per side.
+      side_logps: ``(model, batch, side) -> [rows]``: a model's summed log-probabilities of
+        one side (``"chosen"``, ``"rejected"``) of a batch of pairs.
 
     Attributes:
       graphdef, state: the copy (``nnx.split`` of the model); ``state`` leaves carry the
@@ -40,7 +37,9 @@ class ReferenceModel:
     #: The batch keys the reference's log-probabilities are given under.
     KEYS = ("reference_chosen_logps", "reference_rejected_logps")
 
-    def __init__(self, trainer: Trainer, side_logps: SideLogps) -> None:
+    def __init__(
+        self, trainer: Trainer, side_logps: Callable[[nnx.Module, Any, str], jax.Array]
+    ) -> None:
         objects = nnx.merge(trainer.plan.graphdef, trainer.initial_state())
         model = objects["model"]
         model.eval()  # no dropout in the reference's log-probabilities
