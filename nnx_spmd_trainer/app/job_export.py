@@ -12,7 +12,6 @@ import ml_collections
 
 from nnx_spmd_trainer import Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
-from nnx_spmd_trainer.data.to_host import gather_to_host
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
 #: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf),
@@ -94,19 +93,18 @@ def export_lora(
 ) -> Path:
     """``--export_format=peft`` (``directory`` holds ``adapter_config.json`` and
     ``adapter_model.safetensors``) or ``merged`` (``directory/model.safetensors``)."""
-    from nnx_spmd_trainer.weights import merge, peft
-
     rank, alpha = int(lora.rank), float(lora.alpha)
     if export_format == "merged":
         directory.mkdir(parents=True, exist_ok=True)
-        params = merge.merged_params(trainer.model, scale=alpha / rank)
+        params = weights.merged_params(trainer.model, scale=alpha / rank)
         return weights.save_safetensors(params, directory / SAFETENSORS_FILE, weight_map)
-    pairs = {path: tuple(gather_to_host(x) for x in pair)
-             for path, pair in merge.lora_pairs(trainer.model).items()}  # fmt: skip
-    adapter = peft.peft_adapter(
-        pairs, weight_map, rank=rank, alpha=alpha, dropout=float(lora.get("dropout", 0.0)),
-        fan_in_fan_out=True, module_prefix="transformer.",
+    # gpt2_hf, the one task with a map: HF's Conv1D is [in, out], its modules under
+    # GPT2LMHeadModel's "transformer."
+    adapter = weights.peft_adapter(
+        weights.lora_pairs(trainer.model), weight_map, rank=rank, alpha=alpha,
+        dropout=float(lora.get("dropout", 0.0)), fan_in_fan_out=True,
+        module_prefix="transformer.",
     )  # fmt: skip
     if jax.process_index() == 0:
-        peft.write_peft_adapter(adapter, directory)
+        weights.write_peft_adapter(adapter, directory)
     return directory

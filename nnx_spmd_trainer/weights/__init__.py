@@ -4,7 +4,9 @@ A ``WeightMap`` says how each model array is made from a file's tensors
 (``tensor``, ``transpose``, ``reshape``, ``split``, ``concat``, ``stack``,
 ``take``, ``pad``, ``cast``); ``load_weights`` reads a source (``SafetensorsSource``,
 ``TreeSource``, ``OrbaxSource``) through it, each device given only its own
-blocks; ``save_safetensors`` reads the map backwards and writes the file again.
+blocks; ``save_safetensors`` reads the map backwards and writes the file again. LoRA adapters go
+out through the same map: ``peft_adapter``/``write_peft_adapter`` as a PEFT adapter
+directory (``peft.py``), ``merged_params`` folded into the base (``merge.py``).
 
 >>> import numpy as np
 >>> m = WeightMap({"wte/embedding": pad(tensor("wte.weight", (5, 2)), axis=0, size=8)})
@@ -20,6 +22,14 @@ from nnx_spmd_trainer.weights.load import (
     pretrained_state,
 )
 from nnx_spmd_trainer.weights.mapping import WeightMap, WeightsMismatch, check
+from nnx_spmd_trainer.weights.merge import lora_pairs, merged_params
+from nnx_spmd_trainer.weights.peft import (
+    PeftAdapter,
+    adapter_arrays,
+    peft_adapter,
+    read_peft_adapter,
+    write_peft_adapter,
+)
 from nnx_spmd_trainer.weights.save import save_safetensors
 from nnx_spmd_trainer.weights.sources import (
     OrbaxSource,
@@ -42,6 +52,7 @@ from nnx_spmd_trainer.weights.transforms import (
 __all__ = [
     "Expr",
     "OrbaxSource",
+    "PeftAdapter",
     "Piece",
     "Pretrained",
     "SafetensorsSource",
@@ -52,13 +63,18 @@ __all__ = [
     "WeightMap",
     "WeightSource",
     "WeightsMismatch",
+    "adapter_arrays",
     "cast",
     "check",
     "concat",
     "load_weights",
+    "lora_pairs",
+    "merged_params",
     "pad",
     "param_targets",
+    "peft_adapter",
     "pretrained_state",
+    "read_peft_adapter",
     "reshape",
     "save_safetensors",
     "split",
@@ -66,4 +82,5 @@ __all__ = [
     "take",
     "tensor",
     "transpose",
+    "write_peft_adapter",
 ]

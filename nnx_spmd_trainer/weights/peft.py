@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.weights.expr import Piece, Tensor, full_index
 from nnx_spmd_trainer.weights.mapping import WeightMap
 
@@ -180,7 +181,8 @@ def peft_adapter(
     Args:
       adapters: kernel path (``"h/0/attn/q/kernel"``, the map's key) -> ``(lora_a,
         lora_b)`` (or a tuple starting so: ``nn.lora.adapters``'s), the update being
-        ``alpha / rank * lora_a @ lora_b``.
+        ``alpha / rank * lora_a @ lora_b``; sharded arrays are gathered (with several
+        processes, every process calls this).
       weight_map: the map the base loads and exports through.
       rank, alpha, dropout: the adapters' (``lora_alpha = alpha``).
       fan_in_fan_out: the file stores ``[in, out]`` (GPT-2's ``Conv1D``); else
@@ -200,7 +202,8 @@ def peft_adapter(
         lora_A = np.zeros((total, file_in), np.float32)
         lora_B = np.zeros((file_out, total), np.float32)
         for k, (path, place) in enumerate(places):
-            a, b = (np.asarray(x, np.float32) for x in adapters[path][:2])
+            # several processes: every one gathers the same arrays in the same order
+            a, b = (np.asarray(x, np.float32) for x in gather_to_host(adapters[path][:2]))
             if a.ndim == 3:
                 a, b = a[place.layer], b[place.layer]
             ranks = slice(k * rank, (k + 1) * rank)
