@@ -153,6 +153,7 @@ def test_bad_input_is_one_line_and_exit_2(run, capsys, tmp_path: Path) -> None:
     before = _files(run["base"])
     (tmp_path / "empty").mkdir()
     assert "no checkpoint in" in _refused(capsys, str(tmp_path / "empty"), "--prompt", "a")
+    assert "there is no folder" in _refused(capsys, str(tmp_path / "typo"), "--prompt", "a")
     mismatch = _refused(capsys, workdir, "--prompt", "a", "--tokenizer", str(run["big"]))
     assert "has 300 tokens and the model embeds 256" in mismatch
     too_long = _refused(capsys, workdir, "--prompt", "x" * 20, *tok)

@@ -359,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "folder: config.json, model.safetensors) with --tokenizer DIR/tokenizer.json."
         )
     workdir = Path(args.workdir or ".")
+    if args.workdir is not None and not workdir.is_dir():
+        fail(f"generate: there is no folder {workdir}; give the --workdir of a trained run.")
     if args.weights is None and not _saved_steps(workdir):
         fail(
             f"generate: no checkpoint in {workdir / 'checkpoints'}: train first (nnx-spmd-train "
