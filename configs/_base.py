@@ -88,7 +88,7 @@ def training_config() -> ml_collections.ConfigDict:
     config.init_from = ""
     # LoRA fine-tuning: adapters of rank lora.rank (0: off, the whole model trains) beside
     # the layers whose paths match lora.targets (a regex over NNX paths, "h/0/attn/q"; "":
-    # the attention's projections), scaled lora.alpha / lora.rank; only they train.
+    # the attention's q, k and v), scaled lora.alpha / lora.rank; only they train.
     # --export_format=peft writes them as a PEFT adapter, =merged folds them into the base.
     config.lora = ml_collections.ConfigDict()
     config.lora.rank = 0

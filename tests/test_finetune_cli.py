@@ -74,3 +74,23 @@ def test_export_writes_the_adapters_as_peft_and_the_merged_weights(tmp_path):
         file["h.0.attn.c_attn.weight"][:, d : 2 * d],
         np.asarray(trainer.model.h[0].attn.k.kernel[...]),
     )
+
+
+def test_config_lora_makes_a_lora_run_never_a_whole_model_one(tmp_path):
+    """``--config.lora.rank`` reaches the Trainer as ``lora=LoRA(...)``; where the library
+    has no LoRA, the run is refused naming the key (it never trains the whole model)."""
+    import nnx_spmd_trainer
+
+    config = shrink(load("gpt2_hf"))
+    config.update(max_steps=2)
+    config.lora.rank = 2
+    if getattr(nnx_spmd_trainer, "LoRA", None) is None:
+        with pytest.raises(tasks.ConfigError, match=r"config\.lora\.rank=2: .* no LoRA"):
+            job.run(config, tmp_path / "run", export_format="peft")
+        assert not (tmp_path / "run").exists()
+        return
+    from flax import nnx
+
+    result = job.run(config, tmp_path / "run", export_format="peft")
+    adapters = nnx.state(result.trainer.model, nnx.LoRAParam)
+    assert any("attn" in "/".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters))

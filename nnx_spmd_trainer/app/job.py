@@ -31,7 +31,7 @@ from nnx_spmd_trainer.app.job_checks import (
     check_init_from,
     refused_or_noted,
 )
-from nnx_spmd_trainer.app.job_export import check_export_format
+from nnx_spmd_trainer.app.job_export import check_export_format, lora_settings
 from nnx_spmd_trainer.app.job_lines import (  # speed_line and the others: job.speed_line, as before
     corpus_reads_line,
     goodput_line,
@@ -199,6 +199,7 @@ def _build_trainer(
             peak_flops=peak_flops_of(config),
             skip_nonfinite_updates=config.skip_nonfinite_updates,
             **settings,
+            **lora_settings(config),  # a ConfigError naming config.lora
             config=config,
             init_from=init_from,
             compile_cache=config.get("compile_cache", compile_cache.AUTO),

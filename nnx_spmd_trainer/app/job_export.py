@@ -30,6 +30,39 @@ def lora_rank(config: ml_collections.ConfigDict) -> int:
     return int(lora.get("rank", 0) or 0) if lora is not None else 0
 
 
+#: ``config.lora.targets=""``: the attention's q, k and v (PEFT's ``c_attn`` for GPT-2).
+DEFAULT_LORA_TARGETS = r".*attn/(q|k|v)"
+
+
+def lora_settings(config: ml_collections.ConfigDict) -> dict[str, object]:
+    """``Trainer``'s ``lora=`` from ``config.lora`` (``{}`` where the rank is 0); a
+    ``ConfigError`` naming the key where this library has no ``LoRA`` or it refuses the
+    values, so a LoRA run never trains the whole model instead."""
+    rank = lora_rank(config)
+    if not rank:
+        return {}
+    import nnx_spmd_trainer
+
+    lora_class = getattr(nnx_spmd_trainer, "LoRA", None)  # the core's, once it exports it
+    if lora_class is None:
+        raise tasks.ConfigError(
+            f"config.lora.rank={rank}: this build of nnx_spmd_trainer has no LoRA; "
+            "pass --config.lora.rank=0 to fine-tune the whole model."
+        )
+    lora = config.lora
+    try:
+        return {
+            "lora": lora_class(
+                rank=rank,
+                alpha=float(lora.get("alpha", rank)),
+                targets=lora.get("targets", "") or DEFAULT_LORA_TARGETS,
+                dropout=float(lora.get("dropout", 0.0)),
+            )
+        }
+    except ValueError as error:
+        raise tasks.ConfigError(f"config.lora: {error}") from error
+
+
 def check_export_format(
     config: ml_collections.ConfigDict, task: tasks.Task, export_format: str
 ) -> None:
