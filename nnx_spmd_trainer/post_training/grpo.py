@@ -129,7 +129,7 @@ class GRPOTrainer(Trainer):
             raise ValueError(f"beta={beta}, epsilon={epsilon}: need beta >= 0, 0 < epsilon < 1.")
         self.prompts, self.reward_fn, self.tokenizer = prompts, reward_fn, tokenizer
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.end_token, self.epsilon, self.beta = end_token, epsilon, beta
         self.num_iterations, self.logits_fn = num_iterations, logits_fn
         self.prompt_ids = [self._encode(p) for p in prompts.prompts]
@@ -174,7 +174,9 @@ class GRPOTrainer(Trainer):
             max_new_tokens=self.max_new_tokens,
             seed=seed,
             end_token=self.end_token,
-            **self.sampling,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
         )
         batch = rollout_batch(prompt_ids, out.tokens, self.seq_len)
         decode = self.tokenizer.decode if self.tokenizer is not None else None

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RewardError", "RewardFn", "check_group_size", "group_advantages", "load_reward", "score"]
+__all__ = [
+    "RewardError",
+    "RewardFn",
+    "check_group_size",
+    "group_advantages",
+    "load_reward",
+    "score",
+]
 
 #: ``(prompts, completions, **fields) -> one float per completion``.
 RewardFn = Callable[..., Sequence[float]]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PromptRows", "Rollout", "prompt_batches", "read_prompts", "rollout_batch"]
+__all__ = ["PromptRows", "prompt_batches", "read_prompts", "rollout_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +70,6 @@ def prompt_batches(rows: int, batch_size: int, steps: int, seed: int = 0) -> lis
         {"row": np.asarray(order[i * batch_size : (i + 1) * batch_size], np.int32)}
         for i in range(steps)
     ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """One rollout on the host: the training batch's arrays and what was sampled."""
-
-    batch: dict[str, np.ndarray]
-    completions: list[list[int]]
-    sampler_logps: list[list[float]]
 
 
 def rollout_batch(
