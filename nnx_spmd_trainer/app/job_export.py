@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_collections
@@ -34,7 +35,7 @@ def lora_rank(config: ml_collections.ConfigDict) -> int:
 DEFAULT_LORA_TARGETS = r".*attn/(q|k|v)"
 
 
-def lora_settings(config: ml_collections.ConfigDict) -> dict[str, object]:
+def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """``Trainer``'s ``lora=`` from ``config.lora`` (``{}`` where the rank is 0); a
     ``ConfigError`` naming the key where this library has no ``LoRA`` or it refuses the
     values, so a LoRA run never trains the whole model instead."""
