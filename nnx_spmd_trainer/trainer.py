@@ -5,6 +5,7 @@ are its mixins' (``run_access.RunAccess``, ``plan_holder.LayoutAccess``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from nnx_spmd_trainer.engine.run import Run
 from nnx_spmd_trainer.engine.run_access import RunAccess
 from nnx_spmd_trainer.engine.speed import Speed
 from nnx_spmd_trainer.io.export import export_params
+from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.optim import ema as ema_lib
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
@@ -100,6 +102,10 @@ class Trainer(LayoutAccess, RunAccess):
         ``perf/tokens_per_s`` and ``perf/flops_per_s_per_device``: ``engine.speed``).
         Default: the dense bf16 peak of the device's kind (``flops.PEAK_FLOPS``); a
         device not in the table logs no MFU, and says so once.
+      lora: a ``LoRA(rank=..., targets=...)``: low-rank adapters beside the target layers,
+        added after ``init_from`` loads the base (which needs no adapters in its files),
+        laid out from their base layers under any strategy; only they train and have
+        optimizer state (``Plan``'s; ``nn.lora.merge`` folds them in for export).
       init_from: pretrained weights the first state is built from
         (``weights.Pretrained(path, weight_map)``: safetensors, NumPy or Orbax, read
         straight into the layout) instead of the random initialiser; a run that
@@ -171,6 +177,7 @@ class Trainer(LayoutAccess, RunAccess):
         skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
+        lora: LoRA | None = DEFAULTS.lora,
         memory_budget_bytes: int | None = None,
         peak_flops: float | None = None,
         init_from: Pretrained | None = None,
@@ -178,7 +185,7 @@ class Trainer(LayoutAccess, RunAccess):
         compile_cache: CompileCacheSetting = None,
     ) -> None:
         use_compile_cache(compile_cache)  # before anything compiles
-        settings = PlanSettings.of(locals())  # the twelve keywords the plan is made with
+        settings = PlanSettings.of(locals())  # the thirteen keywords the plan is made with
         plan, pending = plan_holder.plan_or_chooser(
             model,
             settings,
@@ -194,6 +201,10 @@ class Trainer(LayoutAccess, RunAccess):
         self.config = config
         self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
         self.run.timings.speed = Speed(peak_flops)
+        if init_from is not None and (lora or getattr(plan, "lora", None)) is not None:
+            # The files hold the base alone: the adapters are the initializer's.
+            fresh = nnx.Any(init_from.fresh, nnx.LoRAParam)
+            init_from = dataclasses.replace(init_from, fresh=fresh)
         self.run.initial_state = init_from.state if init_from is not None else None
         self._plan_holder = plan_holder.PlanHolder(
             self.run,

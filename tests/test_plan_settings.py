@@ -20,7 +20,7 @@ from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 
 def test_plan_and_trainer_take_the_settings_defaults():
     names = [f.name for f in dataclasses.fields(PlanSettings)]
-    assert len(names) == 12
+    assert len(names) == 13
     for signature in (inspect.signature(Plan), inspect.signature(Trainer)):
         for name in names:
             if name != "optimizer":  # Plan's is required

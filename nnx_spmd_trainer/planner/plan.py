@@ -30,8 +30,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.nn import lora as lora_lib
+from nnx_spmd_trainer.nn import lora_layout, tracing
 from nnx_spmd_trainer.nn import remat as remat_lib
-from nnx_spmd_trainer.nn import tracing
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import plan_report, step
@@ -117,6 +118,10 @@ class Plan:
         steps' changes neither the weights nor the optimizer's state; the statistics
         live in the optimizer's state, the count in the logs (``train/skipped_spikes``).
         Default ``None``.
+      lora: a ``LoRA(rank=..., targets=...)``: low-rank adapters are added to the target
+        layers inside the sharded initialisation (after ``init_from``'s base is loaded),
+        each laid out from its base layer (``nn.lora_layout``), and only they train
+        (``wrt`` defaults to ``nnx.LoRAParam``; a ``wrt`` given is kept). Default ``None``.
 
     Attributes:
       strategy, mesh: the layout (ask the plan, not the strategy: ``batch_shardings``,
@@ -152,8 +157,9 @@ class Plan:
         skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
+        lora: lora_lib.LoRA | None = DEFAULTS.lora,
     ) -> None:
-        self.settings = PlanSettings.of(locals())  # the twelve keywords, as given
+        self.settings = PlanSettings.of(locals())  # the thirteen keywords, as given
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.strategy = strategy if strategy is not None else DataParallel()
@@ -168,7 +174,18 @@ class Plan:
         self.grad_accum_steps, self.wrt = grad_accum_steps, wrt
         self._batch_shardings: dict[Any, Any] = {}
         tx = wrapped_optimizer(optimizer, ema, skip_spikes)
-        self._init = model_builder(model, tx, self.state_shardings, self.mesh, seed, wrt)
+        adapt = None
+        if lora is not None:
+            if not isinstance(lora, lora_lib.LoRA):
+                raise TypeError(
+                    f"lora must be a LoRA(rank=..., targets=...) or None, got {lora!r}."
+                )
+            wrt = wrt if "wrt" in self.settings.given() else nnx.LoRAParam
+            self.wrt, adapt = wrt, lora_lib.initializer(lora, seed, trained=wrt)
+        self.lora = lora
+        self._init = model_builder(
+            model, tx, self.state_shardings, self.mesh, seed, wrt, transform=adapt
+        )
         self.graphdef = self._init.graphdef
         self.abstract_state = self._init.abstract_state
         self.shardings = self._init.shardings
@@ -181,8 +198,10 @@ class Plan:
 
     # -- the strategy's answers, on this plan's mesh ------------------------------------
     def state_shardings(self, abstract_state: nnx.State) -> Any:
-        """A ``NamedSharding`` per leaf of ``abstract_state`` (the strategy's answer)."""
-        return self.strategy.state_shardings(abstract_state, self.mesh)
+        """A ``NamedSharding`` per leaf of ``abstract_state``: the strategy's answer, with
+        LoRA adapters laid out from their base layers' (``nn.lora_layout.follow_bases``)."""
+        answer = self.strategy.state_shardings(abstract_state, self.mesh)
+        return lora_layout.follow_bases(abstract_state, answer)
 
     def batch_shardings(self, batch: Any) -> Any:
         """A ``NamedSharding`` per leaf of batches like ``batch`` (arrays, tracers or

@@ -1,4 +1,4 @@
-"""PlanSettings: the twelve settings a ``Plan`` is made with: their names, types and defaults.
+"""PlanSettings: the thirteen settings a ``Plan`` is made with: their names, types and defaults.
 
 ``Plan(...)`` and ``Trainer(...)`` take them as keywords (their signatures' defaults are
 read from ``DEFAULTS``; ``tests/test_plan_settings.py`` checks both name every one) and
@@ -17,6 +17,7 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx
 
+from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.strategies import Strategy
@@ -43,6 +44,7 @@ class PlanSettings:
     skip_nonfinite_updates: bool = False
     ema: EMA | None = None
     skip_spikes: SpikeSkip | None = None
+    lora: LoRA | None = None
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> PlanSettings:

@@ -86,10 +86,14 @@ def model_builder(
     mesh: Mesh,
     seed: int,
     wrt: nnx.filterlib.Filter = nnx.Param,
+    *,
+    transform: Callable[[nnx.Module], nnx.Module] | None = None,
 ) -> ShardedInit:
     """A ShardedInit for a model factory, or for an already-built module.
 
     ``wrt`` filters what the optimizer trains (``nnx.Optimizer(..., wrt=wrt)``).
+    ``transform`` changes the built module inside the jitted builder, before pretrained
+    parameters replace its own (a plan's LoRA adapters: ``nn.lora.initializer``).
     """
     if not isinstance(tx, optax.GradientTransformation):
         hint = " (call it: optax.adam(1e-3))" if callable(tx) else ""
@@ -101,6 +105,8 @@ def model_builder(
                 f"The model factory returned {type(module).__name__}, not an nnx.Module. "
                 "Pass model=lambda rngs: MyModel(..., rngs=rngs)."
             )
+        if transform is not None:
+            module = transform(module)
         if params is not None:  # pretrained parameters, before the optimizer reads them
             nnx.update(module, params)
         # Extra-args support: the step passes value=loss, which plateau schedules and line

@@ -1,0 +1,208 @@
+"""LoRA (issue 47): adapters added by ``Trainer(lora=LoRA(...))`` train alone, under each
+strategy, to what a one-device loop in plain JAX + optax gives (its own ``W x + alpha/r *
+x A B``, from the same base and the same initial adapters); the base stays bitwise; every
+adapter is laid out from its base kernel; merged outputs equal adapted ones; bad input
+is refused in one line."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_spmd_trainer import (
+    FSDP,
+    DataParallel,
+    ExpertParallel,
+    Hybrid,
+    PipelineParallel,
+    SequenceParallel,
+    TensorParallel,
+    Trainer,
+)
+from nnx_spmd_trainer.app.models import GPT
+from nnx_spmd_trainer.nn import lora
+from nnx_spmd_trainer.nn.lora import LoRA
+
+VOCAB, SEQ, ROWS, STEPS = 32, 8, 16, 5
+SIZES = dict(vocab_size=VOCAB, seq_len=SEQ, embed_dim=32, num_heads=8, ff_dim=64, num_layers=2)
+TARGETS = r".*mha/(query|value|out)|.*linear1"
+CONFIG = LoRA(rank=4, alpha=8.0, targets=TARGETS)
+
+
+def dense(rngs):
+    return GPT(**SIZES, dropout_rate=0.0, rngs=rngs)
+
+
+def scanned(rngs):
+    return GPT(**SIZES, dropout_rate=0.0, rngs=rngs, scan_layers=True)
+
+
+def mixture(rngs):
+    return GPT(**SIZES, dropout_rate=0.0, rngs=rngs, moe_experts=4, moe_every=2)
+
+
+CASES = {
+    "dp": (dense, lambda: DataParallel()),
+    "fsdp": (dense, lambda: FSDP(min_size=1)),
+    "tp": (dense, lambda: TensorParallel(8)),
+    "fsdp_x_tp": (dense, lambda: Hybrid(FSDP(4, min_size=1), TensorParallel(2))),
+    "dp_x_seq": (dense, lambda: Hybrid(DataParallel(2), SequenceParallel(4))),
+    "stage2_x_dp": (scanned, lambda: Hybrid(PipelineParallel(2), DataParallel(4))),
+    "dp_x_ep": (mixture, lambda: Hybrid(DataParallel(2), ExpertParallel(4))),
+}
+
+
+def xent(model, batch):
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(), {}
+
+
+def token_batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    windows = [rng.integers(0, VOCAB, size=(ROWS, SEQ + 1), dtype=np.int32) for _ in range(n)]
+    return [{"inputs": w[:, :-1], "targets": w[:, 1:]} for w in windows]
+
+
+def host(state):
+    return {
+        "/".join(map(str, p)): np.asarray(jax.device_get(v.get_value()))
+        for p, v in nnx.to_flat_state(state)
+    }
+
+
+# -- the one-device reference: its own adapters around the base layers --------------------
+class Delta(nnx.Variable):
+    """The reference's adapter arrays (not a Param: nothing else trains)."""
+
+
+class RefAdapted(nnx.Module):
+    """``base(x) + scale * (x A) B``, A contracting x's trailing dimensions."""
+
+    def __init__(self, base, a, b, scale):
+        self.base, self.scale = base, scale
+        self.a, self.b = Delta(jnp.asarray(a)), Delta(jnp.asarray(b))
+
+    def __call__(self, x, **kwargs):
+        a, b = self.a[...], self.b[...]
+        h = jnp.tensordot(x, a, axes=a.ndim - 1)
+        return self.base(x, **kwargs) + self.scale * jnp.tensordot(h, b, axes=1)
+
+
+def _owner(model, path):
+    *parents, name = path.split("/")
+    for part in parents:
+        model = model[int(part)] if part.isdigit() else getattr(model, part)
+    return model, name
+
+
+def reference(factory, start, batches, lr=0.1):
+    """Adapters trained by plain optax SGD on one device from the trainer's start."""
+    with nnx.use_eager_sharding(False):
+        model = factory(nnx.Rngs(123))
+    base = {k: v for k, v in start.items() if not k.endswith(("lora_a", "lora_b"))}
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for path, variable in flat:
+        variable.set_value(jnp.asarray(base["/".join(map(str, path))]))
+    for kernel in sorted(k for k in start if k.endswith("lora_a")):
+        layer = kernel.rsplit("/", 1)[0]
+        owner, name = _owner(model, layer)
+        wrapped = RefAdapted(getattr(owner, name), start[f"{layer}/lora_a"],
+                             start[f"{layer}/lora_b"], CONFIG.alpha / CONFIG.rank)  # fmt: skip
+        setattr(owner, name, wrapped)
+    graphdef, deltas, rest = nnx.split(model, Delta, ...)
+    tx = optax.sgd(lr, momentum=0.9)
+    opt = tx.init(deltas)
+
+    @jax.jit
+    def step(deltas, opt, batch):
+        def loss(d):
+            return xent(nnx.merge(graphdef, d, rest), batch)[0]
+
+        value, grads = jax.value_and_grad(loss)(deltas)
+        updates, opt = tx.update(grads, opt, deltas)
+        return optax.apply_updates(deltas, updates), opt, value
+
+    losses = []
+    for batch in batches:
+        deltas, opt, value = step(deltas, opt, batch)
+        losses.append(float(value))
+    return losses, {f"{k[:-2]}/lora_{k[-1]}": v for k, v in host(deltas).items()}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def trained(request):
+    factory, strategy = CASES[request.param]
+    trainer = Trainer(
+        factory,
+        optax.sgd(0.1, momentum=0.9),
+        strategy=strategy(),
+        loss_fn=xent,
+        lora=CONFIG,
+        log_every_n_steps=1,
+        track_norms=False,
+    )
+    start = host(nnx.state(trainer.model, nnx.Param))
+    batches = token_batches(STEPS)
+    history = trainer.fit(batches, max_steps=STEPS)
+    return request.param, factory, trainer, start, batches, history.history["train/loss"]
+
+
+def test_lora_trains_as_a_one_device_loop_and_leaves_the_base_bitwise(trained):
+    name, factory, trainer, start, batches, losses = trained
+    assert trainer.plan.wrt is nnx.LoRAParam
+    after = host(nnx.state(trainer.model, nnx.Param))
+    adapters = [k for k in after if k.endswith(("lora_a", "lora_b"))]
+    assert len(adapters) == (8 if factory is scanned else 16), adapters
+    for key, value in after.items():
+        if key not in adapters:
+            assert np.array_equal(value, start[key]), key  # the base: bitwise
+    ref_losses, ref_adapters = reference(factory, start, batches)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    for key in adapters:
+        np.testing.assert_allclose(after[key], ref_adapters[key], atol=1e-5, err_msg=key)
+    assert not np.allclose(after[adapters[1]], start[adapters[1]])  # B moved from zero
+
+
+def _padded(spec, ndim):
+    return (*tuple(spec), *([None] * (ndim - len(tuple(spec)))))
+
+
+def test_every_adapter_is_split_as_its_base_kernel(trained):
+    name, factory, trainer, *_ = trained
+    lead = 1 if factory is scanned else 0
+    specs = {}
+    for path, layer in lora.adapted_layers(trainer.model).items():
+        kernel = layer.kernel.get_value()
+        base = _padded(kernel.sharding.spec, kernel.ndim)
+        a, b = layer.lora_a.get_value(), layer.lora_b.get_value()
+        n_in = a.ndim - lead - 1
+        assert _padded(a.sharding.spec, a.ndim) == (*base[: lead + n_in], None), path
+        assert _padded(b.sharding.spec, b.ndim) == (*base[:lead], None, *base[lead + n_in :]), path
+        specs[f"{path}/lora_a"], specs[f"{path}/lora_b"] = a.sharding.spec, b.sharding.spec
+    # The optimizer holds adapters alone, each laid out as its adapter.
+    moments = nnx.to_flat_state(nnx.state(trainer.optimizer))
+    held = [(p, v.get_value()) for p, v in moments if np.ndim(v.get_value())]
+    assert held and all(p[-1] in ("lora_a", "lora_b") for p, _ in held)
+    for path, value in held:
+        owner = next(k for k in specs if "/".join(map(str, path)).endswith(k))
+        assert _padded(value.sharding.spec, value.ndim) == _padded(specs[owner], value.ndim), path
+    if name in ("fsdp", "tp", "fsdp_x_tp", "stage2_x_dp"):  # those that split the bases
+        assert any(any(e is not None for e in s) for s in specs.values()), specs
+
+
+def test_merged_outputs_equal_adapted_outputs(trained):
+    name, factory, trainer, _, batches, _ = trained
+    if name not in ("dp", "stage2_x_dp"):
+        pytest.skip("one dense and one stacked model suffice")
+    model = trainer.model
+    model.eval()
+    tokens = batches[0]["inputs"]
+    adapted = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+    merged = lora.merge(nnx.clone(model))
+    assert not lora.adapted_layers(merged) and not nnx.state(merged, nnx.LoRAParam)
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, t: m(t))(merged, tokens)), adapted,
+                               atol=1e-5)  # fmt: skip
