@@ -113,7 +113,9 @@ def plain_run(initial, batches, loss_type, smoothing, lr, beta):
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, initial))
     reference = state
     losses, metrics, after = [], [], []
-    grad_fn = jax.value_and_grad(plain_loss, has_aux=True)
+    grad_fn = jax.jit(  # one device: the default one, nothing sharded
+        jax.value_and_grad(plain_loss, has_aux=True), static_argnums=(3, 5, 6, 7)
+    )
     for batch in batches:
         (loss, logs), grads = grad_fn(
             state, reference, rest, graphdef, batch, loss_type, smoothing, beta
