@@ -18,8 +18,8 @@ trainer's ``PromptRows``: ``rollout.prompt_batches``). Before its step
 The train step then computes the rollout policy's log-probabilities (``old``) with the
 same function, in the same compiled program, as the loss reads them, and makes
 ``num_iterations`` updates on the rollout (``grpo_loss``): the ratio at the first update
-is 1 for every token (``train/ratio_deviation`` logs max |ratio - 1|). The goodput line
-splits the time into ``rollout``, ``reference`` and ``step`` (learning).
+is 1 for every token (``train/ratio_deviation`` logs the largest ``abs(ratio - 1)``).
+The goodput line splits the time into ``rollout``, ``reference`` and ``step`` (learning).
 """
 
 # No ``from __future__ import annotations``: clu reads GRPOMetrics' annotations as objects.

@@ -41,9 +41,9 @@ def grpo_loss(
     beta: float,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(loss, aux)``: the clipped objective's token mean, and ``aux`` with
-    ``ratio_deviation`` (max |ratio - 1| over the completion tokens), ``clip_fraction``
-    (the share of tokens whose ratio was clipped), ``kl`` (the k3 mean, where a
-    reference is given) and ``token_weight``.
+    ``ratio_deviation`` (the largest ``abs(ratio - 1)`` over the completion tokens),
+    ``clip_fraction`` (the share of tokens whose ratio was clipped), ``kl`` (the k3 mean,
+    where a reference is given) and ``token_weight``.
 
     ``logps``, ``old_logps``, ``weights``, ``reference_logps``: ``[rows, seq]``;
     ``advantages``: ``[rows]``.
