@@ -15,7 +15,8 @@ from nnx_spmd_trainer.engine.step_record import StepRecord
 from nnx_spmd_trainer.generate import Generation, Sampler, Sampling
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
-from nnx_spmd_trainer.nn import moe, remat, stack
+from nnx_spmd_trainer.nn import lora, moe, remat, stack
+from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
@@ -63,6 +64,7 @@ __all__ = [
     "History",
     "Logs",
     "LogSchedule",
+    "LoRA",
     "Plan",
     "Progress",
     "Generation",
@@ -85,6 +87,7 @@ __all__ = [
     "TOKEN_WEIGHT",
     "as_position",
     "is_perf_key",
+    "lora",
     "auto",
     "chunked_cross_entropy",
     "distributed",

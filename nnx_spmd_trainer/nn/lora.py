@@ -174,7 +174,7 @@ def _fresh(used: str, n: int) -> str:
 
 
 def _call_specs(
-    module: nnx.Module, kernel: _Kernel, ndim: int, einsum_str: str | None
+    module: Any, kernel: _Kernel, ndim: int, einsum_str: str | None
 ) -> tuple[str, str, str, str]:
     """``(x, rank letter, x A, y)`` einsum specs of the adapters' path for an input of ``ndim``."""
     if isinstance(module, nnx.Einsum):
@@ -211,7 +211,7 @@ class _Adapted(nnx.Module):
         assert isinstance(kernel, _Kernel)
         x_spec, rank, mid, y_spec = _call_specs(self, kernel, x.ndim, einsum_str)
         if getattr(self, "lora_dropout", None) is not None:
-            x = self.lora_dropout(x)
+            x = cast(Any, self).lora_dropout(x)
         x, a, b = dtypes.promote_dtype(
             (x, self.lora_a[...], self.lora_b[...]), dtype=getattr(self, "dtype", None)
         )
@@ -270,7 +270,7 @@ def targeted(model: nnx.Module, config: LoRA) -> dict[str, nnx.Module]:
     return found
 
 
-def _sizes(module: nnx.Module, kernel: _Kernel) -> tuple[tuple[int, ...], list[int], list[int]]:
+def _sizes(module: Any, kernel: _Kernel) -> tuple[tuple[int, ...], list[int], list[int]]:
     shape = tuple(module.kernel.get_value().shape)
     lead = len(shape) - len(kernel.letters)
     at = {c: shape[lead + i] for i, c in enumerate(kernel.letters)}
@@ -305,7 +305,7 @@ def _metadata(kernel: nnx.Variable[Any], dims: tuple[int, ...]) -> dict[str, Any
     return metadata
 
 
-def _add(module: nnx.Module, config: LoRA, rngs: nnx.Rngs) -> None:
+def _add(module: Any, config: LoRA, rngs: nnx.Rngs) -> None:
     kernel = _kernel_of(module)
     assert isinstance(kernel, _Kernel)
     lead, inputs, outputs = _sizes(module, kernel)
@@ -386,7 +386,7 @@ def initializer(config: LoRA, seed: int, *, trained: nnx.filterlib.Filter) -> Ca
     return adapt
 
 
-def adapted_layers(model: nnx.Module) -> dict[str, nnx.Module]:
+def adapted_layers(model: nnx.Module) -> dict[str, Any]:
     """The layers of ``model`` that hold adapters, by path."""
     return {p: m for p, m in _layers(model).items() if isinstance(m, _Adapted)}
 
