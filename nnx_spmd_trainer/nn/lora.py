@@ -46,6 +46,7 @@ from nnx_spmd_trainer.nn.lora_layout import BASE, DIMS, RANK
 __all__ = [
     "LoRA",
     "Adapter",
+    "Model",
     "adapted_layers",
     "adapters",
     "apply",
@@ -55,7 +56,8 @@ __all__ = [
     "targeted",
 ]
 
-M = TypeVar("M", bound=nnx.Module)
+#: The model type ``apply`` and ``merge`` give back.
+Model = TypeVar("Model", bound=nnx.Module)
 
 #: The layer kinds ``apply`` can adapt (their subclasses too).
 ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
@@ -339,12 +341,12 @@ def _dropout(rate: float, lead: tuple[int, ...], rngs: nnx.Rngs) -> nnx.Dropout:
 
 
 def apply(
-    model: M,
+    model: Model,
     config: LoRA,
     *,
     rngs: nnx.Rngs | int = 0,
     frozen: nnx.filterlib.Filter = FROZEN,
-) -> M:
+) -> Model:
     """Adds ``config``'s adapters to ``model``'s target layers, in place; returns ``model``.
 
     Nothing changes unless every target is valid (``targeted``, and a rank no larger
@@ -374,12 +376,14 @@ def apply(
     return model
 
 
-def initializer(config: LoRA, seed: int, *, trained: nnx.filterlib.Filter) -> Callable[[M], M]:
+def initializer(
+    config: LoRA, seed: int, *, trained: nnx.filterlib.Filter
+) -> Callable[[Model], Model]:
     """``apply`` as a plan runs it on the model it builds: ``A`` drawn from ``seed`` (a
     stream of its own: the base's initialisation is unchanged), ``base_dtype`` casting
     every parameter that is not ``trained``."""
 
-    def adapt(model: M) -> M:
+    def adapt(model: Model) -> Model:
         rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), _SEED_STREAM))
         return apply(model, config, rngs=rngs, frozen=nnx.All(nnx.Param, nnx.Not(trained)))
 
@@ -418,7 +422,7 @@ def delta(layer: nnx.Module) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST) * layer.lora_scale
 
 
-def merge(model: M) -> M:
+def merge(model: Model) -> Model:
     """Folds every layer's adapters into its kernel (``W + alpha / rank * A @ B``, in the
     kernel's dtype) and removes them, in place; returns ``model``, a model of the base's
     structure that computes what the adapted one did (for export through the base's map).

@@ -33,6 +33,7 @@ from nnx_spmd_trainer import sharding as sh
 from nnx_spmd_trainer.nn import lora as lora_lib
 from nnx_spmd_trainer.nn import lora_layout, tracing
 from nnx_spmd_trainer.nn import remat as remat_lib
+from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import plan_report, step
@@ -157,7 +158,7 @@ class Plan:
         skip_nonfinite_updates: bool = DEFAULTS.skip_nonfinite_updates,
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
-        lora: lora_lib.LoRA | None = DEFAULTS.lora,
+        lora: LoRA | None = DEFAULTS.lora,
     ) -> None:
         self.settings = PlanSettings.of(locals())  # the thirteen keywords, as given
         if grad_accum_steps < 1:
@@ -176,7 +177,7 @@ class Plan:
         tx = wrapped_optimizer(optimizer, ema, skip_spikes)
         adapt = None
         if lora is not None:
-            if not isinstance(lora, lora_lib.LoRA):
+            if not isinstance(lora, LoRA):
                 raise TypeError(
                     f"lora must be a LoRA(rank=..., targets=...) or None, got {lora!r}."
                 )
