@@ -59,7 +59,7 @@ def float_labels(batch: dict) -> dict:
 @pytest.mark.parametrize(
     "spoil, change, cause",
     [
-        (without_y, "['y'] was int32[16], is missing", "KeyError: 'y'"),
+        (without_y, "['y'] was int32[16], is missing", "MissingBatchKey: "),
         (wider, "['x'] was float32[16,16], is float32[16,17]", "TypeError: dot_general"),
         (float_labels, "['y'] was int32[16], is float32[16]", "TypeError"),
     ],
