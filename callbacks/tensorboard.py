@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,17 @@ from nnx_spmd_trainer.adapters import tensorboardx_private
 
 from .plan_text import plan_report_for
 from .throughput import Throughput, batch_size_and_tokens
+
+
+def event_file_suffix(kind: str = "") -> str:
+    """A suffix that makes this writer's event file name its own and later than any before.
+
+    tensorboardX names a file by the second it opens and the host, and opens it for
+    writing: a second writer in the same second (a run resumed at once, a test) would
+    truncate the first's file. Nanoseconds, zero-padded, keep the names distinct and in
+    opening order, the order TensorBoard's reader replays a directory in.
+    """
+    return f".{time.time_ns():020d}.{os.getpid()}{kind}"
 
 
 def flatten_config(config: Any) -> dict[str, Any]:
@@ -147,7 +159,10 @@ class TensorBoard(Callback):
             # purge_step: TensorBoard hides what an earlier, killed run logged past the
             # step this run resumed from, so a curve has no duplicate points (on_train_begin).
             self._writer = SummaryWriter(
-                self.logdir, flush_secs=self.flush_secs, purge_step=self._purge_step
+                self.logdir,
+                flush_secs=self.flush_secs,
+                purge_step=self._purge_step,
+                filename_suffix=event_file_suffix(),
             )
         return self._writer
 

@@ -242,8 +242,17 @@ class _Killed(Exception):
     """A run that dies mid-way (as kill -9 would), after logging steps past its checkpoint."""
 
 
-def test_a_resumed_run_hides_what_the_killed_attempt_logged_past_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("same_second", [False, True], ids=["apart", "same-second"])
+def test_a_resumed_run_hides_what_the_killed_attempt_logged_past_its_checkpoint(
+    tmp_path, monkeypatch, same_second
+):
+    import types
+
     from tensorboard.backend.event_processing import plugin_event_accumulator
+    from tensorboardX import event_file_writer
+
+    if same_second:  # tensorboardX names a file by its second: both attempts share one
+        monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1.7e9))
 
     from nnx_spmd_trainer.callbacks import LambdaCallback, OrbaxCheckpoint
 
