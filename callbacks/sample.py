@@ -122,7 +122,9 @@ class SampleCallback(Callback):
                 self.print_fn(f"sample {i} at step {step}: {prompt!r} -> {text!r}")
             if self.logdir is not None:
                 if self._writer is None:
-                    self._writer = SummaryWriter(self.logdir, filename_suffix=event_file_suffix(".samples"))
+                    self._writer = SummaryWriter(
+                        self.logdir, filename_suffix=event_file_suffix(".samples")
+                    )
                 self._writer.add_text(f"samples/{i}", f"{prompt} → {text}", step)
         if self._writer is not None:
             self._writer.flush()
