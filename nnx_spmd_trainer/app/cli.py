@@ -54,7 +54,7 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import corpus, evaluate, generate, tasks
+from nnx_spmd_trainer.app import corpus, evaluate, generate, post_training_job, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -134,7 +134,9 @@ def _main(argv: Sequence[str]) -> int:
         say(replanned)
     try:
         with distributed.lost_peers_named():  # a collective failed: was a process lost?
-            result = run(
+            # --config=dpo / grpo: the post-training trainers (app/post_training_job.py)
+            runner = post_training_job.run if post_training_job.kind(config) else run
+            result = runner(
                 config,
                 workdir,
                 dry_run=flags.FLAGS.dry_run,
@@ -237,7 +239,7 @@ def main(
         "config",
         default=None,  # normalize_argv always names one
         help_string="Config file, or the name of an embedded config (default, char, dp, fsdp, tp, "
-        "hybrid, mlp, cnn). Override keys with --config.key=value.",
+        "hybrid, mlp, cnn, dpo, grpo). Override keys with --config.key=value.",
         lock_config=True,
         sys_argv=argv,
     )

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -181,12 +182,15 @@ def _build_trainer(
     layout: _LayoutAsked,
     run_callbacks: list[Any],
     init_from: weights.Pretrained | None,
+    *,
+    trainer_type: Callable[..., Trainer] = Trainer,
 ) -> Trainer:
-    """The job's ``Trainer``; what it refuses is a ``ConfigError`` naming the key."""
+    """The job's ``Trainer`` (``trainer_type``'s, given the same keywords); what it refuses
+    is a ``ConfigError`` naming the key."""
     splits = task.splits
     settings = averaging_and_spikes(config)  # a ConfigError naming its own key
     try:  # the state is built lazily: this traces the model, allocates nothing
-        return Trainer(
+        return trainer_type(
             task.model,
             tasks.make_optimizer(config),
             strategy=layout.strategy,

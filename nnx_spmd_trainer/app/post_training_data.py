@@ -1,0 +1,225 @@
+"""The data of ``--config=dpo`` and ``--config=grpo`` runs, read and checked before
+anything is written: each bad input a ``ConfigError`` naming its key (one line).
+
+- DPO: ``config.data.preferences``, a JSONL of ``{"prompt", "chosen", "rejected"}`` text
+  rows, encoded with the run's tokenizer into batches of pairs (``pair_batches``).
+- GRPO: ``config.data.prompts``, a JSONL of ``{"prompt", <fields>}`` rows, batches of
+  prompt indices (``prompt_index_batches``), and the reward function named
+  ``module:function`` (``config.grpo.reward``), its answer's shape tried before the run.
+
+Both are Grain ``MapDataset``s of ``max_steps`` (or rollouts) batches, each a function of
+its index and the seed: a resumed run seeks to its batch without reading the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import ml_collections
+import numpy as np
+
+from nnx_spmd_trainer.app.run_config import ConfigError
+from nnx_spmd_trainer.data_shard import DataShard
+from nnx_spmd_trainer.post_training import (
+    EncodedPair,
+    PreferenceError,
+    PreferenceRows,
+    PromptRows,
+    RewardError,
+    RewardFn,
+    encode_text_pair,
+    load_reward,
+    pair_batch,
+    prompt_batches,
+    read_preferences,
+    read_prompts,
+    score,
+)
+from nnx_spmd_trainer.post_training.rewards import check_group_size
+
+__all__ = [
+    "grpo_keys",
+    "pair_batches",
+    "preference_pairs",
+    "prompt_index_batches",
+    "prompt_rows",
+    "reward_function",
+]
+
+
+def _data_file(config: ml_collections.ConfigDict, key: str, what: str) -> Path:
+    """``config.data.<key>``: a file that exists, or a ``ConfigError`` saying what to give."""
+    path = config.data.get(key, "")
+    if not path:
+        raise ConfigError(
+            f"config.data.{key}: give the JSONL file of {what} (--config.data.{key}=FILE.jsonl)."
+        )
+    if not Path(path).is_file():
+        raise ConfigError(f"config.data.{key}={path!r}: there is no file there.")
+    return Path(path)
+
+
+def preference_pairs(
+    config: ml_collections.ConfigDict, encode: Callable[[str], Any]
+) -> tuple[PreferenceRows, list[EncodedPair]]:
+    """The rows of ``config.data.preferences`` and their encoded pairs, each pair checked to
+    fit ``config.gpt.seq_len`` (a ``ConfigError`` naming the row otherwise)."""
+    path = _data_file(config, "preferences", "preference pairs")
+    key = f"config.data.preferences={str(path)!r}"
+    try:
+        rows = read_preferences(path)
+    except PreferenceError as error:
+        raise ConfigError(f"{key}: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{key}: not UTF-8 text ({error.reason}).") from None
+    pairs = [encode_text_pair(row, encode) for row in rows.rows]
+    seq_len = config.gpt.seq_len
+    for number, pair in enumerate(pairs, start=1):
+        try:
+            pair_batch([pair], seq_len)
+        except PreferenceError:
+            prompt = rows.rows[number - 1]["prompt"]
+            raise ConfigError(
+                f"{key}: the {_ordinal(number)} pair kept (prompt {prompt!r:.40}) "
+                f"leaves a completion no token within config.gpt.seq_len={seq_len}; give a "
+                "longer config.gpt.seq_len or shorter prompts."
+            ) from None
+    return rows, pairs
+
+
+def _ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``11th``...
+
+    >>> [_ordinal(n) for n in (1, 2, 3, 4, 11, 22)]
+    ['1st', '2nd', '3rd', '4th', '11th', '22nd']
+    """
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def pair_batches(
+    pairs: Sequence[EncodedPair],
+    *,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    seed: int,
+    shard: DataShard,
+) -> grain.MapDataset:
+    """``steps`` batches of pairs (``pair_batch``) as a ``MapDataset``: batch ``i`` takes
+    the ``i``-th ``batch_size`` pairs of a pass over ``pairs`` in the order drawn from
+    ``(seed, pass)``, this process's rows of it (``shard``); a pass's last partial batch is
+    left out."""
+    if len(pairs) < batch_size:
+        raise ConfigError(
+            f"config.batch_size={batch_size}: config.data.preferences holds {len(pairs)} "
+            "usable pairs, fewer than one batch; give more pairs or a smaller batch_size."
+        )
+    per_pass = len(pairs) // batch_size
+
+    def batch(index: int) -> dict[str, Any]:
+        epoch, k = divmod(index, per_pass)
+        order = np.random.default_rng([seed, epoch]).permutation(len(pairs))
+        rows = order[k * batch_size : (k + 1) * batch_size][shard.index :: shard.count]
+        return pair_batch([pairs[int(r)] for r in rows], seq_len)
+
+    return grain.MapDataset.range(steps).map(batch)
+
+
+def prompt_rows(config: ml_collections.ConfigDict) -> PromptRows:
+    """The rows of ``config.data.prompts``; a ``ConfigError`` naming the line of a bad one."""
+    path = _data_file(config, "prompts", "prompts")
+    try:
+        return read_prompts(path)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config.data.prompts={str(path)!r}: {error}") from None
+
+
+def prompt_index_batches(
+    rows: int, *, batch_size: int, rollouts: int, seed: int, shard: DataShard
+) -> grain.MapDataset:
+    """``rollouts`` batches ``{"row": int32[batch_size / processes]}`` of prompt indices
+    (``prompt_batches``), this process's share of each."""
+    batches = prompt_batches(rows, batch_size, rollouts, seed=seed)
+    return grain.MapDataset.source(batches).map(
+        lambda b: {"row": b["row"][shard.index :: shard.count]}
+    )
+
+
+def grpo_keys(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``GRPOTrainer``'s keywords from ``config.grpo`` (the reward excepted), checked: a
+    ``ConfigError`` naming the key; ``max_steps`` and ``checkpoint_every_n_steps`` must be
+    whole rollouts (multiples of ``num_iterations``)."""
+    grpo = config.grpo
+    group = grpo.group_size
+    try:
+        check_group_size(group)
+    except ValueError as error:
+        raise ConfigError(f"config.grpo.{error}") from None
+    iterations = grpo.num_iterations
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(
+            f"config.grpo.num_iterations={iterations!r}: the updates made on each rollout, "
+            "an integer >= 1; pass e.g. --config.grpo.num_iterations=2."
+        )
+    for key in ("max_steps", "checkpoint_every_n_steps"):
+        value = config.get(key) or 0
+        if value % iterations:
+            raise ConfigError(
+                f"config.{key}={value} with config.grpo.num_iterations={iterations}: steps "
+                f"count updates, {iterations} a rollout, so give a multiple of {iterations}."
+            )
+    new_tokens = grpo.max_new_tokens
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ConfigError(
+            f"config.grpo.max_new_tokens={new_tokens!r}: the most tokens a completion has, "
+            "an integer >= 1; pass e.g. --config.grpo.max_new_tokens=8."
+        )
+    for key, low, high in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0)):
+        value = grpo[key]
+        if not low < value <= high:
+            raise ConfigError(
+                f"config.grpo.{key}={value!r}: must be in ({low:g}, {high:g}]; pass e.g. "
+                f"--config.grpo.{key}=1.0."
+            )
+    if grpo.beta < 0 or not 0 < grpo.epsilon < 1:
+        raise ConfigError(
+            f"config.grpo.beta={grpo.beta!r}, config.grpo.epsilon={grpo.epsilon!r}: need "
+            "beta >= 0 (the KL term's weight) and 0 < epsilon < 1 (the ratio's clipping)."
+        )
+    return {
+        "group_size": group, "num_iterations": iterations, "max_new_tokens": new_tokens,
+        "temperature": float(grpo.temperature), "top_k": int(grpo.top_k),
+        "top_p": float(grpo.top_p), "epsilon": float(grpo.epsilon), "beta": float(grpo.beta),
+    }  # fmt: skip
+
+
+def reward_function(config: ml_collections.ConfigDict, prompts: PromptRows) -> RewardFn:
+    """The function ``config.grpo.reward`` names, imported and tried once on the first
+    prompt's fields and a group of empty completions: an answer of the wrong shape is a
+    ``ConfigError`` saying what it returned and what was expected, before the run writes
+    anything. (A function that raises on the stand-in completions is left to the run.)"""
+    spec = config.grpo.reward
+    if not spec:
+        raise ConfigError(
+            "config.grpo.reward: name the reward function as module:function "
+            "(--config.grpo.reward=my_rewards:exact_sum, my_rewards.py on PYTHONPATH)."
+        )
+    key = f"config.grpo.reward={spec!r}"
+    try:
+        reward_fn = load_reward(spec)
+    except RewardError as error:
+        raise ConfigError(f"{key}: {error}") from None
+    group = config.grpo.group_size
+    fields = {name: [value] * group for name, value in prompts.fields[0].items()}
+    try:
+        score(reward_fn, [prompts.prompts[0]] * group, [""] * group, fields)
+    except RewardError as error:
+        raise ConfigError(f"{key}: {error}") from None
+    except Exception:  # noqa: BLE001 -- the stand-in's fault, maybe: the rollout will say
+        pass
+    return reward_fn
