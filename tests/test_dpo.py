@@ -16,9 +16,11 @@ from flax import nnx
 from nnx_spmd_trainer import FSDP, Callback, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.app.models import gpt
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.post_training import (
     DPOTrainer,
     PreferenceError,
+    ReferenceModel,
     encode_text_pair,
     pair_batch,
     read_preferences,
@@ -256,3 +258,133 @@ def test_bad_preference_rows(tmp_path):
     with pytest.raises(PreferenceError, match=r"pairs.jsonl:2: .*no 'rejected'") as error:
         read_preferences(path)
     assert "\n" not in str(error.value)
+
+
+# -- LoRA: the reference is the base with the adapters switched off ---------------------------
+LORA = LoRA(rank=4, alpha=8.0, targets=r".*mha/(query|value|out)|.*linear1")
+
+
+class Adapters(Callback):
+    """The adapters (``lora_a``, ``lora_b``) after each step, on the host."""
+
+    def __init__(self) -> None:
+        self.after: list[dict[str, np.ndarray]] = []
+
+    def on_train_batch_end(self, step, logs):
+        self.after.append(host_flat(nnx.state(self.trainer.model, nnx.LoRAParam)))
+
+
+def host_flat(state) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, p)): np.asarray(jax.device_get(v.get_value()))
+        for p, v in nnx.to_flat_state(state)
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_run():
+    """3 SGD steps of DPO with LoRA under FSDP x TP, its start and what each step left."""
+    recorded = Adapters()
+    trainer = DPOTrainer(
+        make_model,
+        optax.sgd(LR),
+        beta=BETA,
+        lora=LORA,
+        strategy=FSDP_TP,
+        log_every_n_steps=1,
+        callbacks=[recorded],
+    )
+    start = host_flat(nnx.state(trainer.model, nnx.Param))
+    batches = toy_batches(3, seed=3)
+    trainer.fit(batches, max_steps=3)
+    return trainer, start, batches, recorded.after
+
+
+def plain_lora_run(start, batches):
+    """The one-device loop: the policy is the base with each target kernel W replaced by
+    ``W + alpha / rank * A B`` (the LoRA paper's eq. 3, merged), the reference the base
+    alone; plain SGD on the adapters."""
+    with nnx.use_eager_sharding(False):
+        graphdef, state, rest = nnx.split(make_model(nnx.Rngs(0)), nnx.Param, ...)
+    base = {k: v for k, v in start.items() if not k.endswith(("lora_a", "lora_b"))}
+    for path, variable in nnx.to_flat_state(state):
+        variable.set_value(jnp.asarray(base["/".join(map(str, path))]))
+    layers = sorted(k.removesuffix("/lora_a") for k in start if k.endswith("/lora_a"))
+    adapters = {k: (jnp.asarray(start[f"{k}/lora_a"]), jnp.asarray(start[f"{k}/lora_b"]))
+                for k in layers}  # fmt: skip
+    scale = LORA.alpha / LORA.rank
+
+    def policy(adapters):
+        merged = jax.tree.map(lambda x: x, state)  # a new State, the base's arrays
+        flat = dict(nnx.to_flat_state(merged))
+        for layer, (a, b) in adapters.items():
+            kernel = flat[(*(int(p) if p.isdigit() else p for p in layer.split("/")), "kernel")]
+            kernel.set_value(kernel.get_value() + scale * jnp.tensordot(a, b, axes=1))
+        return merged
+
+    def loss(adapters, batch):
+        return plain_loss(policy(adapters), state, rest, graphdef, batch, "sigmoid", 0.0, BETA)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    losses, metrics, after = [], [], []
+    for batch in batches:
+        (value, logs), grads = grad_fn(adapters, batch)
+        adapters = jax.tree.map(lambda p, g: p - LR * g, adapters, grads)
+        losses.append(float(value))
+        metrics.append({k: float(v) for k, v in logs.items()})
+        after.append(adapters)
+    return losses, metrics, after
+
+
+def test_lora_dpo_equals_a_one_device_loop_with_the_base_as_reference(lora_run):
+    trainer, start, batches, recorded = lora_run
+    losses, metrics, after = plain_lora_run(start, batches)
+    history = trainer.history.history
+    np.testing.assert_allclose(history["train/loss"], losses, atol=1e-5)
+    for name in METRICS:
+        got = history[f"train/{name}"]
+        np.testing.assert_allclose(got, [m[name] for m in metrics], atol=1e-5, err_msg=name)
+    assert history["train/rewards/margins"][-1] > 0  # the reference is not the policy
+    previous = {k: v for k, v in start.items() if k.endswith(("lora_a", "lora_b"))}
+    for step, (got, want) in enumerate(zip(recorded, after, strict=True)):
+        assert got.keys() == previous.keys()
+        for layer, (a, b) in want.items():
+            for key, value in ((f"{layer}/lora_a", a), (f"{layer}/lora_b", b)):
+                np.testing.assert_allclose(  # the gradient of each step: SGD's update / LR
+                    (previous[key] - got[key]) / LR,
+                    (previous[key] - np.asarray(value)) / LR,
+                    atol=1e-5,
+                    err_msg=f"step {step + 1} {key}",
+                )
+        previous = got
+    final = host_flat(nnx.state(trainer.model, nnx.Param))
+    for key, value in start.items():
+        if not key.endswith(("lora_a", "lora_b")):
+            np.testing.assert_array_equal(final[key], value, err_msg=key)  # the base: frozen
+
+
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+def test_lora_dpo_holds_no_second_copy_of_the_weights(lora_run):
+    trainer, *_ = lora_run
+    assert trainer.reference_is_base
+    reference = trainer.reference
+    assert reference.adapters_off and reference.bytes_per_device() == 0
+    live = jax.tree.leaves(nnx.state(trainer.model))
+    assert all(r is p for r, p in zip(jax.tree.leaves(reference.state), live, strict=True))
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+    before = _live_bytes()
+    base = ReferenceModel(trainer, trainer.side_logps, adapters_off=True)
+    assert _live_bytes() - before < model_bytes // 10  # no weights of its own
+    copy = ReferenceModel(trainer, trainer.side_logps)  # what DPO without LoRA holds
+    assert _live_bytes() - before >= model_bytes and copy.bytes_per_device() > 0
+    assert base.bytes_per_device() == 0
+
+
+def test_adapters_off_needs_adapters():
+    trainer = trainer_for(DataParallel())
+    assert not trainer.reference_is_base
+    with pytest.raises(ValueError, match="needs a policy with LoRA adapters"):
+        ReferenceModel(trainer, trainer.side_logps, adapters_off=True)

@@ -27,13 +27,15 @@ Sequential(...)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import math
 import re
 import string
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
@@ -49,6 +51,7 @@ __all__ = [
     "Model",
     "adapted_layers",
     "adapters",
+    "adapters_off",
     "apply",
     "delta",
     "initializer",
@@ -65,6 +68,10 @@ ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 _SEED_STREAM = 0x4C6F5241
 #: What ``base_dtype`` casts by default: the parameters that are not adapters.
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+#: Whether adapted layers compute their base alone (``adapters_off``); read at each call.
+_ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lora_adapters_off", default=False
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,6 +209,8 @@ class _Adapted(nnx.Module):
 
     def __call__(self, inputs: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         out = cast(Any, super()).__call__(inputs, *args, **kwargs)
+        if _ADAPTERS_OFF.get():  # the base alone: no update, no dropout draw
+            return out
         einsum_str = None
         if isinstance(self, nnx.Einsum):  # its call may name another equation
             einsum_str = args[0] if args else kwargs.get("einsum_str")
@@ -388,6 +397,36 @@ def initializer(
         return apply(model, config, rngs=rngs, frozen=nnx.All(nnx.Param, nnx.Not(trained)))
 
     return adapt
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Within the block, every adapted layer computes its base layer's output alone: a
+    LoRA model is its base, with no second copy of the weights (a DPO reference model).
+
+    The switch is read when a layer is called, so under ``jax.jit`` it is read while
+    tracing: trace a function inside the block (its own ``jit``, as
+    ``post_training.ReferenceModel`` compiles its program), and do not call, inside the
+    block, a jitted function already traced outside it (its cached program keeps the
+    adapters). Nesting is allowed; the setting is per thread and per ``asyncio`` task.
+
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    >>> x = jnp.ones((1, 4))
+    >>> base = model(x)
+    >>> _ = apply(model, LoRA(rank=2, targets="layers/0"), rngs=nnx.Rngs(1))
+    >>> model.layers[0].lora_b[...] = jnp.ones((2, 4))  # adapters that change the output
+    >>> bool(jnp.allclose(model(x), base))
+    False
+    >>> with adapters_off():
+    ...     bool(jnp.array_equal(model(x), base))
+    True
+    """
+    token = _ADAPTERS_OFF.set(True)
+    try:
+        yield
+    finally:
+        _ADAPTERS_OFF.reset(token)
 
 
 def adapted_layers(model: nnx.Module) -> dict[str, Any]:

@@ -5,7 +5,9 @@ against the Trainer's public API only (``loss_fn``, ``prepare_batch``,
 Each batch holds pairs (``preference_data.pair_batch``). Before its step, the reference
 model (``ReferenceModel``: the starting weights, frozen, laid out as the policy) gives
 its log-probabilities of both completions in one compiled program, added to the batch;
-the step's loss (``dpo_loss``) then differentiates the policy's alone.
+the step's loss (``dpo_loss``) then differentiates the policy's alone. With LoRA
+(``lora=LoRA(...)``, only the adapters trained) the reference is the policy's own base
+with the adapters switched off (``nn.lora.adapters_off``): no second copy of the weights.
 """
 
 # No ``from __future__ import annotations``: clu reads DPOMetrics' annotations as objects.
@@ -62,7 +64,9 @@ class DPOTrainer(Trainer):
 
     Args:
       model: a factory ``rngs -> nnx.Module`` (or ``init_from=`` weights): the reference
-        is the same starting model built again, so a resumed run rebuilds it bit for bit.
+        is the same starting model built again, so a resumed run rebuilds it bit for bit;
+        with ``lora=LoRA(...)`` (and ``wrt`` training the adapters alone, the default) it
+        is the policy's frozen base with the adapters switched off, never copied.
       optimizer: any optax ``GradientTransformation``.
       beta: the strength of the pull towards the reference (``dpo_loss``).
       loss_type: ``"sigmoid"`` (DPO) or ``"ipo"``.
@@ -103,10 +107,23 @@ class DPOTrainer(Trainer):
 
     @property
     def reference(self) -> ReferenceModel:
-        """The frozen reference model, built the first time asked (``ReferenceModel``)."""
+        """The frozen reference model, built the first time asked (``ReferenceModel``): a
+        copy of the starting model, or, when ``reference_is_base``, the policy itself with
+        its adapters switched off (``bytes_per_device() == 0``)."""
         if self._reference is None:
-            self._reference = ReferenceModel(self, self.side_logps)
+            self._reference = ReferenceModel(
+                self, self.side_logps, adapters_off=self.reference_is_base
+            )
         return self._reference
+
+    @property
+    def reference_is_base(self) -> bool:
+        """Whether the reference is the policy's own base: the trainer has LoRA adapters
+        (``lora=``) and trains nothing else, so its base weights are the starting model's."""
+        if getattr(self.plan, "lora", None) is None:
+            return False
+        others = nnx.state(self.model, nnx.All(self.plan.wrt, nnx.Not(nnx.LoRAParam)))
+        return not jax.tree.leaves(others)
 
     def side_logps(self, model: nnx.Module, batch: Any, side: str) -> jax.Array:
         """``[rows]``: ``model``'s summed log-probabilities of the ``side`` completions."""

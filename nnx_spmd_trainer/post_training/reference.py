@@ -6,10 +6,16 @@ born with the plan's sharding), so its leaves have exactly the policy's specs un
 strategy, and a resumed run rebuilds the same bytes instead of reading them from the
 checkpoint. It is never an input of the train step's gradients nor of the optimizer:
 its outputs reach the step as batch leaves (``Trainer.prepare_batch``).
+
+With LoRA (``Trainer(..., lora=LoRA(...))``, only the adapters trained), the reference is
+the policy's own frozen base: ``ReferenceModel(..., adapters_off=True)`` holds no copy,
+and its program reads the live model's arrays with the adapters switched off
+(``nn.lora.adapters_off``), so ``bytes_per_device()`` is 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,40 +23,72 @@ import jax
 import numpy as np
 from flax import nnx
 
+from nnx_spmd_trainer.nn import lora
+
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
 
 
 class ReferenceModel:
-    """A frozen copy of ``trainer``'s starting model, laid out as its policy.
+    """A frozen copy of ``trainer``'s starting model, laid out as its policy; or, with
+    ``adapters_off``, the policy's own base, read from the live model (no copy).
 
     Args:
       trainer: the trainer whose plan lays the copy out (``trainer.initial_state()``).
       side_logps: ``(model, batch, side) -> [rows]``: a model's summed log-probabilities of
         one side (``"chosen"``, ``"rejected"``) of a batch of pairs.
+      adapters_off: the trainer has LoRA adapters and trains nothing else: the reference is
+        its live model computed with the adapters switched off (``nn.lora.adapters_off``),
+        the frozen base being the starting model; no second copy of the weights exists.
 
     Attributes:
       graphdef, state: the copy (``nnx.split`` of the model); ``state`` leaves carry the
-        policy's shardings.
+        policy's shardings. With ``adapters_off``, ``state`` is the live model's state,
+        read again at each call (the arrays the next step reads).
     """
 
     #: The batch keys the reference's log-probabilities are given under.
     KEYS = ("reference_chosen_logps", "reference_rejected_logps")
 
     def __init__(
-        self, trainer: Trainer, side_logps: Callable[[nnx.Module, Any, str], jax.Array]
+        self,
+        trainer: Trainer,
+        side_logps: Callable[[nnx.Module, Any, str], jax.Array],
+        *,
+        adapters_off: bool = False,
     ) -> None:
-        objects = nnx.merge(trainer.plan.graphdef, trainer.initial_state())
-        model = objects["model"]
-        model.eval()  # no dropout in the reference's log-probabilities
-        self.graphdef, self.state = nnx.split(model)
+        self.adapters_off = adapters_off
+        self._trainer = trainer
+        self._copy: nnx.State | None = None
+        if adapters_off:
+            if not lora.adapted_layers(trainer.model):
+                raise ValueError(
+                    "ReferenceModel(adapters_off=True) needs a policy with LoRA adapters "
+                    "(Trainer(..., lora=LoRA(...))); without them, leave adapters_off unset."
+                )
+            self.graphdef = nnx.graphdef(trainer.model)
+        else:
+            objects = nnx.merge(trainer.plan.graphdef, trainer.initial_state())
+            model = objects["model"]
+            model.eval()  # no dropout in the reference's log-probabilities
+            self.graphdef, self._copy = nnx.split(model)
         self._plan = trainer.plan
         self._side_logps = side_logps
         self._programs: dict[Any, Callable[..., Any]] = {}
 
+    @property
+    def state(self) -> nnx.State:
+        """The reference's weights: the copy, or (``adapters_off``) the live model's state."""
+        if self._copy is None:
+            return nnx.state(self._trainer.model)
+        return self._copy
+
     def bytes_per_device(self) -> int:
-        """The bytes of the copy one device holds (its shards of every leaf)."""
-        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.state))
+        """The bytes of the copy one device holds (its shards of every leaf); 0 with
+        ``adapters_off``: the reference holds no weights of its own."""
+        if self._copy is None:
+            return 0
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self._copy))
 
     def shardings(self) -> Any:
         """The ``NamedSharding`` of each leaf of ``state``."""
@@ -64,18 +102,21 @@ class ReferenceModel:
         key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(abstract)))
         if key not in self._programs:
             self._programs[key] = self._compile(abstract)
-        return self._programs[key](self.state, batch)  # type: ignore[no-any-return]
+        program = self._programs[key]
+        return program(self.state, batch)  # type: ignore[no-any-return]
 
     def _compile(self, abstract: Any) -> Callable[..., Any]:
         plan, graphdef, side_logps = self._plan, self.graphdef, self._side_logps
+        switch = lora.adapters_off if self.adapters_off else contextlib.nullcontext
         rows = jax.tree.leaves(abstract)[0].shape[0]
         out = {k: jax.ShapeDtypeStruct((rows,), np.float32) for k in self.KEYS}
         batch_shardings = plan.batch_shardings(abstract)
         out_shardings = {k: plan.batch_shardings({**abstract, **out})[k] for k in self.KEYS}
 
         def program(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
-            with plan.trace_context(batch_shardings):
+            with plan.trace_context(batch_shardings), switch():
                 model = nnx.merge(graphdef, state)
+                model.eval()  # the traced copy's mode: the live model's stays the user's
                 chosen = side_logps(model, batch, "chosen")
                 rejected = side_logps(model, batch, "rejected")
             return dict(zip(self.KEYS, (chosen, rejected), strict=True))
