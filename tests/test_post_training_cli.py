@@ -1,0 +1,195 @@
+"""``--config=dpo`` and ``--config=grpo``: the jobs run through the CLI's job (in process),
+log what their trainers log, and refuse bad input in one line with nothing written."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import environment_for_own_devices
+
+from nnx_spmd_trainer.app import post_training_job, tasks
+from nnx_spmd_trainer.post_training import prompt_batches
+
+WORDS = ["red", "blue", "green", "gold", "pink", "gray", "teal", "navy"]
+REWARDS = '''
+def row_score(prompts, completions, score):
+    """The row's own score, whatever was sampled: the mean is known in advance."""
+    return [float(s) for s in score]
+
+
+def two_per(prompts, completions, score):
+    return [[1.0, 2.0]] * len(completions)
+'''
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def pair_rows(count: int = 16) -> list[dict]:
+    return [
+        {"prompt": f"say {WORDS[i % 8]}:", "chosen": f" {WORDS[i % 8]}", "rejected": " no"}
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("post-training")
+    same = {"prompt": "x", "chosen": "same", "rejected": "same"}
+    write_jsonl(folder / "pairs.jsonl", [*pair_rows(), same])
+    write_jsonl(folder / "identical.jsonl", [same, same])
+    write_jsonl(folder / "missing.jsonl", [*pair_rows(2), {"prompt": "p", "chosen": "c"}])
+    prompts = [{"prompt": f"say {w}:", "score": i} for i, w in enumerate(WORDS * 2)]
+    write_jsonl(folder / "prompts.jsonl", prompts)
+    (folder / "pt_cli_rewards.py").write_text(REWARDS)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def rewards_importable(files, monkeypatch):
+    monkeypatch.syspath_prepend(str(files))
+
+
+def config_of(name: str, **keys):
+    config = importlib.import_module(f"nnx_spmd_trainer.configs.{name}").get_config()
+    config.update(log_every_n_steps=keys.pop("log_every_n_steps", 1), **keys)
+    return config
+
+
+def dpo_config(files: Path, data: str = "pairs.jsonl", **keys):
+    config = config_of("dpo", max_steps=keys.pop("max_steps", 3), **keys)
+    config.data.preferences = str(files / data)
+    return config
+
+
+def grpo_config(files: Path, reward: str = "pt_cli_rewards:row_score", **grpo):
+    config = config_of("grpo", max_steps=4, log_every_n_steps=2, checkpoint_every_n_steps=2)
+    config.data.prompts = str(files / "prompts.jsonl")
+    config.grpo.update(reward=reward, max_new_tokens=4, **grpo)
+    return config
+
+
+def metrics(workdir: Path, key: str) -> list[float]:
+    with (workdir / "metrics.csv").open(newline="") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+
+
+# -- DPO --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("loss_type", "smoothing", "first_loss"),
+    # At the first step the policy is the reference: h = 0, so sigmoid's loss is log 2
+    # (label smoothing or not) and IPO's is (0 - 1 / (2 beta))^2 = 25 at beta 0.1.
+    [("sigmoid", 0.1, math.log(2.0)), ("ipo", 0.0, 25.0)],
+)
+def test_a_dpo_run_trains_on_the_pairs_and_logs_trls_metrics(
+    files, tmp_path, capsys, loss_type, smoothing, first_loss
+):
+    config = dpo_config(files)
+    config.dpo.update(loss_type=loss_type, label_smoothing=smoothing)
+    result = post_training_job.run(config, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "preference data: 16 pairs, 1 skipped (chosen identical to rejected)" in out
+    assert "final after 3 steps: loss" in out
+    logs = result.history.history
+    assert logs["train/loss"][0] == pytest.approx(first_loss, rel=1e-5)
+    for key in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert len(logs[f"train/{key}"]) == 3
+    assert metrics(tmp_path / "run", "train/loss") == pytest.approx(logs["train/loss"])
+    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+    assert (tmp_path / "run" / "tb").is_dir() and (tmp_path / "run" / "tokenizer.json").exists()
+
+
+def test_a_dpo_run_resumes_from_its_checkpoint_and_trains_no_more(files, tmp_path, capsys):
+    config = dpo_config(files, max_steps=2)
+    post_training_job.run(config, tmp_path / "run")
+    capsys.readouterr()
+    again = post_training_job.run(config, tmp_path / "run")
+    assert again.trainer is not None and again.trainer.last_step is None
+    assert "nothing trained" in capsys.readouterr().out
+
+
+# -- GRPO -------------------------------------------------------------------------------------
+def test_a_grpo_run_rewards_the_rows_it_drew_and_its_ratio_starts_at_one(files, tmp_path):
+    result = post_training_job.run(grpo_config(files), tmp_path / "run")
+    logs = result.history.history
+    # Each log point is one rollout of 8 prompts drawn by prompt_batches(seed 0); the
+    # reward is each row's own score, so the logged mean is known without sampling.
+    want = [float(np.mean(b["row"])) for b in prompt_batches(16, 8, 2, seed=0)]
+    assert logs["train/reward"] == pytest.approx(want, abs=1e-6)
+    assert metrics(tmp_path / "run", "train/reward") == pytest.approx(want, abs=1e-6)
+    assert logs["train/ratio_deviation"] == [0.0, 0.0]
+    assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
+
+
+# -- bad input: one line, nothing written -----------------------------------------------------
+def refused(config, workdir: Path, *parts: str) -> str:
+    with pytest.raises(tasks.ConfigError) as caught:
+        post_training_job.run(config, workdir)
+    message = str(caught.value)
+    assert "\n" not in message
+    for part in parts:
+        assert part in message, message
+    assert not workdir.exists()
+    return message
+
+
+def test_a_preference_row_without_rejected_is_refused_naming_file_and_line(files, tmp_path):
+    refused(
+        dpo_config(files, "missing.jsonl"), tmp_path / "run",
+        f"{files / 'missing.jsonl'}:3", "'rejected'",
+    )  # fmt: skip
+
+
+def test_rows_all_identical_are_refused(files, tmp_path):
+    refused(dpo_config(files, "identical.jsonl"), tmp_path / "run", "no usable preference pair")
+
+
+def test_a_reward_that_cannot_be_imported_is_refused_naming_it(files, tmp_path):
+    refused(
+        grpo_config(files, "no_such_reward_module:f"), tmp_path / "run",
+        "config.grpo.reward='no_such_reward_module:f'", "cannot be imported",
+    )  # fmt: skip
+
+
+def test_a_reward_of_the_wrong_shape_is_refused_saying_expected_and_got(files, tmp_path):
+    refused(
+        grpo_config(files, "pt_cli_rewards:two_per"), tmp_path / "run",
+        "returned list of shape (4, 2)", "expected a sequence of 4 finite floats",
+    )  # fmt: skip
+
+
+def test_a_group_of_one_is_refused(files, tmp_path):
+    refused(grpo_config(files, group_size=1), tmp_path / "run", "config.grpo.group_size=1")
+
+
+def test_max_steps_must_be_whole_rollouts(files, tmp_path):
+    config = grpo_config(files)
+    config.max_steps = 3
+    refused(config, tmp_path / "run", "config.max_steps=3", "multiple of 2")
+
+
+@pytest.mark.serial
+def test_the_command_line_exits_2_with_one_line(files, tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "nnx_spmd_trainer", "--config=dpo", f"--workdir={workdir}",
+            f"--config.data.preferences={files / 'missing.jsonl'}",
+        ],
+        env=environment_for_own_devices(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("nnx-spmd-train: error: config.data.preferences=")
+    assert "missing.jsonl:3: the preference row has no 'rejected'" in line
+    assert not workdir.exists()
