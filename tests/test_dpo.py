@@ -1,10 +1,12 @@
 """DPOTrainer: the loss, TRL's metrics and the gradients against a one-device loop written
-from the paper's formulas (DataParallel, FSDP x TP), the reference model laid out as the
-policy, learning a toy preference, an exact resume, bad preference rows."""
+from the paper's formulas (DataParallel, FSDP x TP, and LoRA under FSDP x TP with the base
+as the reference, held once), the reference model laid out as the policy, learning a toy
+preference, an exact resume, bad preference rows, chat rows rendered with a template."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,9 @@ from nnx_spmd_trainer.post_training import (
     DPOTrainer,
     PreferenceError,
     ReferenceModel,
+    encode_chat_pair,
     encode_text_pair,
+    is_chat_row,
     pair_batch,
     read_preferences,
 )
@@ -388,3 +392,119 @@ def test_adapters_off_needs_adapters():
     assert not trainer.reference_is_base
     with pytest.raises(ValueError, match="needs a policy with LoRA adapters"):
         ReferenceModel(trainer, trainer.side_logps, adapters_off=True)
+
+
+# -- chat rows: rendered with a chat template, the completion's assistant tokens weighted ------
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+CHAT_WORDS = ["<unk>", "\n", "system", "user", "assistant", "be", "brief", "hi", "hello"]
+CHAT_WORDS += ["how", "are", "you", "fine", "thanks", "hmm", "<|im_start|>", "<|im_end|>"]
+CHAT_ROW = {
+    "prompt": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},  # an earlier turn: context, not trained
+        {"role": "user", "content": "how are you"},
+    ],
+    "chosen": [{"role": "assistant", "content": "fine thanks"}],
+    "rejected": [{"role": "assistant", "content": "hmm"}],
+}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizers(tmp_path_factory):
+    """ChatML with and without generation markers over a word-level tokenizer."""
+    pytest.importorskip("transformers")
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    from nnx_spmd_trainer.data.chat import load_chat_tokenizer
+
+    backend = tokenizers.Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(CHAT_WORDS)}, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(" +"), "removed"),
+            pre_tokenizers.Split("\n", "isolated"),
+        ]
+    )
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    loaded = {}
+    for name in ("chatml", "chatml_generation"):
+        folder = tmp_path_factory.mktemp(name)
+        backend.save(str(folder / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|im_end|>",
+            "chat_template": (TEMPLATES / f"{name}.jinja").read_text(),
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        loaded[name] = load_chat_tokenizer(folder)
+    return loaded
+
+
+def weighted_tokens(tokenizer, sequence) -> list[str]:
+    tokens = tokenizer.backend.convert_ids_to_tokens(sequence.tokens.tolist())
+    return [t for t, w in zip(tokens, sequence.weights, strict=True) if w]
+
+
+@pytest.mark.parametrize("template", ["chatml", "chatml_generation"])
+def test_a_chat_row_weights_the_completions_assistant_tokens_only(chat_tokenizers, template):
+    tokenizer = chat_tokenizers[template]
+    assert tokenizer.markers == (template == "chatml_generation")
+    assert is_chat_row(CHAT_ROW) and not is_chat_row({"prompt": "ab"})
+    pair = encode_chat_pair(CHAT_ROW, tokenizer)
+    # Hand-checked: the completion's content and its end token; not the prompt's "hello"
+    # turn, not the newline the template writes after the end token.
+    assert weighted_tokens(tokenizer, pair.chosen) == ["fine", "thanks", "<|im_end|>"]
+    assert weighted_tokens(tokenizer, pair.rejected) == ["hmm", "<|im_end|>"]
+    tokens = tokenizer.backend.convert_ids_to_tokens(pair.chosen.tokens.tolist())
+    assert tokens[-5:] == ["\n", "fine", "thanks", "<|im_end|>", "\n"]
+    assert tokens.count("hello") == 1  # the earlier assistant turn is there, as context
+    # Shared prompt: both sides start with the same tokens, up to the completion.
+    start = int(np.argmax(pair.rejected.weights))
+    np.testing.assert_array_equal(pair.chosen.tokens[:start], pair.rejected.tokens[:start])
+
+
+def test_a_text_row_and_the_same_row_as_messages(chat_tokenizers):
+    """The text row written as the template renders it gives the chat row's tokens and
+    weights; the chat row's sequence only adds the newline after the end token, unweighted."""
+    tokenizer = chat_tokenizers["chatml"]
+
+    def encode(text):
+        return np.asarray(tokenizer.backend(text, add_special_tokens=False)["input_ids"])
+
+    text_row = {
+        "prompt": tokenizer.render(CHAT_ROW["prompt"], generation_prompt=True),
+        "chosen": "fine thanks<|im_end|>",
+        "rejected": "hmm<|im_end|>",
+    }
+    text, chat = encode_text_pair(text_row, encode), encode_chat_pair(CHAT_ROW, tokenizer)
+    for side in ("chosen", "rejected"):
+        t, c = getattr(text, side), getattr(chat, side)
+        np.testing.assert_array_equal(c.tokens[:-1], t.tokens, err_msg=side)
+        np.testing.assert_array_equal(c.weights[:-1], t.weights, err_msg=side)
+        assert c.weights[-1] == 0 and tokenizer.decode(c.tokens[-1:]) == "\n"
+    seq = len(chat.chosen.tokens)
+    text_batch, chat_batch = pair_batch([text], seq), pair_batch([chat], seq)
+    for key in ("chosen_weights", "rejected_weights"):  # the same tokens weighted
+        np.testing.assert_array_equal(text_batch[key], chat_batch[key], err_msg=key)
+
+
+def test_bad_chat_preference_rows(chat_tokenizers, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    same = {**CHAT_ROW, "rejected": CHAT_ROW["chosen"]}
+    mixed = {**CHAT_ROW, "chosen": "fine thanks"}
+    path.write_text("\n".join(json.dumps(r) for r in (CHAT_ROW, same)) + "\n")
+    rows = read_preferences(path)
+    assert len(rows.rows) == 1 and rows.identical == 1 and is_chat_row(rows.rows[0])
+    path.write_text(json.dumps(CHAT_ROW) + "\n" + json.dumps(mixed) + "\n")
+    with pytest.raises(PreferenceError, match=r"chat.jsonl:2: 'chosen' of a chat row must be"):
+        read_preferences(path)
+    user_only = {**CHAT_ROW, "rejected": [{"role": "user", "content": "hmm"}]}
+    path.write_text(json.dumps(user_only) + "\n")
+    with pytest.raises(PreferenceError, match="'rejected' has no assistant message"):
+        read_preferences(path)
+    tool = {**CHAT_ROW, "chosen": [{"role": "robot", "content": "hi"}]}
+    with pytest.raises(PreferenceError, match="unknown role 'robot'"):
+        encode_chat_pair(tool, chat_tokenizers["chatml"])

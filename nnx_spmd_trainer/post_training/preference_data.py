@@ -11,9 +11,18 @@ six arrays (``pair_batch``), ``[rows, seq_len]`` each::
 contract of ``data.packing``): 1 on a completion's tokens, 0 on the prompt and padding,
 so a sequence's log-probability sums the completion's tokens only.
 
-Text rows are encoded by ``encode_text_pair``; a chat row (messages rendered with a chat
-template, the assistant's tokens weighted 1) needs only another encoder returning the
-same ``WeightedTokens`` pair: ``pair_batch`` reads nothing else.
+Text rows (``{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}``) are
+encoded by ``encode_text_pair``. Chat rows, TRL's conversational preference format::
+
+    {"prompt": [{"role": "user", "content": "What color is the sky?"}],
+     "chosen": [{"role": "assistant", "content": "It is blue."}],
+     "rejected": [{"role": "assistant", "content": "It is green."}]}
+
+are rendered with the model's chat template by ``encode_chat_pair`` (``data.chat``'s
+``ChatTokenizer``: the prompt's messages then a completion's), weight 1 on the
+completion's assistant tokens only (its content and end-of-turn token, as
+``data.chat`` marks them), never on an earlier assistant turn of the prompt.
+``pair_batch`` reads nothing but the ``WeightedTokens`` pairs either gives.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from nnx_spmd_trainer.data.chat import ChatTokenizer
 
 #: The keys of a preference row.
 ROW_KEYS = ("prompt", "chosen", "rejected")
@@ -74,9 +86,34 @@ class PreferenceRows:
         )
 
 
+def is_chat_row(row: Mapping[str, Any]) -> bool:
+    """Whether a preference row holds chat messages (lists of ``{"role", "content"}``)
+    rather than text: its ``prompt`` is a list."""
+    return isinstance(row.get("prompt"), list)
+
+
+def _check_messages(messages: Any, key: str, where: str) -> None:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise PreferenceError(
+            f"{where}: {key!r} of a chat row must be a list of {{'role', 'content'}} messages "
+            "(strings); give prompt, chosen and rejected all as text or all as messages."
+        )
+    if key != "prompt" and not any(m["role"] == "assistant" for m in messages):
+        raise PreferenceError(
+            f"{where}: {key!r} has no assistant message; a completion is "
+            '[{"role": "assistant", "content": ...}].'
+        )
+
+
 def check_row(row: Any, where: str) -> bool:
     """Whether ``row`` is a usable pair: ``False`` when ``chosen`` equals ``rejected``
-    (skipped, counted by the caller); a row that is not one raises ``PreferenceError``."""
+    (skipped, counted by the caller); a row that is not one raises ``PreferenceError``.
+    A row is text (three strings) or chat (three lists of messages, ``is_chat_row``)."""
     if not isinstance(row, Mapping):
         raise PreferenceError(
             f"{where}: a preference row is a JSON object with {', '.join(ROW_KEYS)}; "
@@ -88,6 +125,10 @@ def check_row(row: Any, where: str) -> bool:
             f"{where}: the preference row has no {', '.join(repr(k) for k in missing)}; "
             f"every row needs {', '.join(repr(k) for k in ROW_KEYS)}."
         )
+    if is_chat_row(row):
+        for key in ROW_KEYS:
+            _check_messages(row[key], key, where)
+        return bool(row["chosen"] != row["rejected"])
     for key in ROW_KEYS:
         if not isinstance(row[key], str):
             raise PreferenceError(
@@ -132,6 +173,40 @@ def encode_text_pair(row: Mapping[str, str], encode: Callable[[str], np.ndarray]
         return WeightedTokens(np.concatenate([prompt, completion]), weights.astype(np.float32))
 
     return EncodedPair(side(row["chosen"]), side(row["rejected"]))
+
+
+def encode_chat_pair(row: Mapping[str, Any], tokenizer: ChatTokenizer) -> EncodedPair:
+    """A chat row as two weighted sequences: ``prompt + chosen`` and ``prompt + rejected``
+    rendered by ``tokenizer``'s chat template (``data.chat.ChatTokenizer.encode``), weight
+    1 on the completion's assistant tokens (content and end-of-turn token) and 0 on the
+    prompt, an earlier assistant turn of the prompt included.
+
+    Raises ``PreferenceError`` for a role the template does not read, or a completion the
+    template renders no assistant token for.
+    """
+    prompt = list(row["prompt"])
+    for message in (*prompt, *row["chosen"], *row["rejected"]):
+        if message["role"] not in tokenizer.roles:
+            raise PreferenceError(
+                f"unknown role {message['role']!r} in a chat preference row; this template "
+                f"reads {', '.join(tokenizer.roles)}."
+            )
+    earlier = sum(message["role"] == "assistant" for message in prompt)
+
+    def side(key: str) -> WeightedTokens:
+        document = tokenizer.encode([*prompt, *row[key]])
+        mask = document.assistant.astype(bool)
+        starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+        if len(starts) <= earlier:
+            raise PreferenceError(
+                f"the chat template renders no assistant token for the {key} completion; "
+                "give it an assistant message the template writes."
+            )
+        weights = mask.astype(np.float32)
+        weights[: starts[earlier]] = 0.0  # the prompt's own assistant turns are context
+        return WeightedTokens(np.asarray(document.ids, np.int32), weights)
+
+    return EncodedPair(side("chosen"), side("rejected"))
 
 
 def _shifted(sequence: WeightedTokens, seq_len: int, pad_id: int) -> tuple[np.ndarray, ...]:
