@@ -20,6 +20,21 @@ from nnx_spmd_trainer.data_shard import fed_dimension, global_batch_shape
 from nnx_spmd_trainer.sharding import ShardingError, dimension_axes
 
 
+def batch_kind(batch: Any, *extra: Any) -> tuple[Any, ...]:
+    """What a batch's shardings, checks and compiled steps depend on, hashable: its tree
+    structure and each leaf's shape and dtype (with ``extra``). Asked once or twice a
+    step, so it reads attributes and builds no dtype names (``str(dtype)`` alone costs
+    microseconds a leaf)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return (
+        treedef,
+        tuple(
+            (x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves
+        ),
+        *extra,
+    )
+
+
 def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> Any:
     """Turns this process's batch into global ``jax.Array`` s with the given shardings.
 

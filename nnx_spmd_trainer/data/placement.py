@@ -25,11 +25,6 @@ class BatchLayout(Protocol):
     def batch_shardings(self, batch: Any) -> Any: ...
 
 
-def _batch_key(batch: Any, *extra: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(batch)
-    return (treedef, tuple(np.shape(x) for x in leaves), *extra)
-
-
 class InFlight:
     """Keeps at most ``limit`` dispatched steps unfinished by blocking on the oldest.
 
@@ -83,7 +78,9 @@ class Placement:
         self.plan, self.data_shard = plan, plan.data_shard
         self.prefetch = prefetch
         self.in_flight = InFlight(max_steps_in_flight)
-        self._checked: set[Any] = set()  # kinds of batch (and divisors) already checked
+        # The shardings of each kind of batch (and divisor) already checked: later batches
+        # of a kind cost one flatten and a lookup before their transfer.
+        self._checked: dict[Any, Any] = {}
         self._multiples: dict[Any, int] = {}
 
     @property
@@ -96,19 +93,20 @@ class Placement:
 
     def place(self, batch: Any, *, divisor: int = 1) -> Any:
         """This process's batch -> global arrays (checked once per kind of batch)."""
-        shardings = self.plan.batch_shardings(batch)
-        key = _batch_key(batch, divisor)
-        if key not in self._checked:
+        key = batches.batch_kind(batch, divisor)
+        shardings = self._checked.get(key)
+        if shardings is None:
+            shardings = self.plan.batch_shardings(batch)
             batches.check_batch(
                 batch, shardings, divisor=divisor, data_shards=self.data_shard.count
             )
             same_rows.check_same_rows(batch, self.data_shard)
-            self._checked.add(key)
+            self._checked[key] = shardings
         return batches.transfer_batch(batch, shardings, data_shards=self.data_shard.count)
 
     def rows_multiple(self, batch: Any, *, divisor: int = 1) -> int:
         """What this process's rows must be a multiple of, for batches like ``batch``."""
-        key = _batch_key(batch, divisor)
+        key = batches.batch_kind(batch, divisor)
         if key not in self._multiples:
             self._multiples[key] = batches.rows_multiple(
                 self.shardings(batch), divisor=divisor, data_shards=self.data_shard.count

@@ -23,7 +23,7 @@ from nnx_spmd_trainer.data.position import has_position
 from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
 from nnx_spmd_trainer.engine.hooks import Logs
-from nnx_spmd_trainer.engine.step_record import StepRecord, batch_shapes
+from nnx_spmd_trainer.engine.step_record import BatchShapes, StepRecord
 from nnx_spmd_trainer.planner import flops
 
 if TYPE_CHECKING:
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from nnx_spmd_trainer.engine.loop_host import LoopHost
     from nnx_spmd_trainer.engine.run import Run
     from nnx_spmd_trainer.planner.step_compiler import CachedStep
+
+#: The trainer's method each kind of compiled step runs (``Loop.cached_step``).
+_STEP_FUNCTIONS = {"train": "train_step", "eval": "eval_fn", "predict": "predict_fn"}
 
 #: What a compiled train step returns: ``(state arrays, train metrics, loss, norms)``.
 StepOutputs = tuple[list[jax.Array], Any, jax.Array, dict[str, jax.Array]]
@@ -84,6 +87,10 @@ class Loop:
         self._last_eval_step = -1
         # FLOPs per device of each compiled train step, read once from its program.
         self._step_flops: dict[Callable[..., Any], float | None] = {}
+        self._last_train_step: tuple[tuple[Any, ...], CachedStep] | None = None
+        self._batch_shapes = BatchShapes()  # each step's, for its StepRecord
+        self._tokens: int | None = None  # in the batch of shapes _tokens_of
+        self._tokens_of: Any = None
 
     def compile(
         self, kind: str, batch: Any, *, norms: bool = False, fn: Callable[..., Any] | None = None
@@ -97,15 +104,12 @@ class Loop:
     ) -> CachedStep:
         """``compile``'s step from the plan's cache, and whether this call compiled it."""
         trainer, live = self.trainer, self.run.objects()
-        fns: dict[str, Callable[..., Any]] = {
-            "train": trainer.train_step,
-            "eval": trainer.eval_fn,
-            "predict": trainer.predict_fn,
-        }
+        if fn is None:  # asked every step: one attribute read, no table of bound methods
+            fn = getattr(trainer, _STEP_FUNCTIONS[kind])
         return trainer.plan.cached_step(
             kind,
             batch,
-            fn=fns[kind] if fn is None else fn,
+            fn=fn,
             norms=norms,
             graphdef=live.graphdef,
             treedef=live.treedef,
@@ -267,11 +271,11 @@ class Loop:
             # Hooks get the steps done so far at begin, and the new count at end.
             callbacks.on_train_batch_begin(run.step, {})
             with timings.timing("step"):
-                loss = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
+                loss, shapes = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
             run.last_step = record = StepRecord(
                 run.step,
                 loss,
-                batch_shapes(batch, known=run.last_step and run.last_step.batch_shapes),
+                shapes,
                 data_wait_s=seconds["data_wait"] - before["data_wait"],
                 compile_s=seconds["compile"] - before["compile"],
                 step_s=seconds["step"] - before["step"],
@@ -292,37 +296,53 @@ class Loop:
             if run.done(max_steps):
                 break
 
-    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> jax.Array:
+    def _train_one(self, batch: Any, host: Any, *, norms: bool) -> tuple[jax.Array, Any]:
+        """One train step on a placed ``batch``: its loss (on the devices) and the batch's
+        shapes (the earlier step's object when they are the same, as in most steps)."""
         run, metric_log = self.run, self.run.metric_log
+        shapes = self._batch_shapes.of(batch)
+        if shapes is not self._tokens_of:  # read again only when the shapes change
+            self._tokens, self._tokens_of = flops.batch_tokens(shapes), shapes
         batch = self.trainer.prepare_batch(batch)
         count = run.step  # before dispatch: afterwards the counter is a future array
         live = run.objects()
         try:
-            step = self.cached_step("train", batch, norms=norms)
+            step = self._train_step_for(batch, shapes, norms, live)
             args = (live.arrays(), metric_log.train, batch)
-            shapes = None if step.fn in self._step_flops else flops.abstract_args(args)
+            arg_shapes = None if step.fn in self._step_flops else flops.abstract_args(args)
             # A new step traces and compiles in its first call (dispatch is asynchronous).
             timing = run.timings.timing("compile") if step.new else contextlib.nullcontext()
             with timing:
                 outputs = step.fn(*args)
-            if shapes is not None:  # read from the program just compiled: a cache hit
+            if arg_shapes is not None:  # read from the program just compiled: a cache hit
                 with run.timings.timing("compile"):
-                    self._step_flops[step.fn] = flops.step_flops(step.fn, shapes)
+                    self._step_flops[step.fn] = flops.step_flops(step.fn, arg_shapes)
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)
             raise
         self._last_host_batch = host
         loss = take_step(run, outputs, self.trainer.placement.in_flight)
-        tokens = flops.batch_tokens(batch)
-        run.timings.speed.add_step(tokens=tokens, flops=self._step_flops[step.fn])
+        run.timings.speed.add_step(tokens=self._tokens, flops=self._step_flops[step.fn])
         if self.overrides_train_step and step.fn not in self._updates_per_step:
             # An override may update any number of times: one read, in the first step of
             # each compiled step, says how many (the default updates once and reads nothing).
             run.host_step = None
             self._updates_per_step[step.fn] = run.step - count
         run.host_step = count + self._updates_per_step.get(step.fn, 1)
-        return loss
+        return loss, shapes
+
+    def _train_step_for(self, batch: Any, shapes: Any, norms: bool, live: Any) -> CachedStep:
+        """``cached_step("train", ...)``, remembered for the next step while what its key
+        reads is the same objects (shapes, graph, plan): asked every step, the plan's
+        lookup (a flatten, a key of the graph and the function) is then skipped."""
+        plan = self.trainer.plan
+        asked = (shapes, norms, live.graphdef, plan, plan.grad_accum_steps)
+        if self._last_train_step is not None and self._last_train_step[0] == asked:
+            return self._last_train_step[1]
+        step = self.cached_step("train", batch, norms=norms)
+        self._last_train_step = (asked, step._replace(new=False))
+        return step
 
     # -- evaluate --------------------------------------------------------------------------
     def evaluate(self, eval_data: Iterable[Any]) -> Logs:

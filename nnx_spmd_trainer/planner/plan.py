@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
@@ -30,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.data.batches import batch_kind
 from nnx_spmd_trainer.nn import lora as lora_lib
 from nnx_spmd_trainer.nn import lora_layout, tracing
 from nnx_spmd_trainer.nn import remat as remat_lib
@@ -208,11 +208,11 @@ class Plan:
         """A ``NamedSharding`` per leaf of batches like ``batch`` (arrays, tracers or
         ``jax.ShapeDtypeStruct`` s): the strategy's answer, asked once per tree
         structure, shapes and dtypes."""
-        leaves, treedef = jax.tree.flatten(batch)
-        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
-        if key not in self._batch_shardings:
-            self._batch_shardings[key] = self.strategy.batch_sharding(batch, self.mesh)
-        return self._batch_shardings[key]
+        key = batch_kind(batch)
+        shardings = self._batch_shardings.get(key)
+        if shardings is None:
+            shardings = self._batch_shardings[key] = self.strategy.batch_sharding(batch, self.mesh)
+        return shardings
 
     @contextlib.contextmanager
     def trace_context(self, batch_shardings: Any = None) -> Iterator[None]:
