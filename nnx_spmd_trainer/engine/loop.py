@@ -334,12 +334,16 @@ class Loop:
 
     def _train_step_for(self, batch: Any, shapes: Any, norms: bool, live: Any) -> CachedStep:
         """``cached_step("train", ...)``, remembered for the next step while what its key
-        reads is the same objects (shapes, graph, plan): asked every step, the plan's
-        lookup (a flatten, a key of the graph and the function) is then skipped."""
+        reads is the same objects (shapes, graph, plan, the settings read at trace time):
+        asked every step, the plan's lookup (a flatten, a key of the graph and the
+        function) is then skipped."""
         plan = self.trainer.plan
         asked = (shapes, norms, live.graphdef, plan, plan.grad_accum_steps)
-        if self._last_train_step is not None and self._last_train_step[0] == asked:
-            return self._last_train_step[1]
+        last = self._last_train_step
+        # By identity: equal but new objects (a graph re-read at a fit's start) compare
+        # slowly (a graph field by field), so they miss once and are remembered instead.
+        if last is not None and all(a is b for a, b in zip(last[0], asked, strict=True)):
+            return last[1]
         step = self.cached_step("train", batch, norms=norms)
         self._last_train_step = (asked, step._replace(new=False))
         return step
