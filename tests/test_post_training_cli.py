@@ -85,37 +85,33 @@ def metrics(workdir: Path, key: str) -> list[float]:
 
 
 # -- DPO --------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("loss_type", "smoothing", "first_loss"),
-    # At the first step the policy is the reference: h = 0, so sigmoid's loss is log 2
-    # (label smoothing or not) and IPO's is (0 - 1 / (2 beta))^2 = 25 at beta 0.1.
-    [("sigmoid", 0.1, math.log(2.0)), ("ipo", 0.0, 25.0)],
-)
-def test_a_dpo_run_trains_on_the_pairs_and_logs_trls_metrics(
-    files, tmp_path, capsys, loss_type, smoothing, first_loss
-):
+def test_a_dpo_run_trains_on_the_pairs_logs_trls_metrics_and_resumes(files, tmp_path, capsys):
     config = dpo_config(files)
-    config.dpo.update(loss_type=loss_type, label_smoothing=smoothing)
+    config.dpo.label_smoothing = 0.1
     result = post_training_job.run(config, tmp_path / "run")
     out = capsys.readouterr().out
     assert "preference data: 16 pairs, 1 skipped (chosen identical to rejected)" in out
     assert "final after 3 steps: loss" in out
     logs = result.history.history
-    assert logs["train/loss"][0] == pytest.approx(first_loss, rel=1e-5)
+    # At the first step the policy is the reference: h = 0, and the loss is log 2 (label
+    # smoothing or not).
+    assert logs["train/loss"][0] == pytest.approx(math.log(2.0), rel=1e-6)
     for key in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert len(logs[f"train/{key}"]) == 3
     assert metrics(tmp_path / "run", "train/loss") == pytest.approx(logs["train/loss"])
     assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
     assert (tmp_path / "run" / "tb").is_dir() and (tmp_path / "run" / "tokenizer.json").exists()
-
-
-def test_a_dpo_run_resumes_from_its_checkpoint_and_trains_no_more(files, tmp_path, capsys):
-    config = dpo_config(files, max_steps=2)
-    post_training_job.run(config, tmp_path / "run")
-    capsys.readouterr()
-    again = post_training_job.run(config, tmp_path / "run")
+    again = post_training_job.run(config, tmp_path / "run")  # the same command: resumes
     assert again.trainer is not None and again.trainer.last_step is None
     assert "nothing trained" in capsys.readouterr().out
+
+
+def test_the_ipo_loss_is_the_one_trained(files, tmp_path):
+    config = dpo_config(files, max_steps=1, loggers="csv")
+    config.dpo.loss_type = "ipo"
+    result = post_training_job.run(config, tmp_path / "run")
+    # h = 0 at the first step: IPO's loss is (0 - 1 / (2 beta))^2 = 25 at beta 0.1.
+    assert result.history.history["train/loss"] == [pytest.approx(25.0, rel=1e-6)]
 
 
 # -- GRPO -------------------------------------------------------------------------------------
@@ -193,3 +189,9 @@ def test_the_command_line_exits_2_with_one_line(files, tmp_path):
     assert line.startswith("nnx-spmd-train: error: config.data.preferences=")
     assert "missing.jsonl:3: the preference row has no 'rejected'" in line
     assert not workdir.exists()
+
+
+def test_a_dpo_loss_setting_is_refused_naming_its_key(files, tmp_path):
+    config = dpo_config(files)
+    config.dpo.loss_type = "hinge"
+    refused(config, tmp_path / "run", "config.dpo.loss_type='hinge'", "'sigmoid', 'ipo'")

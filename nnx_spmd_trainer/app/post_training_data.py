@@ -25,6 +25,7 @@ import numpy as np
 from nnx_spmd_trainer.app.run_config import ConfigError
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.post_training import (
+    LOSS_TYPES,
     EncodedPair,
     PreferenceError,
     PreferenceRows,
@@ -39,9 +40,9 @@ from nnx_spmd_trainer.post_training import (
     read_prompts,
     score,
 )
-from nnx_spmd_trainer.post_training.rewards import check_group_size
 
 __all__ = [
+    "dpo_keys",
     "grpo_keys",
     "pair_batches",
     "preference_pairs",
@@ -150,16 +151,41 @@ def prompt_index_batches(
     )
 
 
+def dpo_keys(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``DPOTrainer``'s loss keywords from ``config.dpo``, checked: a ``ConfigError``
+    naming the key."""
+    dpo = config.dpo
+    loss_type, beta, smoothing = dpo.loss_type, dpo.beta, dpo.label_smoothing
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(
+            f"config.dpo.loss_type={loss_type!r}: must be one of "
+            f"{', '.join(map(repr, LOSS_TYPES))}."
+        )
+    if not beta > 0:
+        raise ConfigError(
+            f"config.dpo.beta={beta!r}: must be > 0 (the pull towards the reference); "
+            "pass e.g. --config.dpo.beta=0.1."
+        )
+    if not 0.0 <= smoothing < 0.5 or (smoothing and loss_type != "sigmoid"):
+        raise ConfigError(
+            f"config.dpo.label_smoothing={smoothing!r}: must be in [0, 0.5), and 0 unless "
+            "config.dpo.loss_type='sigmoid' (the assumed share of flipped labels)."
+        )
+    return {"beta": float(beta), "loss_type": loss_type, "label_smoothing": float(smoothing)}
+
+
 def grpo_keys(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """``GRPOTrainer``'s keywords from ``config.grpo`` (the reward excepted), checked: a
     ``ConfigError`` naming the key; ``max_steps`` and ``checkpoint_every_n_steps`` must be
     whole rollouts (multiples of ``num_iterations``)."""
     grpo = config.grpo
     group = grpo.group_size
-    try:
-        check_group_size(group)
-    except ValueError as error:
-        raise ConfigError(f"config.grpo.{error}") from None
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2:
+        raise ConfigError(
+            f"config.grpo.group_size={group!r}: GRPO normalises rewards within a group of "
+            "completions of one prompt, so a group needs >= 2; pass "
+            "--config.grpo.group_size=4 or more."
+        )
     iterations = grpo.num_iterations
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(

@@ -89,7 +89,8 @@ def run(
     notes: list[str] | None = [] if dry_run else None
     with refused_or_noted(notes, tasks.ConfigError):
         check_workdir_writable(workdir)
-    grpo_keys = data.grpo_keys(config) if name == "grpo" else {}
+    # The trainer's keys first: a bad one is refused before the tokenizer is trained.
+    keys = data.grpo_keys(config) if name == "grpo" else data.dpo_keys(config)
     layout = job._layout_asked(config)
     with blamed_on(f"config.{config.model}"):
         task_config = datasets.from_config.run_tokenizer_config(config, workdir)
@@ -98,9 +99,9 @@ def run(
     if codec is None:
         raise tasks.ConfigError(f"config.model={config.model!r}: post-training needs a text task.")
     recipe = (
-        _dpo(config, codec, layout.shard)
+        _dpo(config, codec, layout.shard, keys)
         if name == "dpo"
-        else _grpo(config, codec, layout.shard, grpo_keys)
+        else _grpo(config, codec, layout.shard, keys)
     )
     init_from = job.pretrained(config, task)
     check_export_format(config, task, export_format)
@@ -143,22 +144,11 @@ def _without_task_loss(recipe: _Recipe) -> Any:
     return build
 
 
-def _dpo(config: ml_collections.ConfigDict, codec: Any, shard: Any) -> _Recipe:
-    """DPO's trainer keywords (``config.dpo``) and batches of pairs."""
-    dpo = config.dpo
-    keywords = {
-        "beta": dpo.beta,
-        "loss_type": dpo.loss_type,
-        "label_smoothing": dpo.label_smoothing,
-        "metrics": DPOMetrics,
-    }
-    with blamed_on(
-        f"config.dpo (beta={dpo.beta!r}, loss_type={dpo.loss_type!r}, "
-        f"label_smoothing={dpo.label_smoothing!r})"
-    ):
-        from nnx_spmd_trainer.post_training.dpo_loss import check_loss
-
-        check_loss(dpo.loss_type, dpo.beta, dpo.label_smoothing)
+def _dpo(
+    config: ml_collections.ConfigDict, codec: Any, shard: Any, keywords: dict[str, Any]
+) -> _Recipe:
+    """DPO's trainer keywords (``config.dpo``'s, checked) and batches of pairs."""
+    keywords = {**keywords, "metrics": DPOMetrics}
     rows, pairs = data.preference_pairs(config, codec.encode)
     batches = data.pair_batches(
         pairs,
