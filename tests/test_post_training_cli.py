@@ -195,3 +195,9 @@ def test_a_dpo_loss_setting_is_refused_naming_its_key(files, tmp_path):
     config = dpo_config(files)
     config.dpo.loss_type = "hinge"
     refused(config, tmp_path / "run", "config.dpo.loss_type='hinge'", "'sigmoid', 'ipo'")
+
+
+def test_a_dry_run_checks_and_writes_nothing(files, tmp_path, capsys):
+    post_training_job.run(dpo_config(files), tmp_path / "run", dry_run=True)
+    assert "dry run: the dpo job's keys, data and layout checked" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()

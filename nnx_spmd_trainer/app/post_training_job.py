@@ -85,6 +85,11 @@ def run(
             f"config.post_training={name!r}: must be one of {', '.join(map(repr, KINDS))} "
             "(start from --config=dpo or --config=grpo)."
         )
+    if name == "grpo" and jax.process_count() > 1:
+        raise tasks.ConfigError(
+            f"config.post_training='grpo' with {jax.process_count()} processes: GRPO reads "
+            "each rollout's prompt indices on one host; run it as one process for now."
+        )
     workdir = Path(workdir)
     notes: list[str] | None = [] if dry_run else None
     with refused_or_noted(notes, tasks.ConfigError):
@@ -122,6 +127,10 @@ def run(
     check_init_from(config, init_from, trainer, run_callbacks, notes)
     say(recipe.data_line)
     if notes is not None:
+        say(
+            f"dry run: the {name} job's keys, data and layout checked; nothing trained or "
+            "written (the plan of its step is not reported yet)"
+        )
         for note in notes:
             say(f"note: the run itself would be refused: {note}")
         return job.RunResult(trainer.history, float("nan"), float("nan"), "", None)
