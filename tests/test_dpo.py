@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnx_spmd_trainer import FSDP, Callback, DataParallel, Hybrid, TensorParallel
+from nnx_spmd_trainer import FSDP, Auto, Callback, DataParallel, Hybrid, TensorParallel
 from nnx_spmd_trainer.app.models import gpt
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 from nnx_spmd_trainer.nn.lora import LoRA
@@ -205,6 +205,24 @@ def test_the_reference_is_laid_out_as_the_policy(strategy):
     total = sum(x.nbytes for x in jax.tree.leaves(reference))
     per_device = trainer.reference.bytes_per_device()
     assert per_device == total if isinstance(strategy, DataParallel) else per_device < total
+
+
+def test_auto_strategy_trains_as_the_layout_it_picks():
+    """strategy=Auto(...): the layouts are timed on the policy's step (placeholder reference
+    log-probabilities), and the run then equals the chosen strategy given explicitly."""
+    batches = toy_batches(3, seed=4)
+    auto = Auto(candidates=[DataParallel(), FSDP_TP], steps=1, rounds=1, print_fn=None)
+    chosen = trainer_for(auto)
+    chosen.fit(batches, max_steps=3)
+    assert chosen.layout_choice is not None and chosen.step == 3
+    explicit = trainer_for(chosen.strategy)
+    explicit.fit(batches, max_steps=3)
+    want = explicit.history.history
+    for name in ("loss", *METRICS):
+        got = chosen.history.history[f"train/{name}"]
+        np.testing.assert_allclose(got, want[f"train/{name}"], atol=1e-6, err_msg=name)
+    # The reference is real, never the placeholder: at step 1 the policy is the reference.
+    assert chosen.history.history["train/rewards/chosen"][0] == 0.0
 
 
 def test_dpo_learns_a_toy_preference():

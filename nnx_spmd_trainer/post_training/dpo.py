@@ -11,14 +11,16 @@ with the adapters switched off (``nn.lora.adapters_off``): no second copy of the
 """
 
 # No ``from __future__ import annotations``: clu reads DPOMetrics' annotations as objects.
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from clu import metrics as clu_metrics
 from flax import nnx, struct
 
+from nnx_spmd_trainer.planner.auto import Choice
 from nnx_spmd_trainer.post_training import dpo_loss
 from nnx_spmd_trainer.post_training.reference import ReferenceModel
 from nnx_spmd_trainer.trainer import Trainer
@@ -57,6 +59,14 @@ class DPOMetrics(clu_metrics.Collection):
 def default_logits(model: nnx.Module, inputs: jax.Array) -> jax.Array:
     """``model(inputs)``: a language model called on token ids returns its logits."""
     return model(inputs)  # type: ignore[no-any-return]
+
+
+def _with_placeholder_reference(batch: Any) -> Any:
+    """``batch`` with zero reference log-probabilities (``[rows]``) where it has none."""
+    if all(key in batch for key in ReferenceModel.KEYS):
+        return batch
+    rows = np.shape(batch["chosen_inputs"])[0]
+    return {**batch, **{key: np.zeros(rows, np.float32) for key in ReferenceModel.KEYS}}
 
 
 class DPOTrainer(Trainer):
@@ -124,6 +134,14 @@ class DPOTrainer(Trainer):
             return False
         others = nnx.state(self.model, nnx.All(self.plan.wrt, nnx.Not(nnx.LoRAParam)))
         return not jax.tree.leaves(others)
+
+    def choose_layout(self, batches: Iterable[Any]) -> Choice:
+        """``strategy="auto"`` (``Trainer.choose_layout``): the layouts are timed on the
+        first batches with zeros in place of the reference's log-probabilities (the
+        reference needs a layout to run in), so each is timed on the policy's step alone;
+        the reference's program, one forward pass, is left out of the ranking. Training
+        then adds the real ones (``prepare_batch``)."""
+        return super().choose_layout(map(_with_placeholder_reference, batches))
 
     def side_logps(self, model: nnx.Module, batch: Any, side: str) -> jax.Array:
         """``[rows]``: ``model``'s summed log-probabilities of the ``side`` completions."""
