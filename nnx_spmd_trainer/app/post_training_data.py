@@ -44,6 +44,7 @@ from nnx_spmd_trainer.post_training import (
 __all__ = [
     "dpo_keys",
     "grpo_keys",
+    "model_positions",
     "pair_batches",
     "preference_pairs",
     "prompt_index_batches",
@@ -54,7 +55,7 @@ __all__ = [
 
 def _data_file(config: ml_collections.ConfigDict, key: str, what: str) -> Path:
     """``config.data.<key>``: a file that exists, or a ``ConfigError`` saying what to give."""
-    path = config.data.get(key, "")
+    path = (config.get("data") or {}).get(key, "")
     if not path:
         raise ConfigError(
             f"config.data.{key}: give the JSONL file of {what} (--config.data.{key}=FILE.jsonl)."
@@ -64,11 +65,21 @@ def _data_file(config: ml_collections.ConfigDict, key: str, what: str) -> Path:
     return Path(path)
 
 
+def model_positions(config: ml_collections.ConfigDict) -> tuple[str, int]:
+    """``(its key, the tokens a row has)``: the model's ``seq_len`` (``config.gpt.seq_len``
+    for the GPT, ``config.gpt2_hf.seq_len`` for GPT-2).
+
+    >>> model_positions(ml_collections.ConfigDict({"model": "gpt", "gpt": {"seq_len": 32}}))
+    ('config.gpt.seq_len', 32)
+    """
+    return f"config.{config.model}.seq_len", int(config[config.model].seq_len)
+
+
 def preference_pairs(
     config: ml_collections.ConfigDict, encode: Callable[[str], Any]
 ) -> tuple[PreferenceRows, list[EncodedPair]]:
     """The rows of ``config.data.preferences`` and their encoded pairs, each pair checked to
-    fit ``config.gpt.seq_len`` (a ``ConfigError`` naming the row otherwise)."""
+    fit the model's ``seq_len`` (a ``ConfigError`` naming the row otherwise)."""
     path = _data_file(config, "preferences", "preference pairs")
     key = f"config.data.preferences={str(path)!r}"
     try:
@@ -78,7 +89,7 @@ def preference_pairs(
     except UnicodeDecodeError as error:
         raise ConfigError(f"{key}: not UTF-8 text ({error.reason}).") from None
     pairs = [encode_text_pair(row, encode) for row in rows.rows]
-    seq_len = config.gpt.seq_len
+    seq_key, seq_len = model_positions(config)
     for number, pair in enumerate(pairs, start=1):
         try:
             pair_batch([pair], seq_len)
@@ -86,8 +97,8 @@ def preference_pairs(
             prompt = rows.rows[number - 1]["prompt"]
             raise ConfigError(
                 f"{key}: the {_ordinal(number)} pair kept (prompt {prompt!r:.40}) "
-                f"leaves a completion no token within config.gpt.seq_len={seq_len}; give a "
-                "longer config.gpt.seq_len or shorter prompts."
+                f"leaves a completion no token within {seq_key}={seq_len}; give a longer "
+                f"{seq_key} or shorter prompts."
             ) from None
     return rows, pairs
 

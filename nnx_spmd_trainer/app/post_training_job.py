@@ -4,8 +4,9 @@
 TensorBoard, metrics.csv) and reported.
 
 ``config.post_training`` names the trainer. The model and the tokenizer are the GPT
-task's (``config.gpt``, ``config.data.tokenizer``, or ``config.init_from`` through a task's
-weight map, as any job); the data and the loss keys are ``post_training_data``'s.
+task's (``config.model``: ``config.gpt`` and ``config.data.tokenizer`` in the shipped
+configs; a ``gpt2_hf`` config of the user's with ``config.init_from`` starts from GPT-2's
+weights, as any job); the data and the loss keys are ``post_training_data``'s.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def _dpo(
     batches = data.pair_batches(
         pairs,
         batch_size=config.batch_size,
-        seq_len=config.gpt.seq_len,
+        seq_len=data.model_positions(config)[1],
         steps=config.max_steps,
         seed=config.seed,
         shard=shard,
@@ -177,12 +178,12 @@ def _grpo(
     prompts = data.prompt_rows(config)
     reward_fn = data.reward_function(config, prompts)
     longest = max(len(codec.encode(p)) if isinstance(p, str) else len(p) for p in prompts.prompts)
-    positions = config.gpt.seq_len
+    seq_key, positions = data.model_positions(config)
     if longest + keywords["max_new_tokens"] > positions:
         raise tasks.ConfigError(
             f"config.grpo.max_new_tokens={keywords['max_new_tokens']}: the longest prompt of "
             f"config.data.prompts has {longest} tokens, and with the completion they exceed "
-            f"the model's config.gpt.seq_len={positions}; give fewer new tokens, shorter "
+            f"the model's {seq_key}={positions}; give fewer new tokens, shorter "
             "prompts or a longer seq_len."
         )
     rollouts = config.max_steps // keywords["num_iterations"]
