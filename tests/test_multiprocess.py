@@ -158,44 +158,55 @@ def _losses(workdir: Path) -> dict[int, float]:
     return {step: float(loss) for step, loss in losses(workdir)}
 
 
-# The CLI with the two layouts whose data split is not plain data parallel: the default
-# job's fsdp x model (packed BPE: data.PackedBlocks gives every process count the same
-# rows), and a model axis over all 8 devices (the public API test above covers
-# DataParallel and FSDP too).
-@pytest.mark.parametrize("config", ["default", "tp"])
-def test_the_cli_on_two_processes_ends_like_one_process(tmp_path, config):
-    one = _cli(f"--config={config}", "--workdir=one", *SMALL_GPT, cwd=tmp_path)
-    two = _cli(f"--config={config}", "--workdir=two", "--num_processes=2", *SMALL_GPT, cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+def _assert_two_process_output(two: subprocess.CompletedProcess, steps: int) -> None:
+    """What a 2-process CLI run prints: process 0 reports, 8 devices, the data-wait share."""
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    line_one, loss_one = _final(one.stdout)
-    line_two, loss_two = _final(two.stdout)
-    assert line_two.startswith("[0] final after 3 steps: eval loss")  # process 0 reports
-    assert loss_two == pytest.approx(loss_one, abs=2e-4)
-    by_one, by_two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert sorted(by_two) == sorted(by_one) == [1, 2, 3]  # every step, the same rows
-    assert [by_two[s] for s in by_one] == pytest.approx(list(by_one.values()), rel=1e-5)
+    line, _ = _final(two.stdout)
+    assert line.startswith(f"[0] final after {steps} steps: eval loss")  # process 0 reports
     assert "on 8 cpu devices" in two.stdout  # 4 in each process, 8 in the job
     assert not [line for line in two.stdout.splitlines() if line.startswith("[1] step")]
-    assert (tmp_path / "two" / "metrics.csv").exists()
     assert "[0] input: the steps waited for batches" in two.stdout  # the data-wait share
 
 
-def test_a_packed_run_stopped_on_two_processes_resumes_on_one_on_the_same_rows(tmp_path):
-    """The default job (packed BPE) saved by 2 processes at step 2 continues on 1 process
-    as a 1-process run does: its data position is the step (data.PackedBlocks)."""
+# A model axis over all 8 devices, whose data split is not plain data parallel (the
+# public API test above covers DataParallel and FSDP; the default job's fsdp x model,
+# packed, is the next test's).
+def test_the_cli_on_two_processes_ends_like_one_process(tmp_path):
+    one = _cli("--config=tp", "--workdir=one", *SMALL_GPT, cwd=tmp_path)
+    two = _cli("--config=tp", "--workdir=two", "--num_processes=2", *SMALL_GPT, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    _assert_two_process_output(two, 3)
+    assert _final(two.stdout)[1] == pytest.approx(_final(one.stdout)[1], abs=2e-4)
+    by_one, by_two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(by_two) == sorted(by_one) == [1, 2, 3]  # every step, the same rows
+    assert [by_two[s] for s in by_one] == pytest.approx(list(by_one.values()), rel=1e-5)
+    assert (tmp_path / "two" / "metrics.csv").exists()
+
+
+def test_a_packed_run_on_two_processes_equals_one_and_resumes_on_one_on_the_same_rows(
+    tmp_path,
+):
+    """The default job (packed BPE, fsdp x model): 2 processes x 4 devices train its first
+    2 steps as 1 process x 8 does, and their checkpoint continues on 1 process as the
+    1-process run does, to the same final eval loss: the data position is the step
+    (data.PackedBlocks gives every process count the same rows). One run of each serves
+    both checks (each CLI run costs about half a minute here)."""
     constant_lr = ("--config.warmup_steps=0", "--config.end_lr_fraction=1.0")  # no re-plan
     small = [*SMALL_GPT[1:], "--config.max_eval_batches=1", *constant_lr]
     whole = _cli("--workdir=whole", "--config.max_steps=4", *small, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     two = _cli("--workdir=moved", "--num_processes=2", "--config.max_steps=2", *small, cwd=tmp_path)
-    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    _assert_two_process_output(two, 2)
+    expected, by_two = _losses(tmp_path / "whole"), _losses(tmp_path / "moved")
+    assert sorted(by_two) == [1, 2]
+    assert [by_two[s] for s in (1, 2)] == pytest.approx([expected[1], expected[2]], rel=1e-5)
     one = _cli("--workdir=moved", "--config.max_steps=4", *small, cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resuming from checkpoint step 2" in one.stdout, one.stdout[-3000:]
-    expected, moved = _losses(tmp_path / "whole"), _losses(tmp_path / "moved")
+    moved = _losses(tmp_path / "moved")
     assert sorted(moved) == sorted(expected) == [1, 2, 3, 4]
     assert [moved[s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-5)
+    assert _final(one.stdout)[1] == pytest.approx(_final(whole.stdout)[1], abs=2e-4)
 
 
 def _two_process_grain(tmp_path: Path, checkpoints: Path, max_steps: int, *flags: str) -> dict:
