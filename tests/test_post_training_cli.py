@@ -49,6 +49,15 @@ def files(tmp_path_factory) -> Path:
     write_jsonl(folder / "pairs.jsonl", [*pair_rows(), same])
     write_jsonl(folder / "identical.jsonl", [same, same])
     write_jsonl(folder / "missing.jsonl", [*pair_rows(2), {"prompt": "p", "chosen": "c"}])
+    chat = [
+        {
+            "prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}],
+        }
+        for row in pair_rows(8)
+    ]
+    write_jsonl(folder / "chat.jsonl", chat)
     prompts = [{"prompt": f"say {w}:", "score": i} for i, w in enumerate(WORDS * 2)]
     write_jsonl(folder / "prompts.jsonl", prompts)
     (folder / "pt_cli_rewards.py").write_text(REWARDS)
@@ -112,6 +121,18 @@ def test_the_ipo_loss_is_the_one_trained(files, tmp_path):
     result = post_training_job.run(config, tmp_path / "run")
     # h = 0 at the first step: IPO's loss is (0 - 1 / (2 beta))^2 = 25 at beta 0.1.
     assert result.history.history["train/loss"] == [pytest.approx(25.0, rel=1e-6)]
+
+
+def test_chat_rows_are_rendered_with_the_chat_template(files, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = dpo_config(files, "chat.jsonl", max_steps=1, loggers="csv")
+    config.gpt.seq_len = 64  # ChatML's markers, spelled in the BPE's bytes
+    message = refused(config, tmp_path / "refused", "holds chat rows", "chat_template=chatml")
+    assert message.startswith("config.data.chat_template=''")
+    config.data.chat_template = "chatml"
+    result = post_training_job.run(config, tmp_path / "run")
+    assert "preference data: 8 pairs, 0 skipped" in capsys.readouterr().out
+    assert result.history.history["train/loss"] == [pytest.approx(math.log(2.0), rel=1e-6)]
 
 
 # -- GRPO -------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The data of ``--config=dpo`` and ``--config=grpo`` runs, read and checked before
 anything is written: each bad input a ``ConfigError`` naming its key (one line).
 
-- DPO: ``config.data.preferences``, a JSONL of ``{"prompt", "chosen", "rejected"}`` text
-  rows, encoded with the run's tokenizer into batches of pairs (``pair_batches``).
+- DPO: ``config.data.preferences``, a JSONL of ``{"prompt", "chosen", "rejected"}`` rows
+  (text, or chat messages rendered with ``config.data.chat_template``), encoded with the
+  run's tokenizer into batches of pairs (``pair_batches``).
 - GRPO: ``config.data.prompts``, a JSONL of ``{"prompt", <fields>}`` rows, batches of
   prompt indices (``prompt_index_batches``), and the reward function named
   ``module:function`` (``config.grpo.reward``), its answer's shape tried before the run.
@@ -14,7 +15,7 @@ its index and the seed: a resumed run seeks to its batch without reading the oth
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import ml_collections
 import numpy as np
 
 from nnx_spmd_trainer.app.run_config import ConfigError
+from nnx_spmd_trainer.data import ChatError, ChatTokenizer, Tokenizer, load_chat_tokenizer
 from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.post_training import (
     LOSS_TYPES,
@@ -32,7 +34,9 @@ from nnx_spmd_trainer.post_training import (
     PromptRows,
     RewardError,
     RewardFn,
+    encode_chat_pair,
     encode_text_pair,
+    is_chat_row,
     load_reward,
     pair_batch,
     prompt_batches,
@@ -42,6 +46,7 @@ from nnx_spmd_trainer.post_training import (
 )
 
 __all__ = [
+    "chat_tokenizer",
     "dpo_keys",
     "grpo_keys",
     "model_positions",
@@ -76,10 +81,11 @@ def model_positions(config: ml_collections.ConfigDict) -> tuple[str, int]:
 
 
 def preference_pairs(
-    config: ml_collections.ConfigDict, encode: Callable[[str], Any]
+    config: ml_collections.ConfigDict, codec: Any
 ) -> tuple[PreferenceRows, list[EncodedPair]]:
-    """The rows of ``config.data.preferences`` and their encoded pairs, each pair checked to
-    fit the model's ``seq_len`` (a ``ConfigError`` naming the row otherwise)."""
+    """The rows of ``config.data.preferences`` and their encoded pairs (text rows with
+    ``codec.encode``, chat rows rendered by ``chat_tokenizer``), each pair checked to fit
+    the model's ``seq_len``: a ``ConfigError`` naming the row otherwise."""
     path = _data_file(config, "preferences", "preference pairs")
     key = f"config.data.preferences={str(path)!r}"
     try:
@@ -88,19 +94,48 @@ def preference_pairs(
         raise ConfigError(f"{key}: {error}") from None
     except UnicodeDecodeError as error:
         raise ConfigError(f"{key}: not UTF-8 text ({error.reason}).") from None
-    pairs = [encode_text_pair(row, encode) for row in rows.rows]
+    chat = chat_tokenizer(config, codec) if any(map(is_chat_row, rows.rows)) else None
     seq_key, seq_len = model_positions(config)
-    for number, pair in enumerate(pairs, start=1):
+    pairs = []
+    for number, row in enumerate(rows.rows, start=1):
+        which = f"the {_ordinal(number)} pair kept (prompt {str(row['prompt'])!r:.40})"
+        try:
+            pair = (
+                encode_chat_pair(row, chat) if chat and is_chat_row(row)
+                else encode_text_pair(row, codec.encode)
+            )  # fmt: skip
+        except PreferenceError as error:
+            raise ConfigError(f"{key}: {which}: {error}") from None
         try:
             pair_batch([pair], seq_len)
         except PreferenceError:
-            prompt = rows.rows[number - 1]["prompt"]
             raise ConfigError(
-                f"{key}: the {_ordinal(number)} pair kept (prompt {prompt!r:.40}) "
-                f"leaves a completion no token within {seq_key}={seq_len}; give a longer "
-                f"{seq_key} or shorter prompts."
+                f"{key}: {which} leaves a completion no token within {seq_key}={seq_len}; "
+                f"give a longer {seq_key} or shorter prompts."
             ) from None
+        pairs.append(pair)
     return rows, pairs
+
+
+def chat_tokenizer(config: ml_collections.ConfigDict, codec: Any) -> ChatTokenizer:
+    """What renders chat preference rows: ``config.data.tokenizer``'s own template (or
+    ``config.data.chat_template``), or the run's BPE with ``config.data.chat_template``
+    (``"chatml"``); a ``ConfigError`` naming the key when there is none."""
+    data = config.get("data") or {}
+    path, template = data.get("tokenizer", ""), data.get("chat_template", "") or None
+    key = f"config.data.chat_template={data.get('chat_template', '')!r}"
+    try:
+        if path:
+            return load_chat_tokenizer(path, template=template)
+        if template is not None and isinstance(codec, Tokenizer):
+            return ChatTokenizer.from_tokenizer(codec, template)
+    except (ChatError, ImportError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+    raise ConfigError(
+        f"{key}: config.data.preferences holds chat rows, and the run's tokenizer has no chat "
+        "template; pass --config.data.chat_template=chatml (the library's), or "
+        "--config.data.tokenizer=DIR holding a tokenizer_config.json with one."
+    )
 
 
 def _ordinal(n: int) -> str:

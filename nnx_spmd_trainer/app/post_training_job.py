@@ -159,7 +159,7 @@ def _dpo(
 ) -> _Recipe:
     """DPO's trainer keywords (``config.dpo``'s, checked) and batches of pairs."""
     keywords = {**keywords, "metrics": DPOMetrics}
-    rows, pairs = data.preference_pairs(config, codec.encode)
+    rows, pairs = data.preference_pairs(config, codec)
     batches = data.pair_batches(
         pairs,
         batch_size=config.batch_size,
