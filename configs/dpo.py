@@ -1,8 +1,9 @@
 """DPO on preference pairs: ``nnx-spmd-train --config=dpo --config.data.preferences=FILE``.
 
-``FILE`` is a JSONL of ``{"prompt", "chosen", "rejected"}`` text rows
-(``post_training.read_preferences``): a row without one of them is refused, naming the
-file and line; a row whose ``chosen`` equals its ``rejected`` is counted and skipped.
+``FILE`` is a JSONL of ``{"prompt", "chosen", "rejected"}`` rows, text or chat messages
+(rendered with ``--config.data.chat_template=chatml``; ``post_training.read_preferences``):
+a row without one of them is refused, naming the file and line; a row whose ``chosen``
+equals its ``rejected`` is counted and skipped.
 The model is the default job's GPT (here tiny: seconds on this CPU), the text tokenized
 with its BPE (``config.data.tokenizer`` / ``vocab_size``); each step takes
 ``batch_size`` pairs, cut or padded to ``config.gpt.seq_len`` tokens. ``config.dpo``:
