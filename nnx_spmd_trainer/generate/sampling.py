@@ -9,6 +9,7 @@ out: under any strategy, on one device or eight.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,10 @@ class Sampling:
     Traceback (most recent call last):
     ...
     ValueError: Sampling: top_p=0.0 is outside (0, 1]; 1.0 keeps every token.
+    >>> Sampling(temperature=float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: Sampling: temperature=nan is not a number; 0 is greedy, 1 samples.
     """
 
     temperature: float = 0.0
@@ -41,6 +46,10 @@ class Sampling:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(
                 f"Sampling: top_p={self.top_p} is outside (0, 1]; 1.0 keeps every token."
+            )
+        if not math.isfinite(self.temperature):  # nan passes every comparison below
+            raise ValueError(
+                f"Sampling: temperature={self.temperature} is not a number; 0 is greedy, 1 samples."
             )
         if self.temperature < 0.0:
             raise ValueError(f"Sampling: temperature={self.temperature} is negative; 0 is greedy.")
