@@ -275,3 +275,46 @@ def test_bad_targets_and_ranks_are_refused_in_one_line(config, message):
 def test_a_bad_lora_is_refused_when_made(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoRA(**kwargs)
+
+
+def test_the_plan_report_counts_the_adapters_optimizer_bytes_and_full_fine_tunings():
+    """``Plan.report`` (what ``--dry_run`` prints): Adam holds two copies (mu, nu) of each
+    adapter, split as the adapter is; full fine-tuning would hold them of the whole base."""
+    from nnx_spmd_trainer import Plan
+
+    batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), np.int32) for k in ("inputs", "targets")}
+
+    def report(**lora_kwargs):
+        plan = Plan(dense, optax.adam(1e-3), strategy=FSDP(8, min_size=1), loss_fn=xent,
+                    **lora_kwargs)  # fmt: skip
+        return plan.report(batch)
+
+    adapted = report(lora=LoRA(rank=2, targets=r".*mha/(query|value)"))
+    rows = {row["path"]: row for row in adapted.leaves}
+    # The precondition of the count below: FSDP splits q and v's input dimension 8 ways.
+    assert rows["model/blocks/0/mha/query/kernel"]["spec"] == "P('fsdp',)"
+    d, heads, head_dim, r = SIZES["embed_dim"], 8, SIZES["embed_dim"] // 8, 2
+    per_adapter = d * r // 8 + r * heads * head_dim  # A split like the input, B whole
+    adapters = SIZES["num_layers"] * 2 * per_adapter  # 2 layers x (query, value)
+    scalars = sum(
+        row["bytes_per_device"]
+        for row in adapted.leaves
+        if row["kind"] == "optimizer" and not row["shape"]
+    )  # Adam's count, the step
+    split = adapted.training
+    assert split["trainable_bytes"] == 4 * adapters
+    assert split["trainable_parameters"] == SIZES["num_layers"] * 2 * (d * r + r * d)
+    assert split["optimizer_bytes"] == 2 * 4 * adapters + scalars
+    assert split["optimizer_copies"] == 2
+
+    whole = report()
+    full = whole.bytes_per_device("optimizer")
+    assert split["full_optimizer_bytes"] == full and split["optimizer_bytes"] < full / 8
+    assert split["frozen_parameters"] + split["trainable_parameters"] == sum(
+        np.prod(row["shape"]) for row in adapted.leaves if row["kind"] == "parameters"
+        and row["path"].endswith(("kernel", "bias", "scale", "embedding", "lora_a", "lora_b"))
+    )  # fmt: skip
+    text = str(adapted)
+    assert "trainable: 512 parameters" in text and "2 copies of each trainable" in text
+    assert "full fine-tuning would hold about" in text
+    assert "trainable:" not in str(whole)  # a run where everything trains: as before

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 
 from nnx_spmd_trainer.planner import flops
 from nnx_spmd_trainer.sharding import path_str, shard_shape
@@ -99,6 +100,64 @@ def leaf_rows(targets: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _model_paths(plan: Any, which: nnx.filterlib.Filter) -> dict[str, int]:
+    """``{"model/...": global size}`` of the plan's model leaves that ``which`` selects."""
+    selected = nnx.to_flat_state(nnx.filter_state(plan.abstract_state["model"], which))
+    return {path_str(("model", *p)): math.prod(v.shape) for p, v in selected}
+
+
+def training_split(plan: Any, leaves: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """What trains and what is frozen (``nnx.Param`` s outside ``plan.wrt``: a LoRA run's
+    base), its bytes per device, and the optimizer's: ``optimizer_copies`` is how many
+    copies of each trainable byte it holds (Adam: 2), and ``full_optimizer_bytes`` what
+    it would hold per device were every base parameter (every ``nnx.Param`` but LoRA
+    adapters) trained alike, laid out as it is here."""
+    trainable = _model_paths(plan, plan.wrt)
+    params = _model_paths(plan, nnx.Param)
+    base = _model_paths(plan, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    rows = {row["path"]: row for row in leaves}
+    per_device = {p: rows[p]["bytes_per_device"] for p in params if p in rows}
+    trainable_bytes = sum(per_device.get(p, 0) for p in trainable)
+    own = {p.split("/", 1)[1]: rows[p]["shape"] for p in trainable if p in rows}
+    optimizer = [row for row in leaves if row["kind"] == "optimizer"]
+
+    def copies_a_trainable(row: Mapping[str, Any]) -> bool:  # opt_state/0/mu/<its path>
+        parts = row["path"].split("/")
+        tails = ("/".join(parts[k:]) for k in range(1, len(parts)))
+        return any(own.get(tail) == row["shape"] for tail in tails)
+
+    copies = sum(row["bytes_per_device"] for row in optimizer if copies_a_trainable(row))
+    optimizer_bytes = sum(row["bytes_per_device"] for row in optimizer)
+    ratio = copies / trainable_bytes if trainable_bytes else 0.0
+    return {
+        "trainable_parameters": sum(trainable.values()),
+        "frozen_parameters": sum(n for p, n in params.items() if p not in trainable),
+        "trainable_bytes": trainable_bytes,
+        "frozen_bytes": sum(b for p, b in per_device.items() if p not in trainable),
+        "optimizer_bytes": optimizer_bytes,
+        "optimizer_copies": ratio,
+        "full_optimizer_bytes": optimizer_bytes
+        - copies
+        + ratio * sum(per_device.get(p, 0) for p in base),
+    }
+
+
+def _training_lines(split: Mapping[str, float]) -> list[str]:
+    """Two lines where some parameters are frozen (a LoRA run); none where all train."""
+    if not split.get("frozen_parameters"):
+        return []
+    trained, frozen = split["trainable_parameters"], split["frozen_parameters"]
+    share = 100 * trained / (trained + frozen)
+    return [
+        f"  trainable: {trained:,.0f} parameters ({share:.3g}% of {trained + frozen:,.0f}), "
+        f"{size(split['trainable_bytes'])} per device; frozen: {frozen:,.0f}, "
+        f"{size(split['frozen_bytes'])} per device",
+        f"  optimizer per device: {size(split['optimizer_bytes'])} "
+        f"({split['optimizer_copies']:.3g} copies of each trainable parameter); "
+        f"full fine-tuning would hold about {size(split['full_optimizer_bytes'])}",
+    ]
+
+
 def layout_picture(row: Mapping[str, Any], mesh: Mapping[str, int]) -> str:
     """A text picture of how one leaf is cut over the mesh: each dimension and its axes."""
     spec = row["spec"]
@@ -139,6 +198,9 @@ class PlanReport:
       sequence: under ``SequenceParallel``, the attention form in force (all-gather
         or ring) and the count of the collective carrying keys and values (the ring's
         also how its blocks ran: cuDNN's fused kernel or einsums); else ``""``.
+      training: trainable and frozen parameters, their bytes per device and the
+        optimizer's, next to what full fine-tuning's optimizer would hold
+        (``training_split``); printed where some parameters are frozen (LoRA).
     """
 
     strategy: str
@@ -157,6 +219,7 @@ class PlanReport:
     picture: str
     pipeline: str = ""
     sequence: str = ""
+    training: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def bytes_per_device(self, kind: str) -> int:
         """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
@@ -184,6 +247,7 @@ class PlanReport:
                 for k in ("parameters", "optimizer", "other")
             )
         )
+        lines.extend(_training_lines(self.training))
         memory = ", ".join(f"{k} {size(v)}" for k, v in self.memory.items())
         lines.append(f"  compiled step per device: {memory}")
         lines.append(f"  {self.verdict}")
@@ -307,4 +371,5 @@ def build(
         picture=layout_picture(largest, mesh),
         pipeline=pipeline.report_line(plan.strategy, plan.mesh, plan.state_targets()),
         sequence=sequence.report_line(plan.strategy, plan.mesh, counted, hlo),
+        training=training_split(plan, leaves),
     )
