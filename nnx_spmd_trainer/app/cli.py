@@ -35,7 +35,8 @@ This module is the entry point (``main``): the flags defined, the processes laun
 or joined, the run started and its errors turned into exit statuses. The rest is by
 job beside it: ``command_line`` (argv, ``--help``), ``corpus`` and ``evaluate`` (the two
 other commands), ``host_devices``, ``interrupts``
-(Ctrl-C), ``workdir`` (checks, lock), ``job`` (``run``, ``RunResult``),
+(Ctrl-C), ``workdir`` (checks, lock), ``job`` (``run``, ``RunResult``), ``post_training_job``
+(``--config=dpo`` and ``grpo``: ``config.post_training`` set),
 ``job_callbacks`` and ``console`` (the lines a run prints).
 """
 
