@@ -1,14 +1,17 @@
-"""LoRA fine-tuning of a built model: only the low-rank adapters train (``wrt=``).
+"""LoRA fine-tuning of a built model: only the low-rank adapters train (``lora=LoRA(...)``).
 
     python examples/lora.py          # tiny: 30 + 30 steps on 8 simulated CPU devices
     python examples/lora.py --full   # wider model, more steps
 
 A base MLP is first trained on one task (standing in for a pretrained model
-you load). Its layers are then wrapped in ``nnx.LoRA`` adapters (rank 4) and
-the built module is handed to a new ``Trainer`` with ``wrt=nnx.LoRAParam``:
-gradients and optimizer state exist only for the adapters, and the base
-weights stay bit-identical, weight decay included. The script checks both:
-the fine-tuning loss fell, and every base weight equals its value before.
+you load). The built module is then handed to a new ``Trainer`` with
+``lora=LoRA(rank=4, targets=["fc1", "fc2"])``: adapters are added beside both
+layers (``fc1/lora_a``, ``fc1/lora_b``, the base kernel staying at ``fc1/kernel``),
+laid out as their base layers are, and only they train: gradients and optimizer
+state exist for the adapters alone, and the base weights stay bit-identical,
+weight decay included. The script checks both: the fine-tuning loss fell, and
+every base weight equals its value before. ``examples/finetune.py`` walks the
+whole path from a weights file to PEFT and merged exports.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nnx_spmd_trainer import FSDP, Trainer  # noqa: E402
+from nnx_spmd_trainer import FSDP, LoRA, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.datasets.synthetic import make_classification  # noqa: E402
 from nnx_spmd_trainer.app.models import MLP  # noqa: E402
 from nnx_spmd_trainer.app.models.mlp import loss_fn  # noqa: E402
@@ -61,22 +64,17 @@ def main(full: bool = False) -> float:
     )
     pretrain.fit(task(seed=0, batch=batch), max_steps=steps)
     model = pretrain.model  # a built nnx.Module, as a checkpoint or a model hub would give
-
-    # 2. Wrap each layer in a LoRA adapter: y = base(x) + x @ A @ B, A and B LoRAParams.
-    with nnx.use_eager_sharding(False):
-        rngs = nnx.Rngs(1)
-        model.fc1 = nnx.LoRA(FEATURES, rank, hidden, base_module=model.fc1, rngs=rngs)
-        model.fc2 = nnx.LoRA(hidden, rank, CLASSES, base_module=model.fc2, rngs=rngs)
     frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam subclasses Param
     base = weights(model, frozen)
 
-    # 3. Fine-tune on a second task: only what wrt= names trains.
+    # 2. Fine-tune on a second task with adapters beside both layers:
+    # y = base(x) + alpha/rank * (x A) B, A and B nnx.LoRAParams; only they train.
     finetune = Trainer(
         model,  # already built: its state is placed on the mesh by the strategy
         optax.adamw(1e-2, weight_decay=0.1),
         strategy=FSDP(min_size=1),
         loss_fn=loss_fn,
-        wrt=nnx.LoRAParam,
+        lora=LoRA(rank=rank, targets=["fc1", "fc2"]),
         log_every_n_steps=10,
         callbacks=[MetricsLogger(10)],
     )
