@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import environment_for_own_devices
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nnx_spmd_trainer.app import post_training_job, tasks
 from nnx_spmd_trainer.post_training import prompt_batches
@@ -110,6 +111,13 @@ def test_a_dpo_run_trains_on_the_pairs_logs_trls_metrics_and_resumes(files, tmp_
     assert metrics(tmp_path / "run", "train/loss") == pytest.approx(logs["train/loss"])
     assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
     assert (tmp_path / "run" / "tb").is_dir() and (tmp_path / "run" / "tokenizer.json").exists()
+    # TensorBoard's plan report is of the step as it runs: on the batch prepare_batch
+    # made, with the reference's log-probabilities (a step_record's batch_shapes).
+    assert "reference_chosen_logps" in str(result.trainer.last_step.batch_shapes)
+    tensorboard = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0})
+    tensorboard.Reload()
+    (plan,) = tensorboard.Tensors("plan/text_summary")
+    assert "per device" in plan.tensor_proto.string_val[0].decode()
     again = post_training_job.run(config, tmp_path / "run")  # the same command: resumes
     assert again.trainer is not None and again.trainer.last_step is None
     assert "nothing trained" in capsys.readouterr().out

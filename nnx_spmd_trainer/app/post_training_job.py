@@ -22,7 +22,7 @@ import ml_collections
 from jax.experimental import multihost_utils
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, job, tasks
 from nnx_spmd_trainer.app import post_training_data as data
 from nnx_spmd_trainer.app.console import say
@@ -114,12 +114,6 @@ def run(
     check_export_format(config, task, export_format)
     with blamed_on("--workdir", OSError):
         run_callbacks = make_callbacks(config, workdir)
-    for callback in run_callbacks:
-        if isinstance(callback, callbacks.TensorBoard):
-            # Its plan report is planned on the batch as the data gives it, and these
-            # trainers' steps read what prepare_batch adds (rollouts, the reference's
-            # log-probabilities): no report could be made, only a warning each run.
-            callback.write_plan = False
     splits = dataclasses.replace(task.splits, train=recipe.batches, eval=())
     trainer = job._build_trainer(
         config,

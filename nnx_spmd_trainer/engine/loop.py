@@ -300,10 +300,10 @@ class Loop:
         """One train step on a placed ``batch``: its loss (on the devices) and the batch's
         shapes (the earlier step's object when they are the same, as in most steps)."""
         run, metric_log = self.run, self.run.metric_log
+        batch = self.trainer.prepare_batch(batch)  # what the step trains on, and is planned on
         shapes = self._batch_shapes.of(batch)
         if shapes is not self._tokens_of:  # read again only when the shapes change
             self._tokens, self._tokens_of = flops.batch_tokens(shapes), shapes
-        batch = self.trainer.prepare_batch(batch)
         count = run.step  # before dispatch: afterwards the counter is a future array
         live = run.objects()
         try:
