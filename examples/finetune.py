@@ -131,13 +131,11 @@ def main(full: bool = False, out: str | None = None) -> float:
     losses = trainer.fit(rows, max_steps=steps).history["train/loss"]
     model = trainer.model
 
-    # 3a. The adapters alone, as PEFT writes them for GPT2LMHeadModel (Conv1D: fan_in_fan_out).
+    # 3a. The adapters alone, as PEFT writes them for GPT2LMHeadModel: the map says its
+    # Conv1D files are [in, out] (fan_in_fan_out) and its modules are under "transformer.".
     pairs = weights.lora_pairs(model)  # {base kernel path: (lora_a, lora_b)}
-    peft_dir = weights.write_peft_adapter(
-        weights.peft_adapter(pairs, weight_map, rank=rank, alpha=alpha, fan_in_fan_out=True,
-                             module_prefix="transformer."),
-        work / "peft", overwrite=True,
-    )  # fmt: skip
+    adapter_files = weights.peft_adapter(pairs, weight_map, rank=rank, alpha=alpha)
+    peft_dir = weights.write_peft_adapter(adapter_files, work / "peft", overwrite=True)
     # 3b. The adapters folded into the base, written through the base's map.
     tokens = next(iter(rows))["inputs"][:4]
     adapted = logits_of(model, tokens)
@@ -154,11 +152,15 @@ def main(full: bool = False, out: str | None = None) -> float:
     if not np.array_equal(np.asarray(model.h[0].mlp.c_fc.kernel[...]), file["h.0.mlp.c_fc.weight"]):
         raise SystemExit("FAILED: a base weight changed")
     adapter = weights.read_peft_adapter(peft_dir)
-    if adapter.config["r"] != rank or not adapter.config["fan_in_fan_out"]:
+    module = "transformer.h.0.attn.c_attn"  # q and v in GPT-2's fused projection
+    if (
+        adapter.config["r"] != rank
+        or not adapter.config["fan_in_fan_out"]
+        or module not in adapter.modules()
+    ):
         raise SystemExit(f"FAILED: the PEFT config is not the run's: {adapter.config}")
     kernels = {path: (*a.shape[:-1], *b.shape[1:]) for path, (a, b) in pairs.items()}
-    read = weights.adapter_arrays(adapter, weight_map, kernels, rank=rank, alpha=alpha,
-                                  module_prefix="transformer.")  # fmt: skip
+    read = weights.adapter_arrays(adapter, weight_map, kernels, rank=rank, alpha=alpha)
     for path, (a, b) in pairs.items():
         if not np.allclose(read[path][0] @ read[path][1], np.asarray(a @ b), atol=1e-6):
             raise SystemExit(f"FAILED: the PEFT adapter of {path} reads back otherwise")

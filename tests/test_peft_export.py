@@ -300,3 +300,44 @@ def test_a_models_lora_layers_export_as_peft_modules(tmp_path):
         assert adapter.rank(f"transformer.h.{i}.attn.c_attn") == 2 * RANK
     write_peft_adapter(adapter, tmp_path / "peft")
     assert read_peft_adapter(tmp_path / "peft").config["target_modules"] == adapter.modules()
+
+
+def test_the_layout_and_module_names_are_read_from_the_weight_map():
+    """Without ``fan_in_fan_out``/``module_prefix``, the map says: GPT-2's files hold its
+    kernels ``[in, out]`` (Conv1D) and its first prefix names GPT2LMHeadModel's modules; a
+    Linear map (transposed) is ``[out, in]``. (Before, GPT-2's map without the flags was
+    refused: "not laid out ... as rows by columns".)"""
+    from nnx_spmd_trainer.weights.peft import file_layout
+
+    adapters, weight_map = library_adapters(), gpt2_weight_map(CONFIG)
+    told = peft_adapter(adapters, weight_map, rank=RANK, alpha=ALPHA, fan_in_fan_out=True,
+                        module_prefix="transformer.")  # fmt: skip
+    read = peft_adapter(adapters, weight_map, rank=RANK, alpha=ALPHA)
+    assert read.config == told.config and read.config["fan_in_fan_out"] is True
+    assert read.tensors.keys() == told.tensors.keys()
+    assert "transformer.h.0.attn.c_attn" in read.modules()
+    for name, value in told.tensors.items():
+        np.testing.assert_array_equal(read.tensors[name], value)
+
+    linear = WeightMap({"proj/kernel": transpose(tensor("proj.weight", (5, 3)), (1, 0))})
+    assert file_layout(linear, {"proj/kernel": (3, 5)}) is False
+    mixed = WeightMap(
+        {"proj/kernel": transpose(tensor("proj.weight", (5, 3)), (1, 0)),
+         "conv/kernel": tensor("conv.weight", (3, 5))}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"some adapted kernels \[in, out\] \(conv/kernel\)"):
+        file_layout(mixed, {"proj/kernel": (3, 5), "conv/kernel": (3, 5)})
+
+
+def test_an_adapter_of_the_model_with_or_without_its_head_reads_back_without_a_prefix():
+    """``adapter_arrays`` looks a module up as it is, then with the map's prefixes: PEFT's
+    adapter of GPT2LMHeadModel (``transformer.h.0...``) and of GPT2Model (``h.0...``)."""
+    adapters, weight_map = library_adapters(seed=4), gpt2_weight_map(CONFIG)
+    kernels = {p: (*a.shape[:-1], b.shape[-1]) for p, (a, b) in adapters.items()}
+    for prefix in ("transformer.", ""):
+        adapter = peft_adapter(adapters, weight_map, rank=RANK, alpha=ALPHA, module_prefix=prefix)
+        assert f"{prefix}h.1.mlp.c_fc" in adapter.modules()
+        back = adapter_arrays(adapter, weight_map, kernels, rank=RANK, alpha=ALPHA)
+        for path, (a, b) in adapters.items():
+            np.testing.assert_array_equal(back[path][0], a)
+            np.testing.assert_array_equal(back[path][1], b)

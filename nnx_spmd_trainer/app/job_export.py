@@ -132,12 +132,11 @@ def export_lora(
         directory.mkdir(parents=True, exist_ok=True)
         params = weights.merged_params(trainer.model, scale=alpha / rank)
         return weights.save_safetensors(params, directory / SAFETENSORS_FILE, weight_map)
-    # gpt2_hf, the one task with a map: HF's Conv1D is [in, out], its modules under
-    # GPT2LMHeadModel's "transformer."
+    # fan_in_fan_out and the module names come from the task's map (gpt2_hf: HF's Conv1D
+    # is [in, out], its modules under GPT2LMHeadModel's "transformer.").
     adapter = weights.peft_adapter(
         weights.lora_pairs(trainer.model), weight_map, rank=rank, alpha=alpha,
-        dropout=float(lora.get("dropout", 0.0)), fan_in_fan_out=True,
-        module_prefix="transformer.",
+        dropout=float(lora.get("dropout", 0.0)),
     )  # fmt: skip
     if jax.process_index() == 0:
         weights.write_peft_adapter(adapter, directory)

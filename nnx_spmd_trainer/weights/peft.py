@@ -46,6 +46,7 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "PeftAdapter",
     "adapter_arrays",
+    "file_layout",
     "peft_adapter",
     "read_peft_adapter",
     "write_peft_adapter",
@@ -151,6 +152,56 @@ def _places(weight_map: WeightMap, path: str, shape: tuple[int, ...], fan_in_fan
     return out
 
 
+def _in_by_out(weight_map: WeightMap, path: str, shape: tuple[int, ...]) -> bool | None:
+    """Whether the map writes ``path``'s kernel ``[in, out]`` into its file (a ``Conv1D``)
+    rather than ``[out, in]`` (a ``Linear``); ``None`` where either reads alike (1 x 1)."""
+    expr = weight_map.targets.get(path)
+    if expr is None:
+        return None  # _places names the missing entry
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    whole = Piece(Tensor(path, shape, np.dtype(np.int64)), (0,) * len(shape))
+    for _, piece in expr.invert(whole):
+        block = piece.value.read(full_index(piece.value.shape), {path: ids})
+        if block.ndim != 2:
+            return None  # _places refuses it
+        k_in, k_out = np.unravel_index(block, shape)[-2:]
+        rows = bool((k_in == k_in[:, :1]).all() and (k_out == k_out[:1, :]).all())
+        columns = bool((k_in == k_in[:1, :]).all() and (k_out == k_out[:, :1]).all())
+        if rows != columns:
+            return rows
+    return None
+
+
+def file_layout(weight_map: WeightMap, kernels: Mapping[str, tuple[int, ...]]) -> bool:
+    """PEFT's ``fan_in_fan_out`` for adapters beside ``kernels`` (path -> shape), read
+    from the map: ``True`` where its files hold the kernels ``[in, out]`` (GPT-2's
+    ``Conv1D``), ``False`` where ``[out, in]`` (a ``Linear``: the map transposes).
+
+    >>> from nnx_spmd_trainer.weights import WeightMap, tensor, transpose
+    >>> linear = WeightMap({"fc/kernel": transpose(tensor("fc.weight", (3, 2)), (1, 0))})
+    >>> conv1d = WeightMap({"fc/kernel": tensor("fc.weight", (2, 3))})
+    >>> file_layout(linear, {"fc/kernel": (2, 3)}), file_layout(conv1d, {"fc/kernel": (2, 3)})
+    (False, True)
+    """
+    found = {path: _in_by_out(weight_map, path, tuple(shape)) for path, shape in kernels.items()}
+    layouts = {layout for layout in found.values() if layout is not None}
+    if len(layouts) > 1:
+        conv = sorted(p for p, layout in found.items() if layout)[:2]
+        linear = sorted(p for p, layout in found.items() if layout is False)[:2]
+        raise ValueError(
+            f"The weight map writes some adapted kernels [in, out] ({', '.join(conv)}) and "
+            f"others [out, in] ({', '.join(linear)}); a PEFT adapter has one fan_in_fan_out: "
+            "export them as two adapters, or pass fan_in_fan_out= to choose."
+        )
+    return layouts.pop() if layouts else False
+
+
+def _module_prefix(weight_map: WeightMap) -> str:
+    """The map's first ``prefixes`` entry: the names of the model class that saves the
+    file with it (``GPT2LMHeadModel``'s ``"transformer."``), which ``peft`` wraps."""
+    return weight_map.prefixes[0] if weight_map.prefixes else ""
+
+
 def _groups(
     kernels: Mapping[str, tuple[int, ...]], weight_map: WeightMap, fan_in_fan_out: bool
 ) -> dict[str, list[tuple[str, _Place]]]:
@@ -171,8 +222,8 @@ def peft_adapter(
     rank: int,
     alpha: float,
     dropout: float = 0.0,
-    fan_in_fan_out: bool = False,
-    module_prefix: str = "",
+    fan_in_fan_out: bool | None = None,
+    module_prefix: str | None = None,
     base_model_name_or_path: str | None = None,
     task_type: str = "CAUSAL_LM",
 ) -> PeftAdapter:
@@ -186,12 +237,17 @@ def peft_adapter(
       weight_map: the map the base loads and exports through.
       rank, alpha, dropout: the adapters' (``lora_alpha = alpha``).
       fan_in_fan_out: the file stores ``[in, out]`` (GPT-2's ``Conv1D``); else
-        ``[out, in]`` (``nn.Linear``).
+        ``[out, in]`` (``nn.Linear``); ``None``: read from the map (``file_layout``).
       module_prefix: put before the file's names to make the module names of the
-        model ``peft`` wraps (``"transformer."`` for ``GPT2LMHeadModel``).
+        model ``peft`` wraps (``"transformer."`` for ``GPT2LMHeadModel``); ``None``: the
+        map's first ``prefixes`` entry (``gpt2_weight_map``'s ``"transformer."``), else none.
       base_model_name_or_path, task_type: written to the config for ``peft``.
     """
     shapes = {p: (*np.shape(pair[0])[:-1], np.shape(pair[1])[-1]) for p, pair in adapters.items()}
+    if fan_in_fan_out is None:
+        fan_in_fan_out = file_layout(weight_map, shapes)
+    if module_prefix is None:
+        module_prefix = _module_prefix(weight_map)
     tensors: dict[str, np.ndarray] = {}
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
@@ -241,16 +297,21 @@ def adapter_arrays(
     *,
     rank: int,
     alpha: float,
-    module_prefix: str = "",
+    module_prefix: str | None = None,
 ) -> dict[str, LoraPair]:
     """The library's adapters (``peft_adapter`` read backwards) for ``kernels`` (kernel
     path -> its shape) of rank ``rank`` and scale ``alpha / rank``. A module adapted by
-    PEFT itself (rank ``r`` for a fused ``c_attn``) gives each kernel a copy of its A."""
+    PEFT itself (rank ``r`` for a fused ``c_attn``) gives each kernel a copy of its A.
+    ``module_prefix``: put before the file's names to make the adapter's module names;
+    ``None``: each name looked up as it is, then with each of the map's ``prefixes``
+    (an adapter of ``GPT2LMHeadModel`` and one of ``GPT2Model`` alike)."""
     fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out", False))
     known = set(adapter.modules())
+    prefixes = ("", *weight_map.prefixes) if module_prefix is None else (module_prefix,)
     out: dict[str, list[np.ndarray]] = {}
     for module, places in _groups(kernels, weight_map, fan_in_fan_out).items():
-        name = module_prefix + module
+        names = [p + module for p in prefixes]
+        name = next((n for n in names if n in known), names[-1])
         if name not in known:
             raise ValueError(
                 f"{name}: no LoRA module of that name in the adapter ({sorted(known)[:4]})."
