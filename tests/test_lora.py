@@ -318,3 +318,31 @@ def test_the_plan_report_counts_the_adapters_optimizer_bytes_and_full_fine_tunin
     assert "trainable: 512 parameters" in text and "2 copies of each trainable" in text
     assert "full fine-tuning would hold about" in text
     assert "trainable:" not in str(whole)  # a run where everything trains: as before
+
+
+def test_weights_merged_params_folds_any_adapted_kernel_as_merge_does():
+    """``weights.merged_params`` folds ``nn.lora``'s layers through ``lora.merge`` (on a
+    copy): GPT's ``[d, heads, head_dim]`` query kernels too (a plain ``a @ b`` cannot), at
+    each layer's own ``alpha / rank`` unless a ``scale`` is given; the model is unchanged."""
+    from nnx_spmd_trainer import weights
+
+    with nnx.use_eager_sharding(False):
+        model = dense(nnx.Rngs(0))
+        lora.apply(model, LoRA(rank=2, alpha=6.0, targets=r".*mha/query"), rngs=nnx.Rngs(1))
+    query = model.blocks[0].mha.query
+    query.lora_b.set_value(jax.random.normal(jax.random.key(2), query.lora_b.shape))
+    w, a, b = (np.asarray(v[...]) for v in (query.kernel, query.lora_a, query.lora_b))
+    want = w + 3.0 * np.tensordot(a, b, axes=1)  # alpha / rank = 3, by hand
+
+    merged = weights.merged_params(model)
+    np.testing.assert_allclose(merged["blocks/0/mha/query/kernel"], want, rtol=1e-6, atol=1e-6)
+    assert not any(k.endswith(("lora_a", "lora_b")) for k in merged)
+    folded = lora.merge(nnx.clone(model))
+    flat = {"/".join(map(str, p)): v.get_value() for p, v in
+            nnx.to_flat_state(nnx.state(folded, nnx.Param))}  # fmt: skip
+    assert merged.keys() == flat.keys()
+    for key, value in flat.items():
+        np.testing.assert_array_equal(merged[key], value, err_msg=key)
+    given = weights.merged_params(model, scale=1.0)["blocks/0/mha/query/kernel"]
+    np.testing.assert_allclose(given, w + np.tensordot(a, b, axes=1), rtol=1e-6, atol=1e-6)
+    assert lora.adapted_layers(model) and query.lora_scale == 3.0  # the model untouched

@@ -7,7 +7,9 @@ An adapted layer at path ``X`` holds ``X/lora_a`` ``[in, r]`` and ``X/lora_b`` `
 wrapper); its output is ``base(x) + scale * x @ lora_a @ lora_b``. Only the adapters'
 state is read, so any layer laid out so is found. The merged model is the plain one:
 each such kernel ``W + scale * lora_a @ lora_b`` under the base's own path, which the
-base's ``WeightMap`` writes (``save_safetensors``) and the plain model loads.
+base's ``WeightMap`` writes (``save_safetensors``) and the plain model loads. The
+folding of ``nn.lora``'s layers is ``nn.lora.merge`` (on a copy: any kernel shape, a
+stacked or an ``Einsum`` one); only Flax's wrapper is folded here.
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_spmd_trainer.nn import lora as nn_lora
 from nnx_spmd_trainer.sharding import path_str
 
 __all__ = ["lora_pairs", "merged_params"]
@@ -53,22 +56,30 @@ def lora_pairs(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
     return {path_str((*path, "kernel")): pair for path, pair in _owners(model).items()}
 
 
-def merged_params(model: nnx.Module, *, scale: float = 1.0) -> dict[str, jax.Array]:
+def merged_params(model: nnx.Module, *, scale: float | None = None) -> dict[str, jax.Array]:
     """The plain model's parameters, flat by path: every ``nnx.Param`` but the adapters,
     an ``nnx.LoRA`` wrapper's base under the wrapper's own path, each adapted kernel
     ``W + scale * lora_a @ lora_b`` (in float32, cast back to the kernel's dtype).
     ``scale``: what the adapters' product is multiplied by in the forward pass
-    (``alpha / rank``; 1 for Flax's ``nnx.LoRA``). ``weights.save_safetensors`` writes it
+    (``alpha / rank``); ``None``: each ``nn.lora`` layer's own (``LoRA.scale``) and 1 for
+    Flax's ``nnx.LoRA``, which has none. ``model`` is unchanged: ``nn.lora``'s layers are
+    folded by ``nn.lora.merge`` on a copy. ``weights.save_safetensors`` writes the result
     through the base's map."""
-    owners = _owners(model)
+    plain = nnx.clone(model)  # new Variables over the same arrays: nothing is copied
+    if scale is not None:
+        for layer in nn_lora.adapted_layers(plain).values():
+            layer.lora_scale = scale
+    plain = nn_lora.merge(plain)  # left: Flax's nnx.LoRA wrappers' adapters
+    owners = _owners(plain)
+    wrapper_scale = 1.0 if scale is None else scale
     out: dict[str, jax.Array] = {}
-    for path, value in _flat(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).items():
+    for path, value in _flat(plain, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).items():
         owner = path[:-2] if len(path) >= 2 and path[-2] == _BASE else path[:-1]
         if owner in owners:
             path = (*owner, path[-1])
             if path[-1] == "kernel":
                 a, b = owners[owner]
                 delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
-                value = (value.astype(jnp.float32) + scale * delta).astype(value.dtype)
+                value = (value.astype(jnp.float32) + wrapper_scale * delta).astype(value.dtype)
         out[path_str(path)] = value
     return out
