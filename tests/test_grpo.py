@@ -229,3 +229,41 @@ def test_a_reward_that_cannot_be_imported_is_refused():
     with pytest.raises(RewardError, match="name it as module:function"):
         load_reward("math.fsum")
     assert load_reward("math:fsum") is __import__("math").fsum
+
+
+def test_with_lora_the_reference_is_the_base_itself_with_no_copy():
+    """LoRA adapters the only trained weights: the reference is the policy's own base with
+    its adapters switched off. After two updates moved the adapters, its log-probabilities
+    equal (1e-5) those of the same model built without LoRA, untrained, and differ from
+    the adapted policy's; it holds no weights of its own."""
+    from nnx_spmd_trainer import LoRA
+
+    adapted = Rollouts(
+        make_model,
+        optax.sgd(LR),
+        prompts=ROWS,
+        reward_fn=target_share,
+        group_size=GROUP,
+        max_new_tokens=NEW,
+        beta=BETA,
+        num_iterations=MU,
+        lora=LoRA(rank=4, alpha=8.0, targets=r".*mha/(query|value)"),
+    )
+    adapted.fit(BATCHES[:1], max_steps=MU)
+    assert adapted.reference.adapters_off and adapted.reference.bytes_per_device() == 0
+    plain = trainer_for()  # the same seed: the same base weights, no adapters
+    base = nnx.to_pure_dict(nnx.state(plain.model, nnx.Param))
+    adapted_base = nnx.to_pure_dict(
+        nnx.state(adapted.model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    )
+    for leaf, expected in zip(jax.tree.leaves(adapted_base), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected))  # never trained
+    host = adapted.rollouts[0]
+    with jax.set_mesh(adapted.mesh):
+        reference = np.asarray(adapted.reference_logps(adapted.placement.place(host)))
+    one_device = {k: jnp.asarray(v) for k, v in host.items()}
+    untrained = np.asarray(plain.policy_logps(plain.model, one_device))
+    policy = np.asarray(adapted.policy_logps(adapted.model, one_device))
+    weights = host["weights"] > 0
+    np.testing.assert_allclose(reference[weights], untrained[weights], atol=1e-5)
+    assert np.abs(policy[weights] - untrained[weights]).max() > 1e-4  # the adapters moved

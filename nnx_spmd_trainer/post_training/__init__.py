@@ -27,7 +27,7 @@ from nnx_spmd_trainer.post_training.preference_data import (
     preference_batches,
     read_preferences,
 )
-from nnx_spmd_trainer.post_training.reference import ReferenceModel
+from nnx_spmd_trainer.post_training.reference import ReferenceModel, base_is_reference
 from nnx_spmd_trainer.post_training.rewards import (
     RewardError,
     RewardFn,
@@ -56,6 +56,7 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "WeightedTokens",
+    "base_is_reference",
     "dpo_loss",
     "encode_chat_pair",
     "encode_text_pair",

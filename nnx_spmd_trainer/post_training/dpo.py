@@ -22,7 +22,7 @@ from flax import nnx, struct
 
 from nnx_spmd_trainer.planner.auto import Choice
 from nnx_spmd_trainer.post_training import dpo_loss
-from nnx_spmd_trainer.post_training.reference import ReferenceModel
+from nnx_spmd_trainer.post_training.reference import ReferenceModel, base_is_reference
 from nnx_spmd_trainer.trainer import Trainer
 
 #: ``(model, inputs) -> logits [rows, seq, vocab]``: how the policy is called on tokens.
@@ -130,10 +130,7 @@ class DPOTrainer(Trainer):
     def reference_is_base(self) -> bool:
         """Whether the reference is the policy's own base: the trainer has LoRA adapters
         (``lora=``) and trains nothing else, so its base weights are the starting model's."""
-        if getattr(self.plan, "lora", None) is None:
-            return False
-        others = nnx.state(self.model, nnx.All(self.plan.wrt, nnx.Not(nnx.LoRAParam)))
-        return not jax.tree.leaves(others)
+        return base_is_reference(self)
 
     def choose_layout(self, batches: Iterable[Any]) -> Choice:
         """``strategy="auto"`` (``Trainer.choose_layout``): the layouts are timed on the

@@ -226,27 +226,39 @@ class GRPOTrainer(Trainer):
         return placed
 
     # -- the reference model ---------------------------------------------------------------
+    @property
+    def reference(self) -> Any:
+        """The frozen reference model (``ReferenceModel``), built the first time asked: a
+        copy of the starting model, or, with LoRA adapters the only trained weights, the
+        policy's own base with its adapters switched off (``bytes_per_device() == 0``)."""
+        if self._reference is None:
+            from nnx_spmd_trainer.post_training.reference import (
+                ReferenceModel,
+                base_is_reference,
+            )
+
+            self._reference = ReferenceModel(
+                self, lambda model, b, side: b, adapters_off=base_is_reference(self)
+            )
+        return self._reference
+
     def reference_logps(self, batch: Any) -> jax.Array:
         """``[rows, seq]``: the reference model's log-probability of each target, laid out
         as the batch's rows; one compiled program per batch shape."""
-        if self._reference is None:
-            from nnx_spmd_trainer.post_training.reference import ReferenceModel
-
-            self._reference = ReferenceModel(self, lambda model, b, side: b)
-        reference = self._reference
+        reference = self.reference
         key = tuple((k, v.shape) for k, v in sorted(batch.items()))
         if key not in self._reference_programs:
             self._reference_programs[key] = self._compile_reference(batch)
         return self._reference_programs[key](reference.state, batch)  # type: ignore[no-any-return]
 
     def _compile_reference(self, batch: Any) -> Callable[..., Any]:
-        plan, graphdef, logps = self.plan, self._reference.graphdef, self.policy_logps
+        plan, reference, logps = self.plan, self._reference, self.policy_logps
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
         batch_shardings = plan.batch_shardings(abstract)
 
         def program(state: nnx.State, batch: Any) -> jax.Array:
-            with plan.trace_context(batch_shardings):
-                return logps(nnx.merge(graphdef, state), batch)
+            with plan.trace_context(batch_shardings), reference.traced(state) as model:
+                return logps(model, batch)
 
         return plan.compile_program(
             program,

@@ -16,7 +16,7 @@ and its program reads the live model's arrays with the adapters switched off
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -27,6 +27,16 @@ from nnx_spmd_trainer.nn import lora
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
+
+
+def base_is_reference(trainer: Trainer) -> bool:
+    """Whether ``trainer``'s own frozen base can be its reference: it has LoRA adapters
+    (``lora=``) and trains nothing else, so its base weights are the starting model's
+    (``ReferenceModel(..., adapters_off=True)``: no second copy)."""
+    if getattr(trainer.plan, "lora", None) is None:
+        return False
+    others = nnx.state(trainer.model, nnx.All(trainer.plan.wrt, nnx.Not(nnx.LoRAParam)))
+    return not jax.tree.leaves(others)
 
 
 class ReferenceModel:
@@ -105,18 +115,26 @@ class ReferenceModel:
         program = self._programs[key]
         return program(self.state, batch)  # type: ignore[no-any-return]
 
-    def _compile(self, abstract: Any) -> Callable[..., Any]:
-        plan, graphdef, side_logps = self._plan, self.graphdef, self._side_logps
+    @contextlib.contextmanager
+    def traced(self, state: nnx.State) -> Iterator[nnx.Module]:
+        """Inside a traced program: the reference as a module merged from ``state``, in
+        eval mode (the live model's mode stays the user's), with its adapters switched
+        off while the block runs when ``adapters_off`` (read where the layers run)."""
         switch = lora.adapters_off if self.adapters_off else contextlib.nullcontext
+        with switch():
+            model = nnx.merge(self.graphdef, state)
+            model.eval()  # no dropout in the reference's log-probabilities
+            yield model
+
+    def _compile(self, abstract: Any) -> Callable[..., Any]:
+        plan, side_logps = self._plan, self._side_logps
         rows = jax.tree.leaves(abstract)[0].shape[0]
         out = {k: jax.ShapeDtypeStruct((rows,), np.float32) for k in self.KEYS}
         batch_shardings = plan.batch_shardings(abstract)
         out_shardings = {k: plan.batch_shardings({**abstract, **out})[k] for k in self.KEYS}
 
         def program(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
-            with plan.trace_context(batch_shardings), switch():
-                model = nnx.merge(graphdef, state)
-                model.eval()  # the traced copy's mode: the live model's stays the user's
+            with plan.trace_context(batch_shardings), self.traced(state) as model:
                 chosen = side_logps(model, batch, "chosen")
                 rejected = side_logps(model, batch, "rejected")
             return dict(zip(self.KEYS, (chosen, rejected), strict=True))
