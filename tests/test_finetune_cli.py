@@ -76,21 +76,22 @@ def test_export_writes_the_adapters_as_peft_and_the_merged_weights(tmp_path):
     )
 
 
-def test_config_lora_makes_a_lora_run_never_a_whole_model_one(tmp_path):
-    """``--config.lora.rank`` reaches the Trainer as ``lora=LoRA(...)``; where the library
-    has no LoRA, the run is refused naming the key (it never trains the whole model)."""
-    import nnx_spmd_trainer
+@pytest.mark.parametrize(
+    ("name", "attention"),
+    [("gpt2_hf", r".*attn/(q|k|v)"), ("default", r".*mha/(query|key|value)")],
+)
+def test_config_lora_makes_a_lora_run_never_a_whole_model_one(tmp_path, name, attention):
+    """``--config.lora.rank`` reaches the Trainer as ``lora=LoRA(...)``; the default
+    targets (``config.lora.targets=""``) are the attention's q, k and v in GPT-2's layer
+    names and in the shipped GPT's."""
+    import re
 
-    config = shrink(load("gpt2_hf"))
+    from nnx_spmd_trainer.nn import lora
+
+    config = shrink(load(name))
     config.update(max_steps=2)
     config.lora.rank = 2
-    if getattr(nnx_spmd_trainer, "LoRA", None) is None:
-        with pytest.raises(tasks.ConfigError, match=r"config\.lora\.rank=2: .* no LoRA"):
-            job.run(config, tmp_path / "run", export_format="peft")
-        assert not (tmp_path / "run").exists()
-        return
-    from flax import nnx
-
-    result = job.run(config, tmp_path / "run", export_format="peft")
-    adapters = nnx.state(result.trainer.model, nnx.LoRAParam)
-    assert any("attn" in "/".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters))
+    export = "peft" if name == "gpt2_hf" else "orbax"
+    result = job.run(config, tmp_path / "run", export_format=export)
+    adapted = sorted(lora.adapted_layers(result.trainer.model))
+    assert len(adapted) == 3 and all(re.fullmatch(attention, path) for path in adapted), adapted

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from nnx_spmd_trainer import Trainer, export_params, weights
+from nnx_spmd_trainer import LoRA, Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
@@ -31,8 +31,9 @@ def lora_rank(config: ml_collections.ConfigDict) -> int:
     return int(lora.get("rank", 0) or 0) if lora is not None else 0
 
 
-#: ``config.lora.targets=""``: the attention's q, k and v (PEFT's ``c_attn`` for GPT-2).
-DEFAULT_LORA_TARGETS = r".*attn/(q|k|v)"
+#: ``config.lora.targets=""``: the attention's q, k and v, by GPT-2's layer names (PEFT's
+#: ``c_attn``) and by the shipped GPT's (``mha/query``...).
+DEFAULT_LORA_TARGETS = r".*attn/(q|k|v)|.*mha/(query|key|value)"
 
 
 def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -42,18 +43,10 @@ def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     rank = lora_rank(config)
     if not rank:
         return {}
-    import nnx_spmd_trainer
-
-    lora_class = getattr(nnx_spmd_trainer, "LoRA", None)  # the core's, once it exports it
-    if lora_class is None:
-        raise tasks.ConfigError(
-            f"config.lora.rank={rank}: this build of nnx_spmd_trainer has no LoRA; "
-            "pass --config.lora.rank=0 to fine-tune the whole model."
-        )
     lora = config.lora
     try:
         return {
-            "lora": lora_class(
+            "lora": LoRA(
                 rank=rank,
                 alpha=float(lora.get("alpha", rank)),
                 targets=lora.get("targets", "") or DEFAULT_LORA_TARGETS,
