@@ -261,14 +261,11 @@ def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.P
     return weights.Pretrained(path, task.weight_map)
 
 
-def _train(
-    config: ml_collections.ConfigDict,
-    workdir: Path,
-    trainer: Trainer,
-    splits: datasets.Splits,
-    started: str,
-) -> RunResult:
-    """The writing part of ``run``, with everything checked: trains, evaluates, reports."""
+def prepare_workdir(
+    config: ml_collections.ConfigDict, workdir: Path, splits: datasets.Splits
+) -> None:
+    """The first writes of a checked run: the workdir, its ``config.json`` and tokenizer
+    (process 0), and, unless resuming, an earlier run's checkpoints set aside."""
     if jax.process_index() == 0:
         with blamed_on(f"--workdir={workdir} is not writable", OSError):
             workdir.mkdir(parents=True, exist_ok=True)
@@ -278,6 +275,17 @@ def _train(
         set_old_checkpoints_aside(workdir)
         if jax.process_count() > 1:  # the others look for checkpoints only after the move
             multihost_utils.sync_global_devices("old checkpoints set aside")
+
+
+def _train(
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    trainer: Trainer,
+    splits: datasets.Splits,
+    started: str,
+) -> RunResult:
+    """The writing part of ``run``, with everything checked: trains, evaluates, reports."""
+    prepare_workdir(config, workdir, splits)
     say(started)
     cache_before = compile_cache.cache_counts()
     with warnings.catch_warnings():  # a finished run run again: said in words below

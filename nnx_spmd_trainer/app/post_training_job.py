@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import ml_collections
-from jax.experimental import multihost_utils
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
@@ -38,7 +37,6 @@ from nnx_spmd_trainer.app.job_export import check_export_format
 from nnx_spmd_trainer.app.job_lines import goodput_line, preempted_line
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
-    set_old_checkpoints_aside,
     workdir_lock,
 )
 from nnx_spmd_trainer.planner import compile_cache
@@ -218,15 +216,7 @@ def _train(
     spec: str,
 ) -> Any:
     """The writing part of ``run``: the record, the tokenizer, the fit, the final lines."""
-    if jax.process_index() == 0:
-        with blamed_on(f"--workdir={workdir} is not writable", OSError):
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-            datasets.from_config.save_run_tokenizer(splits, workdir)
-    if not config.resume:
-        set_old_checkpoints_aside(workdir)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("old checkpoints set aside")
+    job.prepare_workdir(config, workdir, splits)
     say(
         f"{name} on {config.model}: {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} (strategy {spec!r}), {config.max_steps} steps of "
