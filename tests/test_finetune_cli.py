@@ -26,6 +26,27 @@ def test_a_lora_export_without_lora_is_refused_in_one_line_with_nothing_written(
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (  # a typo: the closest layer paths are named
+            ("--config.lora.targets=blocks/0/mha/qery",),
+            "LoRA(targets='blocks/0/mha/qery') matches no Linear, LinearGeneral or Einsum "
+            "layer (0 other module(s)); the closest layer paths: blocks/0/mha/query",
+        ),
+        (("--config.lora.rank=1000",), "give a rank <= 32 or leave it out of targets"),
+    ],
+    ids=["targets-match-no-layer", "rank-above-the-dimensions"],
+)
+def test_bad_lora_settings_are_refused_in_one_line_with_nothing_written(tmp_path, flags, message):
+    small = ("--config.gpt.embed_dim=32", "--config.gpt.num_heads=2", "--config.gpt.ff_dim=64")
+    proc = _cli(
+        "--config.lora.rank=2", *small, *flags, f"--workdir={tmp_path / 'run'}", cwd=tmp_path
+    )
+    assert_refused(proc, message)
+    assert not (tmp_path / "run").exists()
+
+
 def test_job_refuses_a_lora_export_of_a_run_without_adapters(tmp_path):
     config = shrink(load("gpt2_hf"))
     with pytest.raises(tasks.ConfigError, match=r"--export_format=peft: .*config\.lora\.rank=0"):
