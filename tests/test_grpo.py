@@ -69,7 +69,7 @@ class Rollouts(GRPOTrainer):
         return batch
 
 
-def trainer_for(callbacks=(), beta=BETA) -> Rollouts:
+def trainer_for(callbacks=(), beta=BETA, **options) -> Rollouts:
     return Rollouts(
         make_model,
         optax.sgd(LR),
@@ -82,6 +82,7 @@ def trainer_for(callbacks=(), beta=BETA) -> Rollouts:
         num_iterations=MU,
         log_every_n_steps=MU,
         callbacks=callbacks,
+        **options,
     )
 
 
@@ -238,17 +239,7 @@ def test_with_lora_the_reference_is_the_base_itself_with_no_copy():
     the adapted policy's; it holds no weights of its own."""
     from nnx_spmd_trainer import LoRA
 
-    adapted = Rollouts(
-        make_model,
-        optax.sgd(LR),
-        prompts=ROWS,
-        reward_fn=target_share,
-        group_size=GROUP,
-        max_new_tokens=NEW,
-        beta=BETA,
-        num_iterations=MU,
-        lora=LoRA(rank=4, alpha=8.0, targets=r".*mha/(query|value)"),
-    )
+    adapted = trainer_for(lora=LoRA(rank=4, alpha=8.0, targets=r".*mha/(query|value)"))
     adapted.fit(BATCHES[:1], max_steps=MU)
     assert adapted.reference.adapters_off and adapted.reference.bytes_per_device() == 0
     plain = trainer_for()  # the same seed: the same base weights, no adapters
