@@ -25,6 +25,7 @@ the module of its job and is re-exported here. The core imports from the homes:
   ``chat_documents``, ``ChatDocument``, ``ChatCounts``, ``ChatError``, ``CHATML_TEMPLATE``,
   ``CHATML_TOKENS``: conversations to ids and per-token loss weights
   (docs/topics/chat.md).
+- ``jsonl.py``: JSONL rows with their ``FILE:LINE`` (the chat, preference and prompt readers).
 
 The rest is internal (``position.seek`` and ``DataPosition``: a resumed run's data), a line
 each:

@@ -41,7 +41,6 @@ aligned with ``targets``, which the loss multiplies in (docs/topics/chat.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -50,6 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from nnx_spmd_trainer.data.jsonl import jsonl_rows
 from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
 __all__ = [
@@ -302,32 +302,24 @@ def read_conversations(path: str | os.PathLike[str]) -> list[tuple[str, Messages
     are skipped. Roles are checked against a template by ``chat_documents``.
     """
     conversations = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            where = f"{os.fspath(path)}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ChatError(f"{where} is not a JSON object ({error}).") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list):
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+    for where, row in jsonl_rows(path, ChatError):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list):
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ChatError(
+                f"{where} has no 'messages' list (it has {keys}); each row must be "
+                '{"messages": [{"role": ..., "content": ...}, ...]}.'
+            )
+        for message in messages:
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise ChatError(
-                    f"{where} has no 'messages' list (it has {keys}); each row must be "
-                    '{"messages": [{"role": ..., "content": ...}, ...]}.'
+                    f"{where}: the message {message!r} needs a string 'role' and 'content'."
                 )
-            for message in messages:
-                if not (
-                    isinstance(message, dict)
-                    and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)
-                ):
-                    raise ChatError(
-                        f"{where}: the message {message!r} needs a string 'role' and 'content'."
-                    )
-            conversations.append((where, messages))
+        conversations.append((where, messages))
     return conversations
 
 

@@ -27,14 +27,14 @@ completion's assistant tokens only (its content and end-of-turn token, as
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+from nnx_spmd_trainer.data.jsonl import jsonl_rows
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.chat import ChatTokenizer
@@ -144,19 +144,11 @@ def read_preferences(path: str | os.PathLike[str]) -> PreferenceRows:
     naming the line of a row that is not JSON or lacks a key."""
     rows: list[dict[str, Any]] = []
     identical = 0
-    with Path(path).open(encoding="utf-8") as lines:
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise PreferenceError(f"{where}: not a JSON object ({error.msg}).") from None
-            if check_row(row, where):
-                rows.append(row)
-            else:
-                identical += 1
+    for where, row in jsonl_rows(path, PreferenceError):
+        if check_row(row, where):
+            rows.append(row)
+        else:
+            identical += 1
     if not rows:
         raise PreferenceError(f"{path}: no usable preference pair; give rows that differ.")
     return PreferenceRows(rows, identical)

@@ -6,12 +6,13 @@ the training batch (prompt + completion, right padded, weights on the completion
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nnx_spmd_trainer.data.jsonl import jsonl_rows
 
 __all__ = ["PromptRows", "prompt_batches", "read_prompts", "rollout_batch"]
 
@@ -44,15 +45,9 @@ def read_prompts(path: str | Path) -> PromptRows:
     """The rows of a JSONL file of ``{"prompt": ..., <fields>}``; a line that is not a JSON
     object is a ``ValueError`` naming its line."""
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error.msg}).") from error
+    for where, row in jsonl_rows(path):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: a row must be a JSON object with 'prompt'.")
+            raise ValueError(f"{where}: a row must be a JSON object with 'prompt'.")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no prompt rows.")
