@@ -36,11 +36,9 @@ from flax import nnx, struct
 from nnx_spmd_trainer.generate import Sampler
 from nnx_spmd_trainer.generate.sampler import TextCodec
 from nnx_spmd_trainer.post_training import grpo_loss, rewards
+from nnx_spmd_trainer.post_training.dpo import LogitsFn, default_logits
 from nnx_spmd_trainer.post_training.rollout import PromptRows, rollout_batch
 from nnx_spmd_trainer.trainer import Trainer
-
-#: ``(model, inputs) -> logits [rows, seq, vocab]``: how the policy is called on tokens.
-LogitsFn = Callable[[nnx.Module, jax.Array], jax.Array]
 
 
 @struct.dataclass
@@ -56,11 +54,6 @@ class GRPOMetrics(clu_metrics.Collection):
     kl: clu_metrics.Average.from_output("kl")  # type: ignore[valid-type]
     completion_length: clu_metrics.Average.from_output("completion_length")  # type: ignore[valid-type]
     sampler_gap: clu_metrics.Average.from_output("sampler_gap")  # type: ignore[valid-type]
-
-
-def default_logits(model: nnx.Module, inputs: jax.Array) -> jax.Array:
-    """``model(inputs)``: a language model called on token ids returns its logits."""
-    return model(inputs)  # type: ignore[no-any-return]
 
 
 def rollout_seed(seed: int, step: int) -> int:
