@@ -12,4 +12,3 @@ def say(line: str) -> None:
     """A line of the run's report, from process 0 only."""
     if jax.process_index() == 0:
         tqdm.write(line, file=sys.stdout)  # does not tear a progress bar on a terminal
-

@@ -85,7 +85,6 @@ def check_workdir_writable(workdir: Path) -> None:
             )
 
 
-
 @contextlib.contextmanager
 def workdir_lock(workdir: Path) -> Iterator[None]:
     """Process 0 holds the workdir's ``RunLock`` for the run: a second run there is refused."""

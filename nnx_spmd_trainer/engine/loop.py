@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -238,9 +239,10 @@ class Loop:
             run.start = None
         # A one-shot iterator with no position cannot be set back after running ahead.
         ahead = placement.prefetch if iterator is not train_data or has_position(iterator) else 0
+        divisor = self.trainer.plan.grad_accum_steps
         batches = Prefetch(
             iterator,
-            lambda b: placement.place(b, divisor=self.trainer.plan.grad_accum_steps),
+            lambda b: placement.place(b, divisor=divisor),
             ahead,
             waiting=lambda: run.timings.waiting_for_data(placement.in_flight.running),
             explain=lambda host, error: batch_mismatch(
@@ -264,30 +266,31 @@ class Loop:
         eval_every_n_steps: int | None,
     ) -> None:
         run, timings, callbacks = self.run, self.run.timings, self.trainer.callbacks
-        schedule, seconds = run.schedule, timings.seconds
-        before = dict(seconds)  # each record's timings: the parts' growth since then
+        schedule, seconds, progress = run.schedule, timings.seconds, run.progress
+        stepping = timings.timing("step")  # one timer, entered once a step
+        # Each record's timings are the parts' growth since the record before.
+        waited, compiled, stepped = seconds["data_wait"], seconds["compile"], seconds["step"]
         for host, batch in batches:
-            run.progress.batches_in_epoch += 1
+            progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
             callbacks.on_train_batch_begin(run.step, {})
-            with timings.timing("step"):
+            with stepping:
                 loss, shapes = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
+            step = run.step
             run.last_step = record = StepRecord(
-                run.step,
+                step,
                 loss,
                 shapes,
-                data_wait_s=seconds["data_wait"] - before["data_wait"],
-                compile_s=seconds["compile"] - before["compile"],
-                step_s=seconds["step"] - before["step"],
+                data_wait_s=seconds["data_wait"] - waited,
+                compile_s=seconds["compile"] - compiled,
+                step_s=seconds["step"] - stepped,
             )
+            waited, compiled, stepped = seconds["data_wait"], seconds["compile"], seconds["step"]
             callbacks.hand_record(record, batch)
-            before = dict(seconds)
             logs = (
-                run.metric_log.flush(run.progress.epoch, timings)
-                if schedule.is_log_step(run.step)
-                else {}
+                run.metric_log.flush(progress.epoch, timings) if schedule.is_log_step(step) else {}
             )
-            callbacks.on_train_batch_end(run.step, logs)
+            callbacks.on_train_batch_end(step, logs)
             if eval_every_n_steps and run.step % eval_every_n_steps == 0:
                 assert eval_data is not None
                 self.evaluate(eval_data)
@@ -342,7 +345,7 @@ class Loop:
         last = self._last_train_step
         # By identity: equal but new objects (a graph re-read at a fit's start) compare
         # slowly (a graph field by field), so they miss once and are remembered instead.
-        if last is not None and all(a is b for a, b in zip(last[0], asked, strict=True)):
+        if last is not None and all(map(operator.is_, last[0], asked)):
             return last[1]
         step = self.cached_step("train", batch, norms=norms)
         self._last_train_step = (asked, step._replace(new=False))

@@ -290,7 +290,8 @@ class MetricLog:
         if logs:
             logs.update({f"train/{k}": float(v) for k, v in jax.device_get(self.norms).items()})
             logs.update(perf.read(), epoch=float(epoch))
-        self.reset("train")
+        if self.train_steps:  # else still empty: fit's final flush after an epoch's costs no
+            self.reset("train")  # second dispatch of a fresh collection
         return logs
 
     # -- the 0.1 names of what is now the run's or the trainer's setting -------------------
