@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.profiler import TraceAnnotation
 
+from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.generate.programs import DecodePrograms
 from nnx_spmd_trainer.generate.sampling import Sampling
 from nnx_spmd_trainer.planner.plan import Plan
@@ -132,6 +133,9 @@ class Sampler:
 
         sampler = Sampler(trainer.model, trainer.plan)
         sampler.generate([[1, 2, 3]], max_new_tokens=4).tokens  # greedy: [[...4 ids]]
+
+    With several processes, every process makes the same ``generate`` calls (the programs
+    run on the whole mesh) and gets every row back (each step's tokens are gathered).
     """
 
     def __init__(
@@ -267,7 +271,7 @@ class Sampler:
             )
             timing.prefill_seconds = time.perf_counter() - start
             out = _Rows(n, end_token, stop, self.tokenizer)
-            done = out.take(np.asarray(token), np.asarray(logp))
+            done = out.take(*gather_to_host((token, logp)))
         loop_start = time.perf_counter()
         with jax.set_mesh(programs.plan.mesh):
             for step in range(1, max_new_tokens):
@@ -283,7 +287,7 @@ class Sampler:
                     )  # fmt: skip
                     timing.decode_seconds += time.perf_counter() - start
                     timing.decode_steps += 1
-                    done = out.take(np.asarray(token), np.asarray(logp))
+                    done = out.take(*gather_to_host((token, logp)))
         timing.decode_loop_seconds = time.perf_counter() - loop_start
         timing.decode_tokens = n * timing.decode_steps
         self.last_timing = timing

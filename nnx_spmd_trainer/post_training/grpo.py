@@ -8,10 +8,11 @@ trainer's ``PromptRows``: ``rollout.prompt_batches``). Before its step
 
 1. rollout: ``group_size`` completions of each prompt from the library's ``Sampler``
    on the training mesh, reading the live model's arrays (no copy, no second process),
-   each row's keys a function of ``(seed, step, row)`` (``rollout_seed``), so a resumed
-   run samples the same completions;
-2. the rewards (the user's ``reward_fn``: ``rewards``), normalised within each group into
-   advantages;
+   each row's keys a function of ``(seed, step, the prompt's rank in the batch)``
+   (``rollout_seed``, ``rollout.sampler_ranks``), so a resumed run, or one of another
+   process count, samples the same completions;
+2. the rewards (the user's ``reward_fn``: ``rewards``) of the rows this process feeds,
+   normalised within each group into advantages;
 3. reference: with ``beta > 0``, the frozen reference model's per-token log-probabilities
    (``ReferenceModel``'s copy, its own compiled program).
 
@@ -20,6 +21,11 @@ same function, in the same compiled program, as the loss reads them, and makes
 ``num_iterations`` updates on the rollout (``grpo_loss``): the ratio at the first update
 is 1 for every token (``train/ratio_deviation`` logs the largest ``abs(ratio - 1)``).
 The goodput line splits the time into ``rollout``, ``reference`` and ``step`` (learning).
+
+With several processes each feeds its rows of the prompt indices (its ``data_shard``,
+as any batch); every process reads the whole batch's indices (a few integers), samples
+every prompt, and keeps, scores and places only its own rows: the run trains as one
+process of the same devices does.
 """
 
 # No ``from __future__ import annotations``: clu reads GRPOMetrics' annotations as objects.
@@ -33,11 +39,17 @@ import optax
 from clu import metrics as clu_metrics
 from flax import nnx, struct
 
+from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.generate import Sampler
 from nnx_spmd_trainer.generate.sampler import TextCodec
 from nnx_spmd_trainer.post_training import grpo_loss, rewards
 from nnx_spmd_trainer.post_training.dpo import LogitsFn, default_logits
-from nnx_spmd_trainer.post_training.rollout import PromptRows, rollout_batch
+from nnx_spmd_trainer.post_training.rollout import (
+    PromptRows,
+    process_rows,
+    rollout_batch,
+    sampler_ranks,
+)
 from nnx_spmd_trainer.trainer import Trainer
 
 
@@ -128,7 +140,7 @@ class GRPOTrainer(Trainer):
         self.prompt_ids = [self._encode(p) for p in prompts.prompts]
         #: The training rows' length: the longest prompt and completion, less one.
         self.seq_len = max(len(p) for p in self.prompt_ids) + max_new_tokens - 1
-        #: The last rollout's rewards on the host (``[prompts * group_size]``).
+        #: The last rollout's rewards of this process's rows (``process_rows``), on the host.
         self.last_rewards: np.ndarray | None = None
         self._sampler: tuple[nnx.Module, Sampler] | None = None
         self._reference: Any = None
@@ -157,28 +169,41 @@ class GRPOTrainer(Trainer):
         return self._sampler[1]
 
     def rollout(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """The host batch of one rollout of prompt ``rows`` at the current step: tokens,
-        completion weights, rewards, advantages and the sampler's own log-probabilities."""
+        """This process's host batch of one rollout of prompt ``rows`` (the global batch's
+        indices, as placed) at the current step: tokens, completion weights, rewards,
+        advantages and the sampler's own log-probabilities.
+
+        Every process samples every prompt, in index order (``sampler_ranks``): the
+        sampler's programs run on the whole mesh, and a completion's keys, a function of
+        its place in the sampler's batch, are then the same whichever process feeds its
+        prompt and however the processes' rows interleave. Each process then keeps the
+        rows it feeds (``process_rows``), so the reward function sees only those.
+        """
         group = self.group_size
-        prompt_ids = [self.prompt_ids[int(r)] for r in rows for _ in range(group)]
-        seed = rollout_seed(self.plan.settings.seed, self.step)
-        out = self.sampler().generate(
-            prompt_ids,
+        ranks = sampler_ranks(rows)
+        in_order = np.sort(rows, kind="stable")
+        generated = self.sampler().generate(
+            [self.prompt_ids[int(r)] for r in in_order for _ in range(group)],
             max_new_tokens=self.max_new_tokens,
-            seed=seed,
+            seed=rollout_seed(self.plan.settings.seed, self.step),
             end_token=self.end_token,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
         )
-        batch = rollout_batch(prompt_ids, out.tokens, self.seq_len)
+        mine = process_rows(len(rows), self.placement.data_shard)
+        rows = rows[mine]
+        sampled = [rank * group + g for rank in ranks[mine] for g in range(group)]
+        prompt_ids = [self.prompt_ids[int(r)] for r in rows for _ in range(group)]
+        completions = [generated.tokens[i] for i in sampled]
+        batch = rollout_batch(prompt_ids, completions, self.seq_len)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         texts = (
-            ([self.prompts.prompts[int(r)] for r in rows for _ in range(group)], out.tokens)
+            ([self.prompts.prompts[int(r)] for r in rows for _ in range(group)], completions)
             if decode is None
             else (
                 [decode(p) for p in prompt_ids],
-                [decode(c) for c in out.tokens],
+                [decode(c) for c in completions],
             )
         )
         fields: dict[str, list[Any]] = {}
@@ -188,7 +213,8 @@ class GRPOTrainer(Trainer):
         scores = rewards.score(self.reward_fn, texts[0], texts[1], fields)
         self.last_rewards = scores
         sampler_logps = np.zeros_like(batch["weights"])
-        for r, (prompt, logps) in enumerate(zip(prompt_ids, out.log_probs, strict=True)):
+        for r, (prompt, i) in enumerate(zip(prompt_ids, sampled, strict=True)):
+            logps = generated.log_probs[i]
             start = len(prompt) - 1
             sampler_logps[r, start : start + len(logps)] = logps
         return {
@@ -208,7 +234,7 @@ class GRPOTrainer(Trainer):
         # learning's ("step"), not the rollout's.
         jax.block_until_ready(jax.tree.leaves(nnx.state(self.model)))
         with timings.timing("rollout"):
-            rows = np.asarray(jax.device_get(batch["row"]))
+            rows = gather_to_host(batch["row"])
             host = self.rollout(rows)
             placed = self.placement.place(host, divisor=self.plan.grad_accum_steps)
             jax.block_until_ready(placed)

@@ -13,8 +13,16 @@ from typing import Any
 import numpy as np
 
 from nnx_spmd_trainer.data.jsonl import jsonl_rows
+from nnx_spmd_trainer.data_shard import DataShard
 
-__all__ = ["PromptRows", "prompt_batches", "read_prompts", "rollout_batch"]
+__all__ = [
+    "PromptRows",
+    "process_rows",
+    "prompt_batches",
+    "read_prompts",
+    "rollout_batch",
+    "sampler_ranks",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +73,37 @@ def prompt_batches(rows: int, batch_size: int, steps: int, seed: int = 0) -> lis
         {"row": np.asarray(order[i * batch_size : (i + 1) * batch_size], np.int32)}
         for i in range(steps)
     ]
+
+
+def process_rows(rows: int, shard: DataShard) -> slice:
+    """The rows of a global batch of ``rows`` that the process ``shard`` names feeds: the
+    ``index``-th of ``count`` equal blocks, the order ``Placement.place`` lays its rows
+    out in (``count`` 1, as when a model axis spans the processes: every row).
+
+    >>> process_rows(8, DataShard(index=1, count=2)), process_rows(8, DataShard(0, 1))
+    (slice(4, 8, None), slice(0, 8, None))
+    """
+    if rows % shard.count:
+        raise ValueError(
+            f"{rows} prompts a batch do not split over {shard.count} processes; give a "
+            f"multiple of {shard.count}."
+        )
+    size = rows // shard.count
+    return slice(shard.index * size, (shard.index + 1) * size)
+
+
+def sampler_ranks(rows: np.ndarray) -> np.ndarray:
+    """Each prompt index's place in the sampler's batch: the indices in ascending order
+    (equal ones in their order in ``rows``). A completion's keys follow its place, so a
+    batch whose rows the processes fed interleaved samples as it does fed in one piece.
+
+    >>> sampler_ranks(np.array([7, 2, 9, 2])).tolist()
+    [2, 0, 3, 1]
+    """
+    order = np.argsort(rows, kind="stable")
+    ranks = np.empty(len(rows), np.int64)
+    ranks[order] = np.arange(len(rows))
+    return ranks
 
 
 def rollout_batch(
