@@ -85,11 +85,6 @@ def run(
             f"config.post_training={name!r}: must be one of {', '.join(map(repr, KINDS))} "
             "(start from --config=dpo or --config=grpo)."
         )
-    if name == "grpo" and jax.process_count() > 1:
-        raise tasks.ConfigError(
-            f"config.post_training='grpo' with {jax.process_count()} processes: GRPO reads "
-            "each rollout's prompt indices on one host; run it as one process for now."
-        )
     workdir = Path(workdir)
     notes: list[str] | None = [] if dry_run else None
     with refused_or_noted(notes, tasks.ConfigError):
