@@ -68,6 +68,7 @@ class EvalHarnessCallback(Callback):
         self.print_fn = print_fn
         self.scores: list[tuple[int, dict[str, float]]] = []
         self._model: Any = None
+        self._task_manager: Any = None
         self._evaluated_at: int | None = None
 
     def evaluate(self) -> dict[str, float]:
@@ -77,11 +78,12 @@ class EvalHarnessCallback(Callback):
 
         if self._model is None:
             self._model = self._harness_lm(self.trainer, self.tokenizer, **self.harness_options)
-        manager = TaskManager(include_path=self.include_path)
+        if self._task_manager is None:  # built once: it indexes every YAML lm_eval ships (~5 s)
+            self._task_manager = TaskManager(include_path=self.include_path)
         results = lm_eval.simple_evaluate(
             model=self._model,
             tasks=self.tasks,
-            task_manager=manager,
+            task_manager=self._task_manager,
             limit=self.limit,
             log_samples=False,
             verbosity="ERROR",
