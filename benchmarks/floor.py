@@ -88,20 +88,32 @@ def hand_written_loops(
     }
 
 
-def interleaved_rounds(
-    loops: dict[str, Callable[[], float]], rounds: int
-) -> dict[str, list[float]]:
+def interleaved_rounds(loops: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
     """Seconds per step of each loop in each round, after one untimed round (compiles and
-    first-call caches). The loops take turns every round, and the turn order rotates
-    from round to round so that no loop always runs first or after the same one."""
+    first-call caches).
+
+    A shared machine's speed drifts slowly: one loop's time swings by 40% over a minute,
+    and two runs a second apart are 0.9 correlated (2026-11-29, 2 cores). So each round
+    runs the loops forward and then backward (A B C C B A) and takes each loop's mean:
+    a drift that is linear over the round adds the same to every loop and cancels in
+    their ratio, whatever the order. The order also rotates from round to round. A loop
+    may return a tuple of timings (wall and CPU seconds): each is averaged."""
     for run in loops.values():
         run()
     names = list(loops)
-    times: dict[str, list[float]] = {name: [] for name in loops}
+    times: dict[str, list[Any]] = {name: [] for name in loops}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(loops[name]())
+        order = names[r % len(names) :] + names[: r % len(names)]
+        forward = {name: loops[name]() for name in order}
+        for name in reversed(order):
+            times[name].append(_mean_of_two(forward[name], loops[name]()))
     return times
+
+
+def _mean_of_two(a: Any, b: Any) -> Any:
+    if isinstance(a, tuple):
+        return tuple((x + y) / 2 for x, y in zip(a, b, strict=True))
+    return (a + b) / 2
 
 
 def interleaved(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """Trainer step time vs the floor (``floor.py``: the fastest hand-written loop), side by side.
 
     python benchmarks/trainer_overhead.py [--strategy dp|fsdp|hybrid] [--steps 150]
-        [--rounds 41] [--variants]
+        [--rounds 31] [--variants]
 
 All loops run the same model, optimizer, batches and layout. The machine is
-shared and noisy, so they are interleaved over several rounds, and the ratio is
-the median of the per-round ratios (loops run back to back share the moment's
-load), printed beside the ratio of medians. ``--variants`` also times the
+shared and its speed drifts, so they are interleaved over several rounds, each
+run forward then backward (``floor.interleaved_rounds``: a drift over the round
+cancels), and the ratio is the median of the per-round ratios, printed beside
+the ratio of medians. ``--variants`` also times the
 trainer with prefetching and donation each on and off: the measurement behind ``backend_defaults``.
 """
 
@@ -102,7 +103,7 @@ def timed(trainer: Trainer, data: list[dict]) -> Callable[[], float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="hybrid")
     parser.add_argument("--variants", action="store_true", help="prefetch and donation on/off")
     args = parser.parse_args()

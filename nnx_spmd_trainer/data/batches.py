@@ -26,13 +26,8 @@ def batch_kind(batch: Any, *extra: Any) -> tuple[Any, ...]:
     step, so it reads attributes and builds no dtype names (``str(dtype)`` alone costs
     microseconds a leaf)."""
     leaves, treedef = jax.tree.flatten(batch)
-    return (
-        treedef,
-        tuple(
-            (x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves
-        ),
-        *extra,
-    )
+    kinds = [(x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves]
+    return (treedef, tuple(kinds), *extra)
 
 
 def place_batch(batch: Any, shardings: Any, *, divisor: int = 1, data_shards: int = 1) -> Any:

@@ -271,9 +271,16 @@ class CallbackList:
         answers = (callback.layout_to_resume() for callback in self.callbacks)
         return next((layout for layout in answers if layout is not None), None)
 
+    def overrides(self, hook: str) -> bool:
+        """Whether any callback overrides ``hook``: the loop skips a per-step hook none does."""
+        return bool(self._bound[hook])
+
     def _call(self, hook: str, *args: Any) -> None:
+        bound = self._bound[hook]
+        if not bound:  # most hooks of most steps: no callback overrides them
+            return
         timing = self.trainer.run.timings.timing
-        for method, part in self._bound[hook]:
+        for method, part in bound:
             with timing(part):
                 method(*args)
 

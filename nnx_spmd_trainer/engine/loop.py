@@ -240,11 +240,12 @@ class Loop:
         # A one-shot iterator with no position cannot be set back after running ahead.
         ahead = placement.prefetch if iterator is not train_data or has_position(iterator) else 0
         divisor = self.trainer.plan.grad_accum_steps
+        waiting = run.timings.waiting_for_data(placement.in_flight.running)
         batches = Prefetch(
             iterator,
             lambda b: placement.place(b, divisor=divisor),
             ahead,
-            waiting=lambda: run.timings.waiting_for_data(placement.in_flight.running),
+            waiting=lambda: waiting,
             explain=lambda host, error: batch_mismatch(
                 error, f"step {run.step + 1}", self._last_host_batch, host
             ),
@@ -270,10 +271,17 @@ class Loop:
         stepping = timings.timing("step")  # one timer, entered once a step
         # Each record's timings are the parts' growth since the record before.
         waited, compiled, stepped = seconds["data_wait"], seconds["compile"], seconds["step"]
+        # The host's work per step slows the devices' threads on a CPU backend (~10x its own
+        # time: benchmarks/results/trainer_overhead.md): a per-step hook no callback
+        # overrides is not called at all.
+        begins = callbacks.overrides("on_train_batch_begin")
+        ends = callbacks.overrides("on_train_batch_end")
+        step_ends = callbacks.overrides("on_step_end")
         for host, batch in batches:
             progress.batches_in_epoch += 1
             # Hooks get the steps done so far at begin, and the new count at end.
-            callbacks.on_train_batch_begin(run.step, {})
+            if begins:
+                callbacks.on_train_batch_begin(run.step, {})
             with stepping:
                 loss, shapes = self._train_one(batch, host, norms=schedule.norms_at(run.step + 1))
             step = run.step
@@ -290,12 +298,14 @@ class Loop:
             logs = (
                 run.metric_log.flush(progress.epoch, timings) if schedule.is_log_step(step) else {}
             )
-            callbacks.on_train_batch_end(step, logs)
+            if ends or logs:  # finished logs reach the writers (on_logs) in any case
+                callbacks.on_train_batch_end(step, logs)
             if eval_every_n_steps and run.step % eval_every_n_steps == 0:
                 assert eval_data is not None
                 self.evaluate(eval_data)
                 self._last_eval_step = run.step
-            callbacks.on_step_end(run.step)
+            if step_ends:
+                callbacks.on_step_end(run.step)
             if run.done(max_steps):
                 break
 
@@ -313,9 +323,10 @@ class Loop:
             step = self._train_step_for(batch, shapes, norms, live)
             args = (live.arrays(), metric_log.train, batch)
             arg_shapes = None if step.fn in self._step_flops else flops.abstract_args(args)
-            # A new step traces and compiles in its first call (dispatch is asynchronous).
-            timing = run.timings.timing("compile") if step.new else contextlib.nullcontext()
-            with timing:
+            if step.new:  # it traces and compiles in its first call (dispatch is asynchronous)
+                with run.timings.timing("compile"):
+                    outputs = step.fn(*args)
+            else:
                 outputs = step.fn(*args)
             if arg_shapes is not None:  # read from the program just compiled: a cache hit
                 with run.timings.timing("compile"):
