@@ -19,6 +19,7 @@ from nnx_spmd_trainer import Callback, History, deprecation
 
 from .checkpoint import (
     CheckpointOfAnotherModel,
+    CheckpointWeights,
     CheckpointWriteError,
     DamagedCheckpoint,
     OrbaxCheckpoint,
@@ -40,6 +41,7 @@ from .wandb_logger import WandbLogger
 __all__ = [
     "CSVLogger",
     "CheckpointOfAnotherModel",
+    "CheckpointWeights",
     "CheckpointWriteError",
     "DamagedCheckpoint",
     "Callback",

@@ -230,3 +230,79 @@ def test_a_dry_run_checks_and_writes_nothing(files, tmp_path, capsys):
     post_training_job.run(dpo_config(files), tmp_path / "run", dry_run=True)
     assert "dry run: the dpo job's keys, data and layout checked" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()
+
+
+# -- from an earlier run of this library: config.init_from=<its workdir> ---------------------
+def sft_config(**keys):
+    """The default job's GPT at the sizes of configs/dpo.py, trained a few steps."""
+    config = config_of("default", max_steps=2, batch_size=8, eval_every_n_steps=0,
+                       max_eval_batches=1, warmup_steps=0, loggers="csv", **keys)  # fmt: skip
+    config.gpt.update(seq_len=32, embed_dim=32, num_heads=4, ff_dim=64, num_layers=1)
+    config.data.vocab_size = 300
+    return config
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    """An SFT run of the default GPT on fsdp=-1 (fsdp=8): the DPO runs start on another layout."""
+    from nnx_spmd_trainer.app import job
+
+    workdir = tmp_path_factory.mktemp("sft") / "sft"
+    job.run(sft_config(strategy="fsdp=-1"), workdir)
+    return workdir
+
+
+def saved_params(step_dir: Path) -> dict[str, np.ndarray]:
+    """The model parameters of a step, read with Orbax alone (no trainer, no layout)."""
+    import orbax.checkpoint as ocp
+
+    state = ocp.StandardCheckpointer().restore(step_dir / "state")
+    return named_arrays(state["model"], leave_out="rngs")
+
+
+def named_arrays(tree, leave_out: str = "") -> dict[str, np.ndarray]:
+    import jax
+
+    from nnx_spmd_trainer import path_str
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    named = {path_str(p): x for p, x in leaves}
+    return {k: np.asarray(x) for k, x in named.items() if not leave_out or leave_out not in k}
+
+
+def test_dpo_from_an_sft_workdir_starts_from_its_weights_on_another_layout(
+    files, sft_run, tmp_path, capsys
+):
+    from flax import nnx
+
+    config = dpo_config(files, max_steps=1, loggers="csv", init_from=str(sft_run))
+    result = post_training_job.run(config, tmp_path / "dpo")
+    assert "the optimizer starts fresh" in capsys.readouterr().out
+    # The policy is the reference at step 0: h = 0, the loss log 2.
+    assert result.history.history["train/loss"][0] == pytest.approx(math.log(2.0), abs=1e-6)
+    trainer = result.trainer
+    assert dict(trainer.mesh.shape) == {"fsdp": 4, "model": 2}  # the SFT run's was fsdp=8
+    first = nnx.filter_state(trainer.initial_state()["model"], nnx.Param)
+    ours = named_arrays(first)
+    theirs = saved_params(sft_run / "checkpoints" / "2")
+    assert ours.keys() == theirs.keys() and ours
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+    assert int(trainer.initial_state()["optimizer"]["step"][...]) == 0
+
+
+def test_a_workdir_of_another_model_is_refused_naming_the_parameter(files, sft_run, tmp_path):
+    config = dpo_config(files, init_from=str(sft_run))
+    config.gpt.update(embed_dim=64, ff_dim=128)
+    message = refused(config, tmp_path / "run", f"config.init_from={str(sft_run)!r}")
+    assert "holds model parameter blocks/0/layer_norm1/bias of shape (32,)" in message
+    assert "this model's is (64,)" in message
+
+
+def test_a_directory_without_a_finished_step_is_refused(files, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(
+        dpo_config(files, init_from=str(empty)), tmp_path / "run",
+        f"config.init_from={str(empty)!r}", "holds no finished checkpoint step",
+    )  # fmt: skip

@@ -10,7 +10,10 @@
   directory) across tiers, falling back past damaged ones, and restoring it.
 * ``format.py``: what a step holds: the item names, the format ``VERSION`` both sides
   read, the metadata written with each step.
-* ``step_reader.py``: one step read into a trainer's layout and checked.
+* ``step_reader.py``: one step read into a trainer's layout and checked (or its model
+  parameters alone: ``read_params``).
+* ``start_from.py``: ``CheckpointWeights``, a new run's first state from an earlier run's
+  newest step (its model parameters).
 * ``checks.py``: the checks before a read (model match, data position, damage agreed
   on); ``DamagedCheckpoint``, ``CheckpointOfAnotherModel``.
 * ``fingerprint.py``: per-leaf fingerprints computed on the devices, written in the
@@ -29,9 +32,11 @@ from .format import NewerCheckpointFormat
 from .orbax_checkpoint import OrbaxCheckpoint
 from .resumer import Restore
 from .save_errors import CheckpointWriteError
+from .start_from import CheckpointWeights
 
 __all__ = [
     "CheckpointOfAnotherModel",
+    "CheckpointWeights",
     "CheckpointWriteError",
     "DamagedCheckpoint",
     "NewerCheckpointFormat",

@@ -160,3 +160,34 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
                 f"{where} is damaged: its data position {file} says next_index {index!r}, "
                 f"but the step had taken {taken} batches of its epoch"
             )
+
+
+def check_same_params(path: Path, step: int, params: Any) -> None:
+    """The model parameters ``params`` (shapes) must all be in step ``step``'s state, each
+    in its shape: ``CheckpointOfAnotherModel`` names the first one that is not, and both
+    shapes. Leaves of the step that ``params`` lacks (the optimizer's, RNG state) are
+    not asked about."""
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(path / format.STATE)  # type: ignore[arg-type]
+    except Exception:  # unreadable metadata: reading the step reports it as damage
+        return
+    tree = getattr(saved, "tree", saved)
+    theirs = {
+        path_str(p): (tuple(x.shape), str(x.dtype))
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    where = f"checkpoint step {step} at {path}"
+    for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_str(p)
+        shape, dtype = as_stored(leaf)
+        found = theirs.get(f"model/{name}")
+        if found is None:
+            raise CheckpointOfAnotherModel(
+                f"{where} holds no model parameter {name} (this model's is {shape} {dtype}): "
+                "it was written for another model."
+            )
+        if found[0] != shape:
+            raise CheckpointOfAnotherModel(
+                f"{where} holds model parameter {name} of shape {found[0]}, this model's is "
+                f"{shape}: it was written for another model."
+            )

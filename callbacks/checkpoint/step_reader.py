@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import orbax.checkpoint as ocp
 
-from nnx_spmd_trainer import RunState, as_position
+from nnx_spmd_trainer import RunState, as_position, path_str
 from nnx_spmd_trainer.adapters import orbax_private
 from nnx_spmd_trainer.data import BATCHES_TAKEN
 
@@ -22,9 +22,10 @@ from .checks import (
     as_stored,
     check_data_position,
     check_same_model,
+    check_same_params,
     stored_arrays,
 )
-from .fingerprint import mismatches
+from .fingerprint import FingerprintRestore, fingerprints, mismatches
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer import Trainer
@@ -187,3 +188,60 @@ def read_data_position(manager: ocp.CheckpointManager, step: int, meta: dict) ->
     into = as_position({} if meta.get("data_position") is not None else b"")
     manager.restore(step, args=format.data_args(into))
     return into.get_state()
+
+
+def read_params(manager: ocp.CheckpointManager, step: int, targets: Any) -> Any:
+    """The model parameters of step ``step`` alone, read into ``targets`` (a state of
+    ``jax.ShapeDtypeStruct`` s with shardings: the parameters of ``{"model": ...}``) and
+    checked against their fingerprints; the optimizer's state and everything else of the
+    step are not read. What ``CheckpointWeights`` starts a run from.
+
+    Raises ``DamagedCheckpoint`` (unfinished, unreadable, fingerprints that disagree),
+    ``format.NewerCheckpointFormat``, ``CheckpointOfAnotherModel`` (a parameter of
+    ``targets`` the step lacks or holds in another shape: the first one named) and
+    ``ValueError`` for a step that holds its trainable parameters alone (LoRA's
+    ``trainable_only`` steps: the base is not in it)."""
+    path = Path(manager.directory) / str(step)
+    where = f"checkpoint step {step} at {path}"
+    check_same_params(path, step, targets)
+    if not orbax_private.is_committed(path):
+        raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
+    with orbax_private.quiet_failed_reads(path):
+        try:
+            meta = read_meta(manager, step)
+            format.check_version(meta, where)
+            if meta.get(format.KEPT_KEY, "all") != "all":
+                raise ValueError(
+                    f"{where} holds the run's trainable parameters alone (a LoRA run's "
+                    "trainable_only checkpoint), not the base: start from a checkpoint of "
+                    "the whole model, or from its exported weights."
+                )
+            item = {"model": targets}
+            restore = ocp.checkpoint_utils.construct_restore_args(item)
+            args = ocp.args.Composite(
+                **{
+                    format.STATE: ocp.args.PyTreeRestore(
+                        item=item, restore_args=restore, partial_restore=True
+                    ),
+                    format.FINGERPRINTS: FingerprintRestore(),
+                }
+            )
+            saved = dict(manager.restore(step, args=args))
+        except (ValueError, format.NewerCheckpointFormat):
+            raise
+        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+            raise DamagedCheckpoint(
+                f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
+            ) from error
+    read = {format.STATE: saved[format.STATE]}
+    record = saved[format.FINGERPRINTS]
+    actual = fingerprints(read, paths_version=record.get("paths", 1))
+    bad = sorted(name for name, value in actual.items() if record["leaves"].get(name) != value)
+    if bad:
+        raise DamagedCheckpoint(
+            f"{where} is damaged: {len(bad)} parameters do not match the fingerprints saved "
+            f"with them ({', '.join(bad[:5])})"
+        )
+    by_name = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(read)[0]}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(targets)
+    return jax.tree.unflatten(treedef, [by_name[f"state/model/{path_str(p)}"] for p, _ in leaves])

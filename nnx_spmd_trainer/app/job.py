@@ -22,7 +22,7 @@ from nnx_spmd_trainer import (  # type: ignore[attr-defined]
     Trainer,
     weights,
 )
-from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app import datasets, start_from, tasks
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_callbacks import BaselineReport, make_callbacks, versus_baseline
 from nnx_spmd_trainer.app.job_checks import (
@@ -109,7 +109,7 @@ def run(
     layout = _layout_asked(config)
     with blamed_on(f"config.{config.model}"):
         # a resumed run tokenizes with the tokenizer.json it saved (app/datasets/from_config)
-        task_config = datasets.from_config.run_tokenizer_config(config, workdir)
+        task_config = start_from.tokenizer_config(config, workdir)
         task = tasks.build_task(task_config, shard=layout.shard)
     splits = task.splits
     init_from = pretrained(config, task)
@@ -244,11 +244,17 @@ def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[
 
 def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:
     """Where the first state comes from: ``config.init_from`` read through the task's weight
-    map, or ``None`` (random) where the key is ``""`` or absent. A task without a map, or
-    a path with nothing there, is a ``ConfigError`` naming the key."""
+    map, or an earlier run's checkpoints (its workdir, ``checkpoints/`` or a step's
+    directory: ``callbacks.CheckpointWeights``), or ``None`` (random) where the key is
+    ``""`` or absent. A weights file for a task without a map, a path with nothing there,
+    or a directory without a finished step is a ``ConfigError`` naming the key."""
     path = config.get("init_from", "") or ""
     if not path:
         return None
+    if start_from.is_checkpoint_directory(path):
+        found = start_from.checkpoint_weights(config)
+        say(f"init_from: the model of {found.source}; the optimizer starts fresh")
+        return found
     key = f"config.init_from={path!r}"
     if task.weight_map is None:
         raise tasks.ConfigError(

@@ -127,6 +127,11 @@ def check_init_from(
                 f"config.model={config.model!r}, or --config.init_from='' to start from "
                 "random weights."
             ) from error
+        except callbacks.CheckpointOfAnotherModel as error:  # an earlier run's checkpoint
+            raise tasks.ConfigError(
+                f"config.init_from={config.init_from!r}: {error} Start from a run of this "
+                f"config's model, or --config.init_from='' to start from random weights."
+            ) from error
 
 
 #: The keys ``run_config.make_optimizer`` plans the learning-rate schedule from.

@@ -22,7 +22,7 @@ import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import datasets, job, tasks
+from nnx_spmd_trainer.app import datasets, job, start_from, tasks
 from nnx_spmd_trainer.app import post_training_data as data
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_callbacks import make_callbacks
@@ -93,7 +93,7 @@ def run(
     keys = data.grpo_keys(config) if name == "grpo" else data.dpo_keys(config)
     layout = job._layout_asked(config)
     with blamed_on(f"config.{config.model}"):
-        task_config = datasets.from_config.run_tokenizer_config(config, workdir)
+        task_config = start_from.tokenizer_config(config, workdir)
         task = tasks.build_task(task_config, shard=layout.shard)
     codec = task.splits.text_codec
     if codec is None:
