@@ -15,6 +15,8 @@ from flax import nnx
 from nnx_spmd_trainer import Callback
 from nnx_spmd_trainer.app.models import gpt
 from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
+from nnx_spmd_trainer.data.to_host import gather_to_host
+from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.post_training.grpo import GRPOTrainer
 from nnx_spmd_trainer.post_training.rewards import (
     RewardError,
@@ -22,7 +24,12 @@ from nnx_spmd_trainer.post_training.rewards import (
     load_reward,
     score,
 )
-from nnx_spmd_trainer.post_training.rollout import PromptRows, prompt_batches
+from nnx_spmd_trainer.post_training.rollout import (
+    PromptRows,
+    process_rows,
+    prompt_batches,
+    sampler_ranks,
+)
 
 # The toy task: a reward of the share of completion tokens equal to TARGET.
 VOCAB, SEQ, TARGET, GROUP, NEW, PROMPTS, LR, BETA, EPS, MU = 16, 16, 3, 4, 4, 8, 0.5, 0.04, 0.2, 2
@@ -258,3 +265,48 @@ def test_with_lora_the_reference_is_the_base_itself_with_no_copy():
     weights = host["weights"] > 0
     np.testing.assert_allclose(reference[weights], untrained[weights], atol=1e-5)
     assert np.abs(policy[weights] - untrained[weights]).max() > 1e-4  # the adapters moved
+
+
+# -- several processes, simulated in one (tests/test_grpo_multiprocess.py runs two) ----------
+def test_a_rollout_samples_as_the_batch_in_prompt_order_and_keeps_its_process_rows(
+    run, monkeypatch
+):
+    """A batch fed interleaved by two processes is a permutation of the one-process batch:
+    the sampled rows follow the prompts' order, not the batch's, so each prompt gets the
+    same completions; a process keeps (and scores) only the rows it feeds, whole groups."""
+    rows = BATCHES[0]["row"]
+    whole = run.rollout(rows)
+    interleaved = np.concatenate([rows[0::2], rows[1::2]])  # what 2 processes' place makes
+    halves = []
+    for index in range(2):
+        monkeypatch.setattr(run.placement, "data_shard", DataShard(index, 2))
+        halves.append(run.rollout(interleaved))
+        assert len(run.last_rewards) == PROMPTS // 2 * GROUP  # the reward saw its half
+
+    # Each prompt's group of completions as one row: sort the groups, then compare.
+    def groups(batch):
+        inputs = batch["inputs"].reshape(-1, GROUP * batch["inputs"].shape[1])
+        return inputs[np.lexsort(inputs.T[::-1])]
+
+    two = {k: np.concatenate([h[k] for h in halves]) for k in whole}
+    np.testing.assert_array_equal(groups(two), groups(whole))
+    np.testing.assert_array_equal(np.sort(two["rewards"]), np.sort(whole["rewards"]))
+
+
+def test_process_rows_and_sampler_ranks():
+    assert process_rows(8, DataShard(0, 1)) == slice(0, 8)
+    assert [process_rows(8, DataShard(i, 2)) for i in range(2)] == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ValueError, match="6 prompts a batch do not split over 4 processes"):
+        process_rows(6, DataShard(0, 4))
+    rows = np.array([5, 1, 5, 0])
+    ranks = sampler_ranks(rows)
+    np.testing.assert_array_equal(np.sort(rows)[ranks], rows)
+    assert ranks.tolist() == [2, 1, 3, 0]  # equal indices keep their order
+
+
+def test_the_prompt_indices_are_read_whole_from_a_batch_split_over_the_devices(run):
+    placed = run.placement.place(BATCHES[1])["row"]
+    assert len(placed.addressable_shards) == 8 and placed.addressable_shards[0].data.shape == (1,)
+    read = gather_to_host(placed)
+    assert isinstance(read, np.ndarray)
+    np.testing.assert_array_equal(read, BATCHES[1]["row"])
