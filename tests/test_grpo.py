@@ -124,7 +124,7 @@ def test_the_ratio_at_each_first_update_is_exactly_one(which, request):
 
 def test_the_mean_reward_rises(run):
     """From about 1/16 (a random token) to >= 0.45 more within 4 rollouts (8 SGD updates;
-    measured: 0.047, 0.055, 0.297, 0.969)."""
+    measured: 0.039, 0.055, 0.562, 0.992)."""
     trainer = run
     reward = trainer.history.history["train/reward"]
     assert reward[0] < 0.2 and reward[-1] >= reward[0] + 0.45, reward
