@@ -105,10 +105,14 @@ def one_device(trainer: Trainer) -> nnx.Module:
     return nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
 
 
+# The forward pass jitted: a program a row length, not every op dispatched (and compiled) alone.
+one_program = nnx.jit(lambda model, tokens: model(tokens))
+
+
 def forward_log_probs(model: nnx.Module, inputs: list[int], targets: list[int]) -> np.ndarray:
     """Each target's log-probability: ``jax.nn.log_softmax`` of the one-device model's
     logits over the unpadded row, gathered at the targets."""
-    logits = model(jnp.asarray([inputs], jnp.int32))[0].astype(jnp.float32)
+    logits = one_program(model, jnp.asarray([inputs], jnp.int32))[0].astype(jnp.float32)
     log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     return log_probs[np.arange(len(targets)), targets]
 
