@@ -226,9 +226,27 @@ def test_a_dpo_loss_setting_is_refused_naming_its_key(files, tmp_path):
     refused(config, tmp_path / "run", "config.dpo.loss_type='hinge'", "'sigmoid', 'ipo'")
 
 
-def test_a_dry_run_checks_and_writes_nothing(files, tmp_path, capsys):
-    post_training_job.run(dpo_config(files), tmp_path / "run", dry_run=True)
-    assert "dry run: the dpo job's keys, data and layout checked" in capsys.readouterr().out
+def test_a_dry_run_prints_the_plan_and_writes_nothing(files, tmp_path, capsys):
+    config = dpo_config(files)
+    config.lora.update(rank=4, targets=".*mha/(query|value)")
+    post_training_job.run(config, tmp_path / "run", dry_run=True)
+    out = capsys.readouterr().out
+    assert "dry run: the dpo job's keys, data and layout checked" in out
+    # The plan of the step as it runs (on the pairs with the reference's log-probabilities),
+    # with what trains, what is frozen and the optimizer's bytes, as the plain job's.
+    assert "plan: Hybrid(FSDP(4), TensorParallel(2)) on mesh {'fsdp': 4, 'model': 2}" in out
+    assert "compiled step per device:" in out
+    assert "  trainable: " in out and "; frozen: " in out
+    assert "  optimizer per device: " in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_grpo_dry_run_prints_the_plan_of_its_rollout_step(files, tmp_path, capsys):
+    post_training_job.run(grpo_config(files, beta=0.1), tmp_path / "run", dry_run=True)
+    out = capsys.readouterr().out
+    assert "plan: DataParallel(8) on mesh {'data': 8}" in out
+    assert "state per device: parameters" in out and "compiled step per device:" in out
+    assert "dry run: the grpo job's keys, data and layout checked" in out
     assert not (tmp_path / "run").exists()
 
 

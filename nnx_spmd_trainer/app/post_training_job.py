@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
@@ -40,7 +41,13 @@ from nnx_spmd_trainer.app.workdir import (
     workdir_lock,
 )
 from nnx_spmd_trainer.planner import compile_cache
-from nnx_spmd_trainer.post_training import DPOMetrics, DPOTrainer, GRPOMetrics, GRPOTrainer
+from nnx_spmd_trainer.post_training import (
+    DPOMetrics,
+    DPOTrainer,
+    GRPOMetrics,
+    GRPOTrainer,
+    ReferenceModel,
+)
 
 #: ``config.post_training``'s values: the trainers a config can name.
 KINDS = ("dpo", "grpo")
@@ -116,16 +123,15 @@ def run(
         init_from,
         trainer_type=_without_task_loss(recipe),
     )
-    check_first_batch(config, layout.spec, trainer, splits)
+    batch = check_first_batch(config, layout.spec, trainer, splits)
     if config.resume:
         check_checkpoints_are_of_this_model(run_callbacks, notes)
     check_init_from(config, init_from, trainer, run_callbacks, notes)
     say(recipe.data_line)
     if notes is not None:
-        say(
-            f"dry run: the {name} job's keys, data and layout checked; nothing trained or "
-            "written (the plan of its step is not reported yet)"
-        )
+        first = batch if batch is not None else next(iter(splits.train))
+        say(str(job.plan_report_of(trainer, step_batch_stand_in(trainer, first))))
+        say(f"dry run: the {name} job's keys, data and layout checked; nothing trained or written")
         for note in notes:
             say(f"note: the run itself would be refused: {note}")
         return job.RunResult(trainer.history, float("nan"), float("nan"), "", None)
@@ -134,6 +140,25 @@ def run(
     return job.RunResult(
         history, float("nan"), float("nan"), "", trainer, weight_map=task.weight_map
     )
+
+
+def step_batch_stand_in(trainer: Trainer, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Zeros shaped as the batch the train step reads once ``prepare_batch`` has made it
+    from ``batch`` (this process's rows): DPO's pairs with the reference's
+    log-probabilities, GRPO's rollout of ``batch["row"]``'s prompts. What a dry run plans
+    the step on, without running the reference or sampling a rollout."""
+    if isinstance(trainer, DPOTrainer):
+        rows = np.shape(batch["chosen_inputs"])[0]
+        return {**batch, **{key: np.zeros(rows, np.float32) for key in ReferenceModel.KEYS}}
+    if isinstance(trainer, GRPOTrainer):
+        rows, seq = np.shape(batch["row"])[0] * trainer.group_size, trainer.seq_len
+        tokens, floats = np.zeros((rows, seq), np.int32), np.zeros((rows, seq), np.float32)
+        rollout = {"inputs": tokens, "targets": tokens, "weights": floats}
+        rollout.update(rewards=floats[:, 0], advantages=floats[:, 0], sampler_logps=floats)
+        if trainer.beta > 0:
+            rollout["reference_logps"] = floats
+        return rollout
+    return batch
 
 
 def _without_task_loss(recipe: _Recipe) -> Any:
