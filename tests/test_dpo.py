@@ -526,3 +526,33 @@ def test_bad_chat_preference_rows(chat_tokenizers, tmp_path):
     tool = {**CHAT_ROW, "chosen": [{"role": "robot", "content": "hi"}]}
     with pytest.raises(PreferenceError, match="unknown role 'robot'"):
         encode_chat_pair(tool, chat_tokenizers["chatml"])
+
+
+def test_implicit_prompt_rows_are_split_as_trl_splits_them(tmp_path):
+    """TRL's implicit-prompt rows (``{"chosen", "rejected"}`` only): the prompt is what both
+    share from the start (``trl.extract_prompt``), checked against splits written by hand."""
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "What color is the sky?"}
+    blue = {"role": "assistant", "content": "It is blue."}
+    green = {"role": "assistant", "content": "It is green."}
+    again = {"role": "user", "content": "Sure?"}
+    rows = [
+        {"chosen": [system, user, blue], "rejected": [system, user, green], "id": 7},
+        # One a prefix of the other: TRL's loop leaves the last shared message to both.
+        {"chosen": [user, blue], "rejected": [user, blue, again, green]},
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+    ]
+    expected = [
+        {"prompt": [system, user], "chosen": [blue], "rejected": [green], "id": 7},
+        {"prompt": [user], "chosen": [blue], "rejected": [blue, again, green]},
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    ]
+    path = tmp_path / "implicit.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    read = read_preferences(path)
+    assert read.rows == expected and read.identical == 0
+    assert [is_chat_row(row) for row in read.rows] == [True, True, False]
+    # A row that still lacks a key is refused as before, naming it.
+    path.write_text(json.dumps({"chosen": [user, blue]}) + "\n")
+    with pytest.raises(PreferenceError, match=r"implicit.jsonl:1: .*no 'prompt', 'rejected'"):
+        read_preferences(path)

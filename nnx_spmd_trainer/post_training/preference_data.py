@@ -110,6 +110,35 @@ def _check_messages(messages: Any, key: str, where: str) -> None:
         )
 
 
+def with_implicit_prompt(row: Any) -> Any:
+    """A row of TRL's implicit-prompt format (``{"chosen", "rejected"}``, no ``prompt``:
+    two texts or two lists of messages) split as TRL's ``extract_prompt`` splits it: the
+    prompt is what both share from the start, up to their first difference, less a space
+    just before it (text); ``chosen`` and ``rejected`` are the rest. Where one is a prefix
+    of the other, TRL's loop leaves the last shared item to the completions, and so does
+    this. Any other row is returned as it is (``check_row`` judges it).
+
+    >>> with_implicit_prompt({"chosen": "The sky is blue.", "rejected": "The sky is green."})
+    {'prompt': 'The sky is', 'chosen': ' blue.', 'rejected': ' green.'}
+    """
+    if not isinstance(row, Mapping) or "prompt" in row:
+        return row
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    both = (isinstance(chosen, str) and isinstance(rejected, str)) or (
+        isinstance(chosen, list) and isinstance(rejected, list)
+    )
+    if not both or not chosen or not rejected:
+        return row
+    cut = 0
+    for cut in range(min(len(chosen), len(rejected))):  # TRL's loop, its last index kept
+        if chosen[cut] != rejected[cut]:
+            if chosen[cut - 1] == " ":  # the space before the completions is theirs
+                cut -= 1
+            break
+    others = {key: value for key, value in row.items() if key not in ROW_KEYS}
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:], **others}
+
+
 def check_row(row: Any, where: str) -> bool:
     """Whether ``row`` is a usable pair: ``False`` when ``chosen`` equals ``rejected``
     (skipped, counted by the caller); a row that is not one raises ``PreferenceError``.
@@ -140,11 +169,13 @@ def check_row(row: Any, where: str) -> bool:
 
 def read_preferences(path: str | os.PathLike[str]) -> PreferenceRows:
     """The rows of a JSONL file of preference pairs, one JSON object a line; rows whose
-    ``chosen`` equals ``rejected`` are counted and skipped. Raises ``PreferenceError``
+    ``chosen`` equals ``rejected`` are counted and skipped. A row without ``prompt`` (TRL's
+    implicit prompt) is split by ``with_implicit_prompt``. Raises ``PreferenceError``
     naming the line of a row that is not JSON or lacks a key."""
     rows: list[dict[str, Any]] = []
     identical = 0
-    for where, row in jsonl_rows(path, PreferenceError):
+    for where, read in jsonl_rows(path, PreferenceError):
+        row = with_implicit_prompt(read)
         if check_row(row, where):
             rows.append(row)
         else:
