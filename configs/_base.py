@@ -83,8 +83,10 @@ def training_config() -> ml_collections.ConfigDict:
     config.mlflow_uri = ""
     config.wandb_project = ""
     # The first state from a weights file (safetensors, or a directory of them) through the
-    # task's weight map (the gpt2_hf task reads HF's GPT-2 files); "": random. A resume from
-    # the run's own checkpoints wins and never reads it.
+    # task's weight map (the gpt2_hf task reads HF's GPT-2 files), or from an earlier run of
+    # this library (its workdir, checkpoints/ or a step's directory: the newest finished
+    # step's model, the optimizer fresh); "": random. A resume from the run's own
+    # checkpoints wins and never reads it.
     config.init_from = ""
     # LoRA fine-tuning: adapters of rank lora.rank (0: off, the whole model trains) beside
     # the layers whose paths match lora.targets (a regex over NNX paths, "h/0/attn/q"; "":
