@@ -179,7 +179,7 @@ class GRPOTrainer(Trainer):
         prompt and however the processes' rows interleave. Each process then keeps the
         rows it feeds (``process_rows``), so the reward function sees only those.
         """
-        group = self.group_size
+        group, rows = self.group_size, np.asarray(rows)
         ranks = sampler_ranks(rows)
         in_order = np.sort(rows, kind="stable")
         generated = self.sampler().generate(
