@@ -162,11 +162,16 @@ def check_data_position(path: Path, step: int, meta: Mapping[str, Any]) -> None:
             )
 
 
+#: The names of LoRA adapters' leaves (``nn.lora``'s and Flax's ``nnx.LoRA``'s).
+_ADAPTERS = ("lora_a", "lora_b")
+
+
 def check_same_params(path: Path, step: int, params: Any) -> None:
     """The model parameters ``params`` (shapes) must all be in step ``step``'s state, each
     in its shape: ``CheckpointOfAnotherModel`` names the first one that is not, and both
     shapes. Leaves of the step that ``params`` lacks (the optimizer's, RNG state) are
-    not asked about."""
+    not asked about, but for LoRA adapters: the step's base alone is not the model its
+    run trained, and is refused too."""
     try:
         saved = ocp.StandardCheckpointHandler().metadata(path / format.STATE)  # type: ignore[arg-type]
     except Exception:  # unreadable metadata: reading the step reports it as damage
@@ -191,3 +196,16 @@ def check_same_params(path: Path, step: int, params: Any) -> None:
                 f"{where} holds model parameter {name} of shape {found[0]}, this model's is "
                 f"{shape}: it was written for another model."
             )
+    ours = {f"model/{path_str(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    adapters = sorted(
+        name
+        for name in theirs
+        if name.startswith("model/") and name.rsplit("/", 1)[-1] in _ADAPTERS and name not in ours
+    )
+    if adapters:  # taking the base alone would drop what the run learned
+        raise CheckpointOfAnotherModel(
+            f"{where} holds LoRA adapters ({adapters[0].removeprefix('model/')}, ...) over its "
+            "base, which this model would not take over (a new run's adapters start afresh): "
+            "start from a run that trained the whole model, or merge the adapters into the "
+            "base weights first."
+        )

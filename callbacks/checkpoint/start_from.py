@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from nnx_spmd_trainer.adapters import orbax_private
 from nnx_spmd_trainer.weights import Pretrained, WeightMap, param_targets, pretrained_state
@@ -23,8 +24,6 @@ from .checks import check_same_params
 from .step_reader import read_params
 
 if TYPE_CHECKING:
-    from flax import nnx
-
     from nnx_spmd_trainer import Plan
 
 #: The folder of a workdir that holds its steps (the CLI's ``<workdir>/checkpoints``).
@@ -80,6 +79,12 @@ class CheckpointWeights(Pretrained):
         object.__setattr__(self, "source", newest_step(self.source))  # type: ignore[arg-type]
 
     @property
+    def _fresh(self) -> nnx.filterlib.Filter:
+        # LoRA adapters are the new run's own, always: a step holding adapters is refused
+        # (check_same_params), so the plan's are never read from one.
+        return nnx.Any(self.fresh, nnx.LoRAParam)
+
+    @property
     def step(self) -> int:
         """The step read."""
         return int(Path(self.source).name)  # type: ignore[arg-type]
@@ -88,12 +93,12 @@ class CheckpointWeights(Pretrained):
         """Raises ``CheckpointOfAnotherModel`` when the step's parameters are not the
         plan's model's (names, shapes); reads the step's metadata alone."""
         step_dir = Path(self.source)  # type: ignore[arg-type]
-        check_same_params(step_dir, self.step, param_targets(plan, self.fresh))
+        check_same_params(step_dir, self.step, param_targets(plan, self._fresh))
 
     def state(self, plan: Plan) -> nnx.State:
         """The plan's whole initial state, with the step's model parameters."""
         step_dir = Path(self.source)  # type: ignore[arg-type]
-        targets = param_targets(plan, self.fresh)
+        targets = param_targets(plan, self._fresh)
         with orbax_private.quiet_listing():
             options = ocp.CheckpointManagerOptions(read_only=True, create=False)
             manager = ocp.CheckpointManager(step_dir.parent, options=options)
