@@ -324,3 +324,39 @@ def test_a_directory_without_a_finished_step_is_refused(files, tmp_path):
         dpo_config(files, init_from=str(empty)), tmp_path / "run",
         f"config.init_from={str(empty)!r}", "holds no finished checkpoint step",
     )  # fmt: skip
+
+
+def test_lora_adapters_start_fresh_over_the_sft_weights(sft_run, tmp_path):
+    """``Trainer(lora=..., init_from=CheckpointWeights(workdir))``: the base is the SFT
+    step's model, the adapters are LoRA's own start (B = 0: the model is the SFT's). A step
+    holding adapters is refused as a start (its base alone is not its run's model)."""
+    import optax
+    from flax import nnx
+
+    from nnx_spmd_trainer import Trainer, callbacks
+    from nnx_spmd_trainer.nn.lora import LoRA
+
+    config = sft_config()
+    config.data.tokenizer = str(sft_run / "tokenizer.json")
+    task = tasks.build_task(config)
+    saved = callbacks.OrbaxCheckpoint(tmp_path / "adapted", async_save=False)
+    trainer = Trainer(
+        task.model, optax.sgd(0.1), loss_fn=task.loss_fn, callbacks=[saved],
+        strategy=tasks.parse_strategy("fsdp=2,model=4"),
+        lora=LoRA(rank=4, targets=".*mha/(query|value)"),
+        init_from=callbacks.CheckpointWeights(sft_run / "checkpoints"),
+    )  # fmt: skip
+    model = trainer.initial_state()["model"]
+    base = named_arrays(nnx.filter_state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    theirs = saved_params(sft_run / "checkpoints" / "2")
+    assert base.keys() == theirs.keys()
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(base[name], value, err_msg=name)
+    adapters = named_arrays(nnx.filter_state(model, nnx.LoRAParam))
+    assert sorted(adapters) == [
+        f"blocks/0/mha/{layer}/lora_{ab}" for layer in ("query", "value") for ab in "ab"
+    ]
+    assert all(not value.any() for name, value in adapters.items() if name.endswith("lora_b"))
+    saved.save(0)  # this LoRA run's step: its adapters and its base
+    with pytest.raises(callbacks.CheckpointOfAnotherModel, match="holds LoRA adapters"):
+        callbacks.CheckpointWeights(tmp_path / "adapted").check(trainer.plan)
