@@ -206,33 +206,37 @@ def read_params(manager: ocp.CheckpointManager, step: int, targets: Any) -> Any:
     check_same_params(path, step, targets)
     if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
+
+    def unreadable(error: Exception) -> DamagedCheckpoint:
+        return DamagedCheckpoint(
+            f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
+        )
+
     with orbax_private.quiet_failed_reads(path):
         try:
             meta = read_meta(manager, step)
-            format.check_version(meta, where)
-            if meta.get(format.KEPT_KEY, "all") != "all":
-                raise ValueError(
-                    f"{where} holds the run's trainable parameters alone (a LoRA run's "
-                    "trainable_only checkpoint), not the base: start from a checkpoint of "
-                    "the whole model, or from its exported weights."
-                )
-            item = {"model": targets}
-            restore = ocp.checkpoint_utils.construct_restore_args(item)
-            args = ocp.args.Composite(
-                **{
-                    format.STATE: ocp.args.PyTreeRestore(
-                        item=item, restore_args=restore, partial_restore=True
-                    ),
-                    format.FINGERPRINTS: FingerprintRestore(),
-                }
-            )
-            saved = dict(manager.restore(step, args=args))
-        except (ValueError, format.NewerCheckpointFormat):
-            raise
         except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise DamagedCheckpoint(
-                f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
-            ) from error
+            raise unreadable(error) from error
+        format.check_version(meta, where)
+        if meta.get(format.KEPT_KEY, "all") != "all":
+            raise ValueError(
+                f"{where} holds the run's trainable parameters alone (a LoRA run's "
+                "trainable_only checkpoint), not the base: start from a checkpoint of the "
+                "whole model, or from its exported weights."
+            )
+        item = {"model": targets}
+        state = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True,  # the parameters alone: not the optimizer's state
+        )
+        args = ocp.args.Composite(
+            **{format.STATE: state, format.FINGERPRINTS: FingerprintRestore()}
+        )
+        try:
+            saved = dict(manager.restore(step, args=args))
+        except Exception as error:
+            raise unreadable(error) from error
     read = {format.STATE: saved[format.STATE]}
     record = saved[format.FINGERPRINTS]
     actual = fingerprints(read, paths_version=record.get("paths", 1))

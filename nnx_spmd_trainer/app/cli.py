@@ -153,6 +153,8 @@ def _main(argv: Sequence[str]) -> int:
         )
     except callbacks.CheckpointWriteError as error:  # names step, path, cause
         fail(str(error), status=1)
+    except callbacks.DamagedCheckpoint as error:  # names step and path (config.init_from's)
+        fail(str(error))
     if flags.FLAGS.dry_run:
         return 0
     if flags.FLAGS.export and not (result.trainer and result.trainer.progress.preempted):
