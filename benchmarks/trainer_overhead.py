@@ -33,6 +33,7 @@ from floor import (  # noqa: E402
     Loss,
     floor,
     hand_written_loops,
+    held_out_ratio,
     interleaved_rounds,
     paired_ratio,
 )
@@ -133,6 +134,11 @@ def main() -> None:
     print(f"ratio trainer/floor, median of per-round ratios = {paired:.3f}")
     print(
         f"ratio trainer/floor, ratio of medians = {medians['trainer (defaults)'] / floor_time:.3f}"
+    )
+    held_out_floor, held_out = held_out_ratio(times, "trainer (defaults)")
+    print(
+        f"ratio trainer/floor chosen on other rounds (even rounds choose, odd rounds read) = "
+        f"{held_out:.3f} ({held_out_floor})"
     )
     # The trainer's own cost, apart from which of the four ways the noise favoured:
     # against the hand-written loop that donates and places as the trainer does.
