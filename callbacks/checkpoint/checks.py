@@ -36,18 +36,26 @@ def as_stored(x: Any) -> tuple[tuple[int, ...], str]:
     return tuple(x.shape), str(x.dtype)
 
 
-def check_same_model(path: Path, step: int, state: Any) -> None:
-    """A checkpoint of another model or optimizer is the user's mix-up, not damage:
-    ``CheckpointOfAnotherModel`` names the leaves, and the step is left where it is."""
+def _saved_leaves(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """Each leaf of the step's saved state by path: (shape, dtype); ``None`` where its
+    metadata cannot be read."""
     try:
         saved = ocp.StandardCheckpointHandler().metadata(path / format.STATE)  # type: ignore[arg-type]
-    except Exception:  # unreadable metadata: reading the step reports it as damage
-        return
+    except Exception:
+        return None
     tree = getattr(saved, "tree", saved)
-    theirs = {
+    return {
         path_str(p): (tuple(x.shape), str(x.dtype))
         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
+
+
+def check_same_model(path: Path, step: int, state: Any) -> None:
+    """A checkpoint of another model or optimizer is the user's mix-up, not damage:
+    ``CheckpointOfAnotherModel`` names the leaves, and the step is left where it is."""
+    theirs = _saved_leaves(path)
+    if theirs is None:  # unreadable metadata: reading the step reports it as damage
+        return
     ours = {path_str(p): as_stored(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
     only_saved = _telling_first(theirs.keys() - ours.keys())
     only_here = _telling_first(ours.keys() - theirs.keys())
@@ -172,15 +180,9 @@ def check_same_params(path: Path, step: int, params: Any) -> None:
     shapes. Leaves of the step that ``params`` lacks (the optimizer's, RNG state) are
     not asked about, but for LoRA adapters: the step's base alone is not the model its
     run trained, and is refused too."""
-    try:
-        saved = ocp.StandardCheckpointHandler().metadata(path / format.STATE)  # type: ignore[arg-type]
-    except Exception:  # unreadable metadata: reading the step reports it as damage
+    theirs = _saved_leaves(path)
+    if theirs is None:  # unreadable metadata: reading the step reports it as damage
         return
-    tree = getattr(saved, "tree", saved)
-    theirs = {
-        path_str(p): (tuple(x.shape), str(x.dtype))
-        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
     where = f"checkpoint step {step} at {path}"
     for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = path_str(p)

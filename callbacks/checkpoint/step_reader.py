@@ -6,6 +6,7 @@ the resumer's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,20 @@ class SavedStep:
     data: Any
 
 
+def _unreadable(where: str, error: Exception) -> DamagedCheckpoint:
+    return DamagedCheckpoint(f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})")
+
+
+def _checked_meta(manager: ocp.CheckpointManager, step: int, where: str) -> dict[str, Any]:
+    """The step's metadata (``read_meta``), of a format version this library reads."""
+    try:
+        meta = read_meta(manager, step)
+    except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
+        raise _unreadable(where, error) from error
+    format.check_version(meta, where)
+    return meta
+
+
 def read_step(
     trainer: Trainer, manager: ocp.CheckpointManager, step: int, *, trainable_only: bool = False
 ) -> SavedStep:
@@ -71,18 +86,10 @@ def read_step(
     check_same_model(path, step, kept)
     if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
-
-    def unreadable(error: Exception) -> DamagedCheckpoint:
-        return DamagedCheckpoint(
-            f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
-        )
+    unreadable = functools.partial(_unreadable, where)
 
     with orbax_private.quiet_failed_reads(path):
-        try:
-            meta = read_meta(manager, step)
-        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise unreadable(error) from error
-        format.check_version(meta, where)
+        meta = _checked_meta(manager, step, where)
         try:
             # The arrays of the callbacks this trainer has; others' are not read at all.
             stored = {
@@ -206,18 +213,10 @@ def read_params(manager: ocp.CheckpointManager, step: int, targets: Any) -> Any:
     check_same_params(path, step, targets)
     if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
-
-    def unreadable(error: Exception) -> DamagedCheckpoint:
-        return DamagedCheckpoint(
-            f"{where} cannot be read ({type(error).__name__}: {str(error)[:300]})"
-        )
+    unreadable = functools.partial(_unreadable, where)
 
     with orbax_private.quiet_failed_reads(path):
-        try:
-            meta = read_meta(manager, step)
-        except Exception as error:  # Orbax raises many kinds; all mean "cannot be read"
-            raise unreadable(error) from error
-        format.check_version(meta, where)
+        meta = _checked_meta(manager, step, where)
         if meta.get(format.KEPT_KEY, "all") != "all":
             raise ValueError(
                 f"{where} holds the run's trainable parameters alone (a LoRA run's "
