@@ -8,15 +8,17 @@ sequence, each); here only one chunk's exist at once, forward and backward,
 for the cost of computing each chunk's logits twice (``jax.checkpoint``).
 
 Neither optax (0.2.8) nor Flax (0.12.8) ships a chunked or fused
-projection + cross entropy; each chunk's loss is optax's own
-``softmax_cross_entropy_with_integer_labels``.
+projection + cross entropy. The loss is the negative of the one per-token
+log-probability (``nn.logprob.token_scores``): one scan, one chunking, for SFT
+and post-training alike.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from nnx_spmd_trainer.nn.logprob import token_scores
 
 __all__ = ["chunked_cross_entropy"]
 
@@ -39,81 +41,6 @@ def _check_shapes(
         raise ValueError(
             f"chunked_cross_entropy: the head does not match the features' width: {shapes}."
         )
-
-
-def _chunk_count(seq_len: int, chunk_size: int) -> int:
-    """How many chunks cover ``seq_len`` positions; a ValueError for a bad ``chunk_size``."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int (positions per chunk), got {chunk_size!r}; "
-            f"e.g. 128, or the sequence length {seq_len} for a single chunk."
-        )
-    return -(-seq_len // chunk_size)
-
-
-def _chunking(seq_len: int, chunk_size: int) -> tuple[int, int]:
-    """(chunks, positions per chunk). A ``chunk_size`` dividing ``seq_len`` is taken as
-    given. Otherwise, among the divisors of ``seq_len`` giving chunks of at most
-    ``chunk_size`` and at least half as many positions, the one whose chunk
-    has the most factors of 2 (then the longest) is taken: no padding, and a
-    sequence split evenly over a power-of-two ``seq`` axis stays split in every
-    chunk. With no such divisor, ``seq_len`` is padded up to whole chunks."""
-    chunks = _chunk_count(seq_len, chunk_size)
-    size = min(chunk_size, seq_len)
-    if size == 0 or seq_len % size == 0:  # it divides (or there is nothing): as given
-        return chunks, size
-    fitting = [seq_len // n for n in range(chunks, seq_len + 1) if seq_len % n == 0]
-    fitting = [c for c in fitting if 2 * c >= size]
-    if not fitting:
-        return chunks, size
-    best = max(fitting, key=lambda c: ((c & -c), c))  # c & -c: the largest power of 2 in c
-    return seq_len // best, best
-
-
-def _chunk_loss(
-    features: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    labels: jax.Array,
-    dtype: jnp.dtype | None,
-) -> tuple[jax.Array, jax.Array]:
-    """Per-token cross entropy and argmax of one chunk ``[batch, chunk]``.
-
-    The projection runs in ``dtype`` as ``nnx.Linear(dtype=...)`` computes it;
-    the softmax in fp32. Under a vocabulary split over a mesh axis, XLA
-    partitions optax's reductions and label lookup and ``argmax`` per slice:
-    what crosses devices is ``[batch, chunk]``-sized, never the logits.
-    """
-    if dtype is not None:
-        features, kernel = features.astype(dtype), kernel.astype(dtype)
-        bias = None if bias is None else bias.astype(dtype)
-    logits = jnp.einsum("bcd,dv->bcv", features, kernel)
-    if bias is not None:
-        logits = logits + bias
-    logits = logits.astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return losses, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def _into_chunks(x: jax.Array, chunks: int, chunk_size: int) -> jax.Array:
-    """``[batch, seq, ...]`` (seq padded to ``chunks * chunk_size``) as
-    ``[chunks, batch, chunk_size, ...]``, the scanned axis first.
-
-    Chunk ``j`` holds positions ``j, j + chunks, j + 2 * chunks, ...``: strided, not
-    contiguous, so a sequence split over devices (``SequenceParallel``) stays split
-    within every chunk and no device gathers the others' positions. Each position's
-    loss is its own, so the order does not change a result.
-    """
-    pad = chunks * chunk_size - x.shape[1]
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(x.shape[0], chunk_size, chunks, *x.shape[2:])
-    return jnp.moveaxis(x, 2, 0)
-
-
-def _from_chunks(x: jax.Array, seq_len: int) -> jax.Array:
-    """The inverse of ``_into_chunks``: ``[batch, seq]`` without the padding."""
-    x = jnp.moveaxis(x, 0, 2)
-    return x.reshape(x.shape[0], -1)[:, :seq_len]
 
 
 def chunked_cross_entropy(
@@ -183,21 +110,7 @@ def chunked_cross_entropy(
       3.4657
     """
     _check_shapes(features, kernel, bias, labels)
-    seq_len = labels.shape[1]
-    chunks, chunk_size = _chunking(seq_len, chunk_size)
-
-    @jax.checkpoint
-    def chunk_loss(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _chunk_loss(x, kernel, bias, y, dtype)
-
-    def body(
-        carry: None, chunk: tuple[jax.Array, jax.Array]
-    ) -> tuple[None, tuple[jax.Array, jax.Array]]:
-        return carry, chunk_loss(*chunk)
-
-    xs = (
-        _into_chunks(features, chunks, chunk_size),
-        _into_chunks(labels.astype(jnp.int32), chunks, chunk_size),
+    log_probs, predictions = token_scores(
+        features, kernel, labels, chunk_size=chunk_size, head_bias=bias, dtype=dtype
     )
-    _, (losses, predictions) = jax.lax.scan(body, None, xs)
-    return _from_chunks(losses, seq_len), _from_chunks(predictions, seq_len).astype(jnp.int32)
+    return -log_probs, predictions

@@ -1,0 +1,148 @@
+"""nn.token_log_probs: each target's log-probability, the head projected a chunk of
+positions at a time.
+
+Checked against ``jax.nn.log_softmax`` of the full logits written out here (values and
+gradients, float32, 1e-5), with a temperature and a sampler's kept set (top-k / top-p
+renormalized: the formula written here over the full logits), a padded vocabulary,
+and sharded under DataParallel and FSDP x TensorParallel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, TensorParallel
+from nnx_spmd_trainer.nn import token_log_probs
+
+ROWS, SEQ, WIDTH, VOCAB = 4, 24, 16, 64
+
+
+def random_head(rows=ROWS, seq=SEQ, width=WIDTH, vocab=VOCAB, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    hidden = jax.random.normal(keys[0], (rows, seq, width))
+    kernel = jax.random.normal(keys[1], (width, vocab)) / np.sqrt(width)
+    bias = 0.5 * jax.random.normal(keys[2], (vocab,))
+    targets = jax.random.randint(keys[3], (rows, seq), 0, vocab)
+    weights = jax.random.uniform(keys[4], (rows, seq))  # a loss that weighs each token
+    return hidden, kernel, bias, targets, weights
+
+
+def full_log_probs(hidden, kernel, bias, targets, temperature=1.0, kept=None, vocab_size=None):
+    """The independent computation: the whole [rows, seq, vocab] logits, jnp's log_softmax."""
+    logits = (hidden @ kernel + bias).astype(jnp.float32)
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
+    logits = logits / temperature
+    if kept is not None:
+        logits = jnp.where(logits >= kept[..., None], logits, -jnp.inf)
+    logps = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logps, targets[..., None], axis=-1)[..., 0]
+
+
+def value_and_grads(fn, hidden, kernel, bias, targets, weights, **static):
+    """A weighted sum of the log-probabilities and its gradients (hidden, kernel, bias)."""
+
+    def loss(h, k, b):
+        logps = fn(h, k, b, targets, **static)
+        return jnp.sum(logps * weights), logps
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(hidden, kernel, bias)
+
+
+def chunked(hidden, kernel, bias, targets, *, chunk_size=8, **kw):
+    return token_log_probs(hidden, kernel, targets, head_bias=bias, chunk_size=chunk_size, **kw)
+
+
+def assert_close(actual, expected, tol=1e-5):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("chunk_size", [5, 8, SEQ, 100])
+def test_equals_the_full_log_softmax_values_and_gradients(chunk_size):
+    head = random_head()
+    (_, logps), grads = value_and_grads(chunked, *head, chunk_size=chunk_size)
+    (_, expected), expected_grads = value_and_grads(full_log_probs, *head)
+    assert logps.shape == (ROWS, SEQ) and logps.dtype == jnp.float32
+    assert_close((logps, grads), (expected, expected_grads))
+
+
+def test_a_temperature_and_a_kept_set_are_the_sampled_distribution():
+    """z/T renormalized over the tokens whose tempered logit is at least the kept
+    minimum (here each position keeps its 10 largest; some positions keep all: -inf)."""
+    hidden, kernel, bias, targets, weights = random_head(seed=1)
+    temperature = 0.7
+    tempered = (hidden @ kernel + bias) / temperature
+    kept = jnp.sort(tempered, axis=-1)[..., -10]
+    kept = kept.at[0, :5].set(-jnp.inf)  # nothing truncated there
+    targets = jnp.argsort(-tempered, axis=-1)[..., 3]  # a token inside the kept set
+    head = (hidden, kernel, bias, targets, weights)
+    static = {"temperature": temperature, "kept_min_logit": kept}
+    (_, logps), grads = value_and_grads(chunked, *head, **static)
+    full_static = {"temperature": temperature, "kept": kept}
+    (_, expected), expected_grads = value_and_grads(full_log_probs, *head, **full_static)
+    assert_close((logps, grads), (expected, expected_grads))
+    untruncated = chunked(hidden, kernel, bias, targets, temperature=temperature)
+    assert np.all(np.asarray(logps[1:]) > np.asarray(untruncated[1:]))  # less mass to share
+    np.testing.assert_array_equal(logps[0, :5], untruncated[0, :5])
+
+
+def test_padded_vocabulary_columns_are_never_a_token():
+    hidden, kernel, bias, targets, weights = random_head(seed=2)
+    targets = targets % 50
+    head = (hidden, kernel, bias, targets, weights)
+    (_, logps), grads = value_and_grads(chunked, *head, vocab_size=50)
+    (_, expected), expected_grads = value_and_grads(full_log_probs, *head, vocab_size=50)
+    assert_close((logps, grads), (expected, expected_grads))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "specs"),
+    [
+        (DataParallel(8), (P("data"), P(), P(), P("data"), P("data"))),
+        (
+            Hybrid(FSDP(4), TensorParallel(2)),
+            (P("fsdp"), P(None, "model"), P("model"), P("fsdp"), P("fsdp")),
+        ),
+    ],
+    ids=["dp", "fsdp_x_tp"],
+)
+def test_sharded_equals_one_device(strategy, specs):
+    mesh = strategy.make_mesh()
+    head = random_head(rows=8, seq=16, vocab=128, seed=3)
+    placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(head, specs, strict=True)]
+    with jax.set_mesh(mesh):
+        (_, logps), grads = value_and_grads(chunked, *placed)
+    (_, expected), expected_grads = value_and_grads(full_log_probs, *head)
+    assert_close((logps, grads), (expected, expected_grads))
+    assert [g.sharding.spec for g in grads] == list(specs[:3])
+
+
+def test_the_vocabulary_never_exists_whole_forward_or_backward():
+    """No value of the compiled gradient has [rows, seq, vocab] elements: only chunks."""
+    rows, seq, width, vocab = 2, 64, 8, 1000
+    shapes = [
+        jax.ShapeDtypeStruct((rows, seq, width), jnp.float32),
+        jax.ShapeDtypeStruct((width, vocab), jnp.float32),
+        jax.ShapeDtypeStruct((rows, seq), jnp.int32),
+    ]
+
+    def loss(h, k, t):
+        return token_log_probs(h, k, t, chunk_size=8).sum()
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile().as_text()
+    assert "f32[2,8,1000]" in hlo.replace(" ", "")  # a chunk's logits
+    assert f"[{rows},{seq},{vocab}]" not in hlo.replace(" ", "")
+
+
+def test_bad_arguments_are_clear_errors():
+    hidden, kernel, bias, targets, _ = random_head()
+    with pytest.raises(ValueError, match="temperature=0"):
+        token_log_probs(hidden, kernel, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="kept_min_logit is one value per token"):
+        token_log_probs(hidden, kernel, targets, kept_min_logit=jnp.zeros((ROWS,)))
+    with pytest.raises(ValueError, match="does not match the hidden states' width"):
+        token_log_probs(hidden, kernel.T, targets)
