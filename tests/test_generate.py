@@ -75,6 +75,19 @@ def trainer(factory: Callable[[nnx.Rngs], nnx.Module], strategy: Any, **kw: Any)
     return Trainer(factory, optax.sgd(0.1), strategy=strategy, loss_fn=lambda m, b: (0.0, {}), **kw)
 
 
+def forced_logits(t: Trainer, prompts: list[list[int]], new: list[list[int]]) -> list[np.ndarray]:
+    """The logits that chose each generated token (``[new, vocab]`` a prompt), float32, from
+    the trainer's own compiled forward pass over prompt + continuation, right padded."""
+    tokens = np.zeros((8, 16), np.int32)
+    for r, (p, n) in enumerate(zip(prompts, new, strict=True)):
+        tokens[r, : len(p) + len(n)] = p + n
+    (logits,) = t.predict([{"x": tokens}], to_numpy=True)
+    return [
+        np.asarray(logits[r, len(p) - 1 : len(p) + len(n) - 1], np.float32)
+        for r, (p, n) in enumerate(zip(prompts, new, strict=True))
+    ]
+
+
 def teacher_forced(t: Trainer, prompts: list[list[int]], new: list[list[int]]) -> tuple[Any, Any]:
     """Each generated token's log-probability and the argmax, from the trainer's own
     compiled forward pass (``Trainer.predict``) over prompt + continuation, right padded."""
@@ -159,13 +172,12 @@ def test_the_decode_step_donates_the_cache(small: Sampler) -> None:
     positions = np.tile(np.arange(columns, dtype=np.int32), (rows, 1))
     real = np.ones((rows, length), bool)
     seed, row_ids = jnp.uint32(0), np.arange(rows, dtype=np.int32)
-    cache, token, _ = programs.prefill(rows, columns, length, how)(
+    cache, choice = programs.prefill(rows, columns, length, how)(
         leaves, tokens, positions, real, seed, row_ids
     )
     decode = programs.decode(rows, length, how)
-    after, _, _ = decode(
-        leaves, cache, token, np.full(rows, columns, np.int32), real, seed, jnp.int32(1), row_ids
-    )
+    lengths = np.full(rows, columns, np.int32)
+    after, _ = decode(leaves, cache, choice.token, lengths, real, seed, jnp.int32(1), row_ids)
     # The keys, values and index: their buffers became the next cache's. (The padding
     # mask is rewritten from `real` at every call, so the step never reads the old one.)
     kept = [x for x in cache if x.dtype != jnp.bool_]
@@ -213,9 +225,13 @@ class Letters:
         return "".join(chr(ord("a") + int(i)) for i in ids)
 
 
+SMALL_TRAINER: list[Trainer] = []
+
+
 @pytest.fixture(scope="module")
 def small() -> Sampler:
     t = trainer(gpt(), DataParallel())
+    SMALL_TRAINER[:] = [t]
     return Sampler(t.model, t.plan, tokenizer=Letters())
 
 
@@ -280,3 +296,40 @@ def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
     assert drawn(Sampling(1.0, top_k=2)) == {0, 1}
     assert drawn(Sampling(1.0, top_p=0.9)) == {0, 1, 2}  # 0.5 + 0.3 < 0.9 <= 0.95
     assert drawn(Sampling(1.0)) == {0, 1, 2, 3}
+
+
+def sampling_distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """One step's sampling distribution written out in NumPy (float64): the logits over
+    the temperature, the fewest likeliest tokens whose mass reaches ``top_p``, renormalised."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    kept = np.zeros_like(p, bool)
+    kept[order[before < top_p]] = True
+    q = np.where(kept, p, 0.0)
+    return q / q.sum()
+
+
+def test_sampling_log_probs_are_the_sampled_distributions(small: Sampler) -> None:
+    t = small.programs._model
+    out = small.generate(PROMPTS, max_new_tokens=NEW, temperature=0.7, top_p=0.9, seed=3)
+    trained = SMALL_TRAINER[0]
+    assert trained.model is t
+    for r, logits in enumerate(forced_logits(trained, PROMPTS, out.tokens)):
+        for step, token in enumerate(out.tokens[r]):
+            q = sampling_distribution(logits[step], 0.7, 0.9)
+            assert q[token] > 0  # the token was in the kept set
+            np.testing.assert_allclose(out.sampling_log_probs[r][step], np.log(q[token]), atol=1e-5)
+            kept = q > 0
+            want_min = -np.inf if kept.all() else (logits[step][kept] / 0.7).min()
+            np.testing.assert_allclose(out.kept_min_logit[r][step], want_min, atol=1e-5)
+            raw = logits[step] - logits[step].max()
+            raw = raw - np.log(np.exp(raw).sum())
+            np.testing.assert_allclose(out.log_probs[r][step], raw[token], atol=1e-5)
+    # At temperature 1 with nothing truncated (and greedy), the two are the same numbers.
+    for how in ({"temperature": 1.0}, {}):
+        plain = small.generate(PROMPTS, max_new_tokens=NEW, **how)
+        assert plain.sampling_log_probs == plain.log_probs
+        assert all(k == -np.inf for row in plain.kept_min_logit for k in row)

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_spmd_trainer import sharding as sh
-from nnx_spmd_trainer.generate.sampling import Sampling, log_probabilities, row_key, sample
+from nnx_spmd_trainer.generate.sampling import Choice, Sampling, choose, row_key
 from nnx_spmd_trainer.nn.kv_cache import decodes_blocks, init_caches
 from nnx_spmd_trainer.planner.plan import Plan
 
@@ -51,18 +51,16 @@ __all__ = ["DecodePrograms"]
 #: The mesh-axis roles whose layouts do not decode, and what they are called.
 UNDECODABLE = {"stage": "a pipeline", "seq": "a sequence split"}
 
-#: What a step returns: the cache, each row's next token and its log-probability.
-StepOut = tuple[Any, jax.Array, jax.Array]
+#: What a step returns: the cache and each row's choice (``sampling.Choice``).
+StepOut = tuple[Any, Choice]
 
 
 def _choose(
     logits: jax.Array, seed: jax.Array, step: jax.Array, rows: jax.Array, how: Sampling
-) -> tuple[jax.Array, jax.Array]:
-    """Each row's next token from its own key, and its log-probability under the raw logits."""
+) -> Choice:
+    """Each row's next token from its own key, with its log-probabilities."""
     keys = jax.vmap(lambda row: row_key(seed, step, row))(rows)
-    tokens = jax.vmap(lambda lg, k: sample(lg, k, how))(logits, keys)
-    logp = jnp.take_along_axis(log_probabilities(logits), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logp
+    return Choice(*jax.vmap(lambda lg, k: choose(lg, k, how))(logits, keys))
 
 
 class DecodePrograms:
@@ -281,16 +279,14 @@ class DecodePrograms:
                     cache, logits = forward(state, cache, tokens, positions, real)
                 else:
                     cache, logits = by_columns(leaves, cache, tokens, positions, real)
-                token, logp = _choose(logits, seed, jnp.int32(0), row_ids, how)
-                return cache, token, logp
+                return cache, _choose(logits, seed, jnp.int32(0), row_ids, how)
 
         def decode(leaves, cache, tokens, lengths, real, seed, step, row_ids):  # type: ignore[no-untyped-def]
             with self._tracing(batch_shardings):
                 state = jax.tree.unflatten(treedef, leaves)
                 positions = (lengths + step - 1)[:, None]
                 cache, logits = forward(state, cache, tokens[:, None], positions, real)
-                token, logp = _choose(logits, seed, step, row_ids, how)
-                return cache, token, logp
+                return cache, _choose(logits, seed, step, row_ids, how)
 
         row = self._rows()
         state = [
@@ -319,7 +315,7 @@ class DecodePrograms:
             jitted = self.plan.compile_program(
                 program,
                 in_shardings=jax.tree.map(lambda x: x.sharding, args),
-                out_shardings=(cache_shardings, row, row),
+                out_shardings=(cache_shardings, Choice(row, row, row, row)),
                 donate_argnums=donate,
             )
             lower = getattr(jitted, "lower", None)  # a strategy's own wrapper may not lower

@@ -88,6 +88,14 @@ class Generation:
         (one per prompt and step, the first token of each row being prefill's) over the
         decode programs' wall time (each call to its result); ``0.0`` when no decode
         step ran (``max_new_tokens=1``).
+      sampling_log_probs: each generated token's log-probability under the distribution
+        it was drawn from: the logits divided by the temperature, renormalised over the
+        tokens top-k/top-p kept (``sampling.choose``). Equal to ``log_probs`` when greedy
+        and at ``temperature=1`` with no truncation. What a policy-gradient learner's
+        first-update ratio is measured against.
+      kept_min_logit: per generated token, the smallest temperature-scaled logit the
+        truncation kept (``-inf`` when nothing was truncated): a learner rebuilds the
+        kept set as the tokens whose ``logit / temperature`` is at least this.
     """
 
     tokens: list[list[int]]
@@ -96,6 +104,8 @@ class Generation:
     finish: list[str]
     prefill_tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
+    sampling_log_probs: list[list[float]] = dataclasses.field(default_factory=list)
+    kept_min_logit: list[list[float]] = dataclasses.field(default_factory=list)
 
 
 def _context_length(model: nnx.Module) -> int | None:
@@ -266,12 +276,12 @@ class Sampler:
                 np.uint32(seed), real, lengths, row_ids
             )
             start = time.perf_counter()
-            cache, token, logp = jax.block_until_ready(
+            cache, choice = jax.block_until_ready(
                 prefill(leaves, tokens, positions, real_array, seed_array, row_array)
             )
             timing.prefill_seconds = time.perf_counter() - start
             out = _Rows(n, end_token, stop, self.tokenizer)
-            done = out.take(*gather_to_host((token, logp)))
+            done = out.take(*gather_to_host(tuple(choice)))
         loop_start = time.perf_counter()
         with jax.set_mesh(programs.plan.mesh):
             for step in range(1, max_new_tokens):
@@ -279,15 +289,15 @@ class Sampler:
                     break
                 with TraceAnnotation("generate/decode_step"):
                     start = time.perf_counter()
-                    cache, token, logp = jax.block_until_ready(
+                    cache, choice = jax.block_until_ready(
                         decode(
-                            leaves, cache, token, lengths_array, real_array,
+                            leaves, cache, choice.token, lengths_array, real_array,
                             seed_array, np.int32(step), row_array,
                         )
                     )  # fmt: skip
                     timing.decode_seconds += time.perf_counter() - start
                     timing.decode_steps += 1
-                    done = out.take(*gather_to_host((token, logp)))
+                    done = out.take(*gather_to_host(tuple(choice)))
         timing.decode_loop_seconds = time.perf_counter() - loop_start
         timing.decode_tokens = n * timing.decode_steps
         self.last_timing = timing
@@ -364,17 +374,23 @@ class _Rows:
     ) -> None:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.log_probs: list[list[float]] = [[] for _ in range(n)]
+        self.sampling_log_probs: list[list[float]] = [[] for _ in range(n)]
+        self.kept_min_logit: list[list[float]] = [[] for _ in range(n)]
         self.finish = ["length"] * n
         self.done = [False] * n
         self.end_token, self.stop, self.tokenizer = end_token, tuple(stop), tokenizer
 
-    def take(self, token: np.ndarray, logp: np.ndarray) -> bool:
+    def take(
+        self, token: np.ndarray, logp: np.ndarray, sampling_logp: np.ndarray, kept: np.ndarray
+    ) -> bool:
         """Adds one step's tokens; True once every row has stopped."""
         for r in range(len(self.tokens)):
             if self.done[r]:
                 continue
             self.tokens[r].append(int(token[r]))
             self.log_probs[r].append(float(logp[r]))
+            self.sampling_log_probs[r].append(float(sampling_logp[r]))
+            self.kept_min_logit[r].append(float(kept[r]))
             if self.end_token is not None and int(token[r]) == self.end_token:
                 self.done[r], self.finish[r] = True, "end"
             elif self.stop and self.tokenizer is not None:
@@ -401,4 +417,6 @@ class _Rows:
             self.finish,
             prefill_tokens_per_second=timing.prefill_tokens_per_second,
             decode_tokens_per_second=timing.decode_tokens_per_second,
+            sampling_log_probs=self.sampling_log_probs,
+            kept_min_logit=self.kept_min_logit,
         )

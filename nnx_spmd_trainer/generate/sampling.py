@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Sampling", "log_probabilities", "row_key", "sample"]
+__all__ = ["Choice", "Sampling", "choose", "log_probabilities", "row_key", "sample"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +78,72 @@ def row_key(seed: jax.Array | int, step: jax.Array | int, row: jax.Array | int) 
     return jax.random.fold_in(key, row)
 
 
-def _truncated(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """``logits`` (one row, float32) with the tokens outside top-k and top-p at -inf."""
-    low = jnp.finfo(jnp.float32).min
-    if sampling.top_k and sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][-1]
-        logits = jnp.where(logits < kth, low, logits)
+def _kept_min(scaled: jax.Array, sampling: Sampling) -> jax.Array:
+    """The smallest of one row's temperature-scaled logits (``[vocab]``, float32) that
+    top-k and top-p keep; ``-inf`` when they keep every token. The kept set is every
+    token at or above it (ties with it included), as a learner rebuilds it."""
+    keep = jnp.ones(scaled.shape, bool)
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = jax.lax.top_k(scaled, sampling.top_k)[0][-1]
+        keep = scaled >= kth
     if sampling.top_p < 1.0:
-        order = jnp.argsort(-logits)
-        probabilities = jax.nn.softmax(logits[order])
+        masked = jnp.where(keep, scaled, -jnp.inf)
+        order = jnp.argsort(-masked)
+        probabilities = jax.nn.softmax(masked[order])
         before = jnp.cumsum(probabilities) - probabilities  # mass of the tokens ranked above
         keep_sorted = before < sampling.top_p  # the first token is always kept
-        keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-        logits = jnp.where(keep, logits, low)
-    return logits
+        keep = keep & jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+    smallest = jnp.min(jnp.where(keep, scaled, jnp.inf))
+    return jnp.where(jnp.all(keep), -jnp.inf, smallest)
+
+
+def _truncated(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """``logits`` (one row, float32, temperature-scaled) with the tokens outside top-k
+    and top-p at -inf."""
+    return jnp.where(logits >= _kept_min(logits, sampling), logits, -jnp.inf)
+
+
+class Choice(NamedTuple):
+    """One decode step's choice for a row (or rows, under ``vmap``).
+
+    Attributes:
+      token: the chosen id.
+      log_prob: its log-probability under the model's raw logits (``log_softmax``).
+      sampling_log_prob: its log-probability under the distribution it was drawn from:
+        ``logits / temperature``, renormalised over the tokens top-k/top-p kept (those at
+        or above ``kept_min_logit``). Equal to ``log_prob`` when greedy, and at
+        ``temperature=1`` with nothing truncated.
+      kept_min_logit: the smallest temperature-scaled logit kept; ``-inf`` when nothing
+        was truncated (greedy included).
+    """
+
+    token: jax.Array
+    log_prob: jax.Array
+    sampling_log_prob: jax.Array
+    kept_min_logit: jax.Array
+
+
+def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Choice:
+    """One token from one row's ``logits`` (``[vocab]``) with ``key``, and the
+    log-probabilities it has under the model and under the sampling distribution.
+
+    >>> p = jnp.array([0.5, 0.3, 0.2])
+    >>> c = choose(jnp.log(p), row_key(0, 0, 0), Sampling(1.0, top_k=2))
+    >>> bool(c.kept_min_logit == jnp.log(p)[1]), int(c.token) in (0, 1)
+    (True, True)
+    >>> bool(jnp.isclose(c.sampling_log_prob, jnp.log(p[c.token] / 0.8)))
+    True
+    """
+    logits = logits.astype(jnp.float32)
+    raw = log_probabilities(logits)
+    if sampling.greedy:
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return Choice(token, raw[token], raw[token], jnp.float32(-jnp.inf))
+    scaled = logits / sampling.temperature
+    kept_min = _kept_min(scaled, sampling)
+    drawn = jax.nn.log_softmax(jnp.where(scaled >= kept_min, scaled, -jnp.inf))
+    token = jax.random.categorical(key, drawn).astype(jnp.int32)
+    return Choice(token, raw[token], drawn[token], kept_min)
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -99,8 +152,4 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     >>> int(sample(jnp.array([0.0, 3.0, 1.0]), row_key(0, 0, 0), Sampling()))
     1
     """
-    logits = logits.astype(jnp.float32)
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = _truncated(logits / sampling.temperature, sampling)
-    return jax.random.categorical(key, scaled).astype(jnp.int32)
+    return choose(logits, key, sampling).token
