@@ -5,7 +5,6 @@ are its mixins' (``run_access.RunAccess``, ``plan_holder.LayoutAccess``)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -201,10 +200,8 @@ class Trainer(LayoutAccess, RunAccess):
         self.config = config
         self.run = Run(LogSchedule(log_every_n_steps, track_norms=track_norms))
         self.run.timings.speed = Speed(peak_flops)
-        if init_from is not None and (lora or getattr(plan, "lora", None)) is not None:
-            # The files hold the base alone: the adapters are the initializer's.
-            fresh = nnx.Any(init_from.fresh, nnx.LoRAParam)
-            init_from = dataclasses.replace(init_from, fresh=fresh)
+        # A plan's LoRA adapters are its initializer's: init_from leaves them out itself
+        # (Pretrained.fresh_in), so a job's check before training reads the same leaves.
         self.run.initial_state = init_from.state if init_from is not None else None
         self._plan_holder = plan_holder.PlanHolder(
             self.run,

@@ -343,6 +343,37 @@ def test_weights_merged_params_folds_any_adapted_kernel_as_merge_does():
     assert merged.keys() == flat.keys()
     for key, value in flat.items():
         np.testing.assert_array_equal(merged[key], value, err_msg=key)
-    given = weights.merged_params(model, scale=1.0)["blocks/0/mha/query/kernel"]
-    np.testing.assert_allclose(given, w + np.tensordot(a, b, axes=1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"blocks/0/mha/query holds adapters of scale 3.0"):
+        weights.merged_params(model, scale=1.0)  # it would not compute what the model did
     assert lora.adapted_layers(model) and query.lora_scale == 3.0  # the model untouched
+
+
+def test_merged_params_folds_each_layer_at_its_own_scale():
+    """Layers adapted by two ``LoRA`` s of different ``alpha / rank`` are each folded at
+    their own (``merged_params`` once overwrote every layer's with one scale), checked
+    against ``W + alpha / rank * A B`` by hand and against the adapted model's output."""
+    from nnx_spmd_trainer import weights
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.Sequential(
+            nnx.Linear(6, 5, rngs=nnx.Rngs(0)), nnx.Linear(5, 4, rngs=nnx.Rngs(1))
+        )
+        lora.apply(model, LoRA(rank=2, alpha=1.0, targets="layers/0"), rngs=nnx.Rngs(2))
+        lora.apply(model, LoRA(rank=3, alpha=12.0, targets="layers/1"), rngs=nnx.Rngs(3))
+    for i, layer in enumerate(model.layers):
+        layer.lora_b.set_value(jax.random.normal(jax.random.key(10 + i), layer.lora_b.shape))
+    merged = weights.merged_params(model)
+    for i, scale in enumerate((0.5, 4.0)):
+        layer = model.layers[i]
+        w, a, b = (
+            np.asarray(v[...], np.float64) for v in (layer.kernel, layer.lora_a, layer.lora_b)
+        )
+        np.testing.assert_allclose(
+            merged[f"layers/{i}/kernel"], w + scale * a @ b, rtol=1e-5, atol=1e-6
+        )
+    x = np.asarray(jax.random.normal(jax.random.key(9), (3, 6)), np.float64)
+    h = x @ merged["layers/0/kernel"] + merged["layers/0/bias"]
+    plain = h @ merged["layers/1/kernel"] + merged["layers/1/bias"]
+    np.testing.assert_allclose(
+        plain, np.asarray(model(jnp.asarray(x, jnp.float32))), rtol=1e-4, atol=1e-5
+    )

@@ -162,8 +162,7 @@ def _main(argv: Sequence[str]) -> int:
         try:
             path = export(
                 result.trainer, flags.FLAGS.export, flags.FLAGS.export_format,
-                weight_map=result.weight_map, ema=flags.FLAGS.export_ema,
-                lora=config.get("lora"),
+                weight_map=result.weight_map, ema=flags.FLAGS.export_ema, workdir=workdir,
             )  # fmt: skip
         except OSError as error:  # a full disk, a read-only directory: no partial file left
             fail(
@@ -181,7 +180,8 @@ def _main(argv: Sequence[str]) -> int:
             )
         elif jax.process_index() == 0 and flags.FLAGS.export_format in ("safetensors", "merged"):
             say(
-                f"{what} exported to {path} under the task's weight map's names; "
+                f"{what} exported to {path} under the task's weight map's names (the "
+                "model's own parameter paths where it has none); "
                 f"load them with safetensors.numpy.load_file({str(path)!r})"
             )
         elif jax.process_index() == 0:

@@ -9,18 +9,9 @@ from typing import Any
 from flax import nnx
 
 from nnx_spmd_trainer.data.to_host import gather_to_host
+from nnx_spmd_trainer.data.written import check_export_path, written_whole
 
-
-def check_export_path(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """The absolute export path; ``FileExistsError`` if it holds anything and not ``overwrite``."""
-    path = Path(path).absolute()
-    occupied = path.exists() and not (path.is_dir() and not any(path.iterdir()))
-    if occupied and not overwrite:
-        raise FileExistsError(
-            f"{path} exists and is not an empty directory: refusing to overwrite it with an "
-            "export. Remove it, pick another path, or pass overwrite=True."
-        )
-    return path
+__all__ = ["check_export_path", "export_params", "written_whole"]
 
 
 def _string_keys(tree: dict[Any, Any]) -> dict[str, Any]:
@@ -65,10 +56,10 @@ def export_params(
     plain ``restore(path)`` on other devices fails without a tree of
     ``restore_args``.
     """
-    path = check_export_path(path, overwrite=overwrite)
     import orbax.checkpoint as ocp  # here: importing the library should not import Orbax
 
     params = gather_to_host(_string_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    # force: an empty directory (or, with overwrite, an old export) is replaced; synchronous.
-    ocp.PyTreeCheckpointer().save(path, params, force=True)
-    return path
+    with written_whole(path, overwrite=overwrite) as partial:
+        # Written whole, then renamed: a full disk leaves nothing at path (written_whole).
+        ocp.PyTreeCheckpointer().save(partial, params, force=True)
+    return Path(path).absolute()

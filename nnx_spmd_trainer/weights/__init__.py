@@ -6,7 +6,8 @@ A ``WeightMap`` says how each model array is made from a file's tensors
 ``TreeSource``, ``OrbaxSource``) through it, each device given only its own
 blocks; ``save_safetensors`` reads the map backwards and writes the file again. LoRA adapters go
 out through the same map: ``peft_adapter``/``write_peft_adapter`` as a PEFT adapter
-directory (``peft.py``), ``merged_params`` folded into the base (``merge.py``).
+directory (``peft.py``; ``load_peft_adapter`` reads one into a model in one call),
+``merged_params`` folded into the base (``merge.py``).
 
 >>> import numpy as np
 >>> m = WeightMap({"wte/embedding": pad(tensor("wte.weight", (5, 2)), axis=0, size=8)})
@@ -30,6 +31,7 @@ from nnx_spmd_trainer.weights.peft import (
     read_peft_adapter,
     write_peft_adapter,
 )
+from nnx_spmd_trainer.weights.peft_load import load_peft_adapter
 from nnx_spmd_trainer.weights.save import save_safetensors
 from nnx_spmd_trainer.weights.sources import (
     OrbaxSource,
@@ -67,6 +69,7 @@ __all__ = [
     "cast",
     "check",
     "concat",
+    "load_peft_adapter",
     "load_weights",
     "lora_pairs",
     "merged_params",

@@ -129,24 +129,43 @@ class Pretrained:
 
     ``fresh`` (an ``nnx`` filter, default none) names the parameters the source does
     not have by design, which the model's initializer makes as it would without a
-    source: LoRA adapters (``fresh=nnx.LoRAParam``), a new head. The map leaves them
-    out; every other parameter must still come from the source.
+    source: a new head. A plan's LoRA adapters are always left out (``fresh_in``). The
+    map leaves them out; every other parameter must still come from the source.
+    ``weight_map=None``: the file holds each parameter under its own path
+    (``"h/0/attn/q/kernel"``), as ``save_safetensors(model, path, WeightMap.identity(
+    nnx.state(model, nnx.Param)))`` writes it.
     """
 
     source: WeightSource | str | os.PathLike[str]
-    weight_map: WeightMap
+    weight_map: WeightMap | None
     fresh: nnx.filterlib.Filter = nnx.Nothing
+
+    def fresh_in(self, plan: Plan) -> nnx.filterlib.Filter:
+        """``fresh``, and the plan's LoRA adapters where it adds some (``Plan(lora=...)``):
+        a base's file holds none, and the adapters are the plan's initializer's. The
+        plan, not a copy of this object, says so: every reader (``check``, ``state``, a
+        job's check before training) leaves out the same leaves."""
+        if getattr(plan, "lora", None) is None:
+            return self.fresh
+        return nnx.Any(self.fresh, nnx.LoRAParam)
+
+    def map_for(self, targets: nnx.State) -> WeightMap:
+        """``weight_map``, or, where it is ``None``, each parameter read from the tensor of
+        its own path (``WeightMap.identity``: a file written under the model's own names,
+        as ``--export_format=merged`` writes a model without a map)."""
+        return self.weight_map if self.weight_map is not None else WeightMap.identity(targets)
 
     def check(self, plan: Plan) -> None:
         """Raises the ``WeightsMismatch`` that ``state`` would (a damaged or truncated file,
         another model's names or shapes), from the source's headers: no array is built."""
-        targets = param_targets(plan, self.fresh)
+        targets = param_targets(plan, self.fresh_in(plan))
         by_path = {
             path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(targets)[0]
         }
-        _raise_problems(self.weight_map, by_path, _as_source(self.source))
+        _raise_problems(self.map_for(targets), by_path, _as_source(self.source))
 
     def state(self, plan: Plan) -> nnx.State:
         """The plan's whole initial state, with the parameters from the source."""
-        params = load_weights(param_targets(plan, self.fresh), self.source, self.weight_map)
+        targets = param_targets(plan, self.fresh_in(plan))
+        params = load_weights(targets, self.source, self.map_for(targets))
         return pretrained_state(plan, params)

@@ -60,15 +60,21 @@ def merged_params(model: nnx.Module, *, scale: float | None = None) -> dict[str,
     """The plain model's parameters, flat by path: every ``nnx.Param`` but the adapters,
     an ``nnx.LoRA`` wrapper's base under the wrapper's own path, each adapted kernel
     ``W + scale * lora_a @ lora_b`` (in float32, cast back to the kernel's dtype).
-    ``scale``: what the adapters' product is multiplied by in the forward pass
-    (``alpha / rank``); ``None``: each ``nn.lora`` layer's own (``LoRA.scale``) and 1 for
-    Flax's ``nnx.LoRA``, which has none. ``model`` is unchanged: ``nn.lora``'s layers are
-    folded by ``nn.lora.merge`` on a copy. ``weights.save_safetensors`` writes the result
-    through the base's map."""
+    Each ``nn.lora`` layer is folded at its own scale (its ``LoRA``'s ``alpha / rank``:
+    layers adapted by two ``LoRA`` s keep theirs); ``scale`` is the one of Flax's
+    ``nnx.LoRA`` wrappers, which hold none (``None``: 1, their forward pass's). A
+    ``scale`` that contradicts an ``nn.lora`` layer's own is a ``ValueError``: the merge
+    would not compute what the adapted model did. ``model`` is unchanged: ``nn.lora``'s
+    layers are folded by ``nn.lora.merge`` on a copy. ``weights.save_safetensors``
+    writes the result through the base's map."""
     plain = nnx.clone(model)  # new Variables over the same arrays: nothing is copied
-    if scale is not None:
-        for layer in nn_lora.adapted_layers(plain).values():
-            layer.lora_scale = scale
+    for where, layer in nn_lora.adapted_layers(plain).items():
+        if scale is not None and float(scale) != float(layer.lora_scale):
+            raise ValueError(
+                f"merged_params(scale={scale}): {where} holds adapters of scale "
+                f"{layer.lora_scale} (its LoRA's alpha / rank), and each nn.lora layer is "
+                "folded at its own: leave scale out (it is for Flax's nnx.LoRA wrappers)."
+            )
     plain = nn_lora.merge(plain)  # left: Flax's nnx.LoRA wrappers' adapters
     owners = _owners(plain)
     wrapper_scale = 1.0 if scale is None else scale

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from nnx_spmd_trainer.data.to_host import gather_to_host
+from nnx_spmd_trainer.data.written import PARTIAL, write_errors
 from nnx_spmd_trainer.weights.expr import Piece, Tensor, full_index
 from nnx_spmd_trainer.weights.mapping import WeightMap
 
@@ -343,7 +344,11 @@ def write_peft_adapter(
     adapter: PeftAdapter, directory: str | os.PathLike[str], *, overwrite: bool = False
 ) -> Path:
     """``adapter_config.json`` and ``adapter_model.safetensors`` in ``directory`` (made);
-    ``peft.PeftModel.from_pretrained(base, directory)`` reads them."""
+    ``peft.PeftModel.from_pretrained(base, directory)`` reads them.
+
+    Each file is written beside its name and renamed, the config last: a write that
+    fails (a full disk) leaves neither half-written nor a config without its weights,
+    and raises ``OSError`` naming the cause (safetensors' ``SafetensorError`` too)."""
     import safetensors.numpy
 
     directory = Path(directory).absolute()
@@ -354,8 +359,19 @@ def write_peft_adapter(
         )
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v) for k, v in adapter.tensors.items()}
-    safetensors.numpy.save_file(tensors, str(files[1]), metadata={"format": "pt"})
-    files[0].write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
+    partial = [f.with_name(f.name + PARTIAL) for f in files]
+    try:
+        safetensors.numpy.save_file(tensors, str(partial[1]), metadata={"format": "pt"})
+        partial[0].write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
+        files[0].unlink(missing_ok=True)  # an old config never stands beside new weights
+        os.replace(partial[1], files[1])
+        os.replace(partial[0], files[0])
+    except write_errors() as error:
+        for f in partial:
+            f.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise
+        raise OSError(f"{directory}: {type(error).__name__}: {error}") from error
     return directory
 
 

@@ -151,6 +151,8 @@ def save_safetensors(
         Hugging Face's loaders expect.
       overwrite: replace an existing file.
 
+    The file's directory is made where it is missing.
+
     With several processes every process must call it (the arrays a process
     cannot address are gathered, a collective); process 0 writes. The file is
     written beside ``path`` and renamed, so a crash leaves no partial file.
@@ -182,6 +184,8 @@ def save_safetensors(
     order = sorted(declared.values(), key=lambda t: t.name)
     reader = _DeviceArrays(arrays)
     writer = jax.process_index() == 0
+    if writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     failed: OSError | None = None  # a full disk: no partial file is left behind
     try:
