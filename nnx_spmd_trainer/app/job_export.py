@@ -17,7 +17,6 @@ from flax import nnx
 from nnx_spmd_trainer import LoRA, Trainer, export_params, weights
 from nnx_spmd_trainer.app import tasks
 from nnx_spmd_trainer.app.models import gpt2_hf
-from nnx_spmd_trainer.data.written import written_whole
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
 #: task's pretrained file format (its weight map's names: Hugging Face's for gpt2_hf),
@@ -126,7 +125,7 @@ def export(
     with trainer.ema_weights() if ema else contextlib.nullcontext():
         if export_format == "orbax":
             return export_params(trainer.model, directory)
-        with written_whole(directory) as partial:
+        with weights.written_whole(directory) as partial:
             if export_format == "peft":
                 assert weight_map is not None
                 write_peft(trainer, partial, weight_map)

@@ -7,7 +7,8 @@ A ``WeightMap`` says how each model array is made from a file's tensors
 blocks; ``save_safetensors`` reads the map backwards and writes the file again. LoRA adapters go
 out through the same map: ``peft_adapter``/``write_peft_adapter`` as a PEFT adapter
 directory (``peft.py``; ``load_peft_adapter`` reads one into a model in one call),
-``merged_params`` folded into the base (``merge.py``).
+``merged_params`` folded into the base (``merge.py``). ``written_whole``: an export
+directory written beside its name and renamed once whole (a full disk leaves nothing).
 
 >>> import numpy as np
 >>> m = WeightMap({"wte/embedding": pad(tensor("wte.weight", (5, 2)), axis=0, size=8)})
@@ -15,6 +16,7 @@ directory (``peft.py``; ``load_peft_adapter`` reads one into a model in one call
 (8, 2)
 """
 
+from nnx_spmd_trainer.data.written import written_whole
 from nnx_spmd_trainer.weights.expr import Expr, Piece, Tensor, Tensors, tensor
 from nnx_spmd_trainer.weights.load import (
     Pretrained,
@@ -86,4 +88,5 @@ __all__ = [
     "tensor",
     "transpose",
     "write_peft_adapter",
+    "written_whole",
 ]
