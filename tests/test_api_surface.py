@@ -23,6 +23,7 @@ MODULES = (
     "nnx_spmd_trainer.data",
     "nnx_spmd_trainer.weights",
     "nnx_spmd_trainer.post_training",
+    "nnx_spmd_trainer.app",
 )
 
 

@@ -73,7 +73,7 @@ def check_same_model(path: Path, step: int, state: Any) -> None:
         ]
         raise CheckpointOfAnotherModel(
             f"checkpoint step {step} at {path} was written for another model or optimizer "
-            f"(leaves {'; '.join(found)}).{_stacking_hint(only_saved, only_here)} Restore it "
+            f"(leaves {'; '.join(found)}).{_hint(only_saved, only_here, reshaped)} Restore it "
             "into the model it was saved from, or use another directory (or restore=None)."
         )
 
@@ -82,6 +82,21 @@ def _telling_first(keys: Iterable[str]) -> list[str]:
     """Sorted with the model's weights first, then the optimizer's, then RNG counters:
     the three leaves a message names should say which model it was."""
     return sorted(keys, key=lambda k: ("rngs" in k.split("/"), k.startswith("optimizer"), k))
+
+
+def _hint(only_saved: list[str], only_here: list[str], reshaped: list[str]) -> str:
+    """What differs, in words: the optimizer's state alone (the model is the same: read
+    it alone), or the layers stacked on one side and unrolled on the other."""
+    if not any(k.startswith("model/") for k in (*only_saved, *only_here, *reshaped)):
+        return (
+            " The model's parameters are the same: only the optimizer's state differs "
+            "(another optimizer, or other settings of it). To evaluate or sample the model, "
+            "read it alone: Trainer(init_from=callbacks.CheckpointWeights(step_dir, "
+            "whole_model=True)), or nnx_spmd_trainer.app.load_run(workdir) for a run of "
+            "nnx-spmd-train; to resume, build the optimizer it was saved with."
+        )
+    model = [k for k in only_saved if k.startswith("model/")]
+    return _stacking_hint(model, [k for k in only_here if k.startswith("model/")])
 
 
 def _stacking_hint(only_saved: list[str], only_here: list[str]) -> str:

@@ -20,7 +20,6 @@ from flax import nnx
 from nnx_spmd_trainer.adapters import orbax_private
 from nnx_spmd_trainer.weights import Pretrained, WeightMap, param_targets, pretrained_state
 
-from .checks import check_same_params
 from .step_reader import read_params
 
 if TYPE_CHECKING:
@@ -63,9 +62,16 @@ class CheckpointWeights(Pretrained):
     step is read, found when the object is made); no weight map is used.
 
     The step may have been written under any strategy and device count: each parameter
-    is read straight into the new plan's sharding. ``check(plan)`` raises
-    ``CheckpointOfAnotherModel`` naming the first parameter the step lacks or holds in
-    another shape, from the step's metadata alone.
+    is read straight into the new plan's sharding. ``check(plan)`` raises, before a run
+    writes anything, ``CheckpointOfAnotherModel`` naming the first parameter the step
+    lacks or holds in another shape (from its metadata), or ``DamagedCheckpoint`` for
+    parameters that cannot be read or disagree with their fingerprints (read and dropped).
+
+    With ``whole_model=True`` the step's model is read as its run trained it, LoRA
+    adapters included (and ``fresh`` unused): every parameter of the plan's model comes
+    from the step, and a step lacking one is ``CheckpointOfAnotherModel``. What reads a
+    run's model back to evaluate, generate from or score it (``nnx_spmd_trainer.app.
+    load_run``), whatever metrics and optimizer the run kept: neither is read.
 
     Example::
 
@@ -74,12 +80,15 @@ class CheckpointWeights(Pretrained):
     """
 
     weight_map: WeightMap = dataclasses.field(default_factory=lambda: WeightMap({}))
+    whole_model: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", newest_step(self.source))  # type: ignore[arg-type]
 
     @property
     def _fresh(self) -> nnx.filterlib.Filter:
+        if self.whole_model:  # the run's own model: its adapters are read too
+            return nnx.Nothing
         # LoRA adapters are the new run's own, always: a step holding adapters is refused
         # (check_same_params), so the plan's are never read from one.
         return nnx.Any(self.fresh, nnx.LoRAParam)
@@ -90,20 +99,27 @@ class CheckpointWeights(Pretrained):
         return int(Path(self.source).name)  # type: ignore[arg-type]
 
     def check(self, plan: Plan) -> None:
-        """Raises ``CheckpointOfAnotherModel`` when the step's parameters are not the
-        plan's model's (names, shapes); reads the step's metadata alone."""
-        step_dir = Path(self.source)  # type: ignore[arg-type]
-        check_same_params(step_dir, self.step, param_targets(plan, self._fresh))
+        """Raises what ``state`` would, before a run writes anything:
+        ``CheckpointOfAnotherModel`` when the step's parameters are not the plan's model's
+        (names, shapes; from the metadata), and ``DamagedCheckpoint`` when they cannot be
+        read or disagree with their fingerprints: the parameters are read (straight into
+        the plan's layout, nothing else of the step) and dropped."""
+        self.params(plan)  # read (read_params checks the names and shapes first); freed
 
-    def state(self, plan: Plan) -> nnx.State:
-        """The plan's whole initial state, with the step's model parameters."""
+    def params(self, plan: Plan) -> Any:
+        """The step's model parameters (``weights.param_targets(plan)``'s structure, less
+        ``fresh`` ones), read into the plan's layout and checked against their
+        fingerprints; nothing else of the step is read."""
         step_dir = Path(self.source)  # type: ignore[arg-type]
         targets = param_targets(plan, self._fresh)
         with orbax_private.quiet_listing():
             options = ocp.CheckpointManagerOptions(read_only=True, create=False)
             manager = ocp.CheckpointManager(step_dir.parent, options=options)
         try:
-            params: Any = read_params(manager, self.step, targets)
+            return read_params(manager, self.step, targets)
         finally:
             manager.close()
-        return pretrained_state(plan, params)
+
+    def state(self, plan: Plan) -> nnx.State:
+        """The plan's whole initial state, with the step's model parameters."""
+        return pretrained_state(plan, self.params(plan))

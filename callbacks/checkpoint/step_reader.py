@@ -5,8 +5,12 @@ the resumer's."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +23,7 @@ from nnx_spmd_trainer.data import BATCHES_TAKEN
 
 from . import format
 from .checks import (
+    CheckpointOfAnotherModel,
     DamagedCheckpoint,
     as_stored,
     check_data_position,
@@ -49,6 +54,43 @@ class SavedStep:
     callback_arrays: dict[str, dict[str, Any]]
     #: The data position as a value for ``RunState.data`` (``read_data_position``).
     data: Any
+
+
+def _orbax_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception is a read of Orbax's (or TensorStore's) coroutine
+    left in flight by a failed restore, closed when it was collected."""
+    code = getattr(unraisable.object, "cr_code", None)
+    filename = getattr(code, "co_filename", "")
+    return "/orbax/" in filename or "/tensorstore/" in filename
+
+
+@contextlib.contextmanager
+def quiet_reads(path: Path) -> Iterator[None]:
+    """While the block reads the step in ``path``: ``orbax_private.quiet_failed_reads``
+    (asyncio's notes of its failed reads), and the coroutines of Orbax's array reads
+    still in flight when one read failed. Each reports, when collected, through
+    ``sys.unraisablehook`` ("Exception ignored in: <coroutine object
+    _read_array_index_and_device_put>", a traceback each, hundreds for one damaged step):
+    those are dropped, and the collection is run before the block ends, so the step's
+    damage is said once, by whoever catches the error. Every other unraisable exception
+    goes to the hook before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _orbax_read(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        with orbax_private.quiet_failed_reads(path):
+            try:
+                yield
+            except BaseException:
+                gc.collect()  # the reads left behind, collected while they are dropped
+                raise
+    finally:
+        if sys.unraisablehook is hook:  # another hook set since stays
+            sys.unraisablehook = previous
 
 
 def _unreadable(where: str, error: Exception) -> DamagedCheckpoint:
@@ -84,11 +126,12 @@ def read_step(
     target = trainer.run_state(abstract=True)  # shapes and layouts: no array built
     kept = format.kept_state(target.state, trainer.plan.wrt if trainable_only else None)
     check_same_model(path, step, kept)
+    check_same_metrics(path, step, target.train_metrics)
     if not orbax_private.is_committed(path):
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
     unreadable = functools.partial(_unreadable, where)
 
-    with orbax_private.quiet_failed_reads(path):
+    with quiet_reads(path):
         meta = _checked_meta(manager, step, where)
         try:
             # The arrays of the callbacks this trainer has; others' are not read at all.
@@ -136,6 +179,30 @@ def read_step(
         callback_arrays={name: saved[name] for name in targets},
         data=data,
     )
+
+
+def check_same_metrics(path: Path, step: int, train_metrics: Any) -> None:
+    """A step saved with other train metrics than the trainer's (a DPO run's read into a
+    plain trainer) is ``CheckpointOfAnotherModel`` naming both, not damage: the step is
+    fine, and its model can be read alone. Unreadable metadata passes (the read reports it)."""
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(path / format.TRAIN_METRICS)  # type: ignore[arg-type]
+    except Exception:
+        return
+    tree = getattr(saved, "tree", saved)
+    theirs = sorted({path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]})
+    ours = sorted({path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(train_metrics)[0]})
+    if theirs != ours:
+        names = sorted({name.split("/", 1)[0] for name in theirs})
+        here = sorted({name.split("/", 1)[0] for name in ours})
+        raise CheckpointOfAnotherModel(
+            f"checkpoint step {step} at {path} was saved with other train metrics "
+            f"({', '.join(names[:6]) or 'none'}; this trainer's: {', '.join(here[:6]) or 'none'}): "
+            "it is another trainer's run (DPO's, GRPO's, another task's). Restore it into a "
+            "trainer of the same kind, or read its model alone: "
+            "Trainer(init_from=callbacks.CheckpointWeights(step_dir, whole_model=True)), or "
+            "nnx_spmd_trainer.app.load_run(workdir) for a run of nnx-spmd-train."
+        )
 
 
 def callback_targets(
@@ -215,7 +282,7 @@ def read_params(manager: ocp.CheckpointManager, step: int, targets: Any) -> Any:
         raise DamagedCheckpoint(f"{where} has no commit marker: it was not finished")
     unreadable = functools.partial(_unreadable, where)
 
-    with orbax_private.quiet_failed_reads(path):
+    with quiet_reads(path):
         meta = _checked_meta(manager, step, where)
         if meta.get(format.KEPT_KEY, "all") != "all":
             raise ValueError(

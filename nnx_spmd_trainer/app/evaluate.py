@@ -5,8 +5,8 @@ trained and nothing written.
     nnx-spmd-train evaluate runs/default --step 200 --max_eval_batches 0   # all batches
 
 The run's own record says what to build: ``WORKDIR/config.json`` (the config it
-trained with), the tokenizer it saved, and ``WORKDIR/checkpoints``, restored
-read-only into the layout the config names (``OrbaxCheckpoint.restore_into``).
+trained with), the tokenizer it saved, and ``WORKDIR/checkpoints``, whose model is read
+into the layout the config names (``loader.load_run``: any run, DPO's and GRPO's too).
 It prints the eval metrics of that step, the held-out loss against the task's
 baseline and, for text, bits per byte; no speed or timing line of the run that
 wrote the checkpoint. A workdir without a config or a checkpoint is one line on
@@ -16,7 +16,6 @@ stderr and exit status 2, as every refusal of ``nnx-spmd-train``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,14 +23,12 @@ from pathlib import Path
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Trainer, callbacks  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer import ShardingError, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer.app import loader, tasks
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
-from nnx_spmd_trainer.app.job import _build_trainer, _choose_layout, _layout_asked
-from nnx_spmd_trainer.app.job_checks import blamed_on
-from nnx_spmd_trainer.sharding import ShardingError
+from nnx_spmd_trainer.app.job_callbacks import versus_baseline
 
 __all__ = ["evaluate_workdir", "main", "parser"]
 
@@ -58,17 +55,10 @@ def parser() -> argparse.ArgumentParser:
 
 def run_config(workdir: Path, max_eval_batches: int | None) -> ml_collections.ConfigDict:
     """The config ``workdir``'s run trained with (``config.json``), or exit 2 naming why."""
-    record = workdir / "config.json"
     try:
-        values = json.loads(record.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        fail(
-            f"evaluate: {record} does not exist: {workdir} is not the --workdir of a run "
-            "(nnx-spmd-train --workdir=DIR writes one)."
-        )
-    except (OSError, ValueError) as error:
-        fail(f"evaluate: {record} does not read as the run's config: {error}")
-    config = ml_collections.ConfigDict(values)
+        config = loader.run_config(workdir)
+    except tasks.ConfigError as error:
+        fail(f"evaluate: {error}")
     if max_eval_batches is not None:
         config.max_eval_batches = max_eval_batches
     return config
@@ -79,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     workdir = Path(args.workdir)
     checkpoints = workdir / "checkpoints"
-    if not any(p.name.isdigit() for p in checkpoints.glob("*")):
+    if not loader.saved_steps(workdir):
         fail(
             f"evaluate: no checkpoint in {checkpoints}: train first (nnx-spmd-train "
             f"--workdir={workdir}), or name the workdir of a run that saved one."
@@ -88,7 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     simulate_host_devices(config.get("num_devices", 8))  # before JAX starts its backend
     try:
         evaluate_workdir(config, workdir, step=args.step)
-    except (tasks.ConfigError, ShardingError) as error:
+    except (
+        tasks.ConfigError,
+        ShardingError,
+        callbacks.CheckpointOfAnotherModel,
+        callbacks.DamagedCheckpoint,
+    ) as error:
         fail(f"evaluate: {error}")
     return 0
 
@@ -97,27 +92,16 @@ def evaluate_workdir(
     config: ml_collections.ConfigDict, workdir: Path, *, step: int | None = None
 ) -> dict[str, float]:
     """The eval metrics of ``workdir``'s checkpoint ``step`` (``None``: the latest), built
-    as the run was from ``config`` and restored read-only; prints them (process 0)."""
-    layout = _layout_asked(config)
-    with blamed_on(f"config.{config.model}"):
-        task_config = datasets.from_config.run_tokenizer_config(config, workdir)
-        task = tasks.build_task(task_config, shard=layout.shard)
-    # no init_from: the checkpoint's weights are the ones evaluated
-    trainer: Trainer = _build_trainer(config, task, layout, [], None)
-    _choose_layout(trainer, layout.strategy, task.splits)
-    checkpoint = callbacks.OrbaxCheckpoint(
-        workdir / "checkpoints", restore="latest" if step is None else step, print_fn=say
-    )
-    try:
-        restored = checkpoint.restore_into(trainer)
-    except (FileNotFoundError, callbacks.DamagedCheckpoint) as error:
-        raise tasks.ConfigError(str(error)) from None
-    if restored is None:
-        raise tasks.ConfigError(f"{workdir / 'checkpoints'} holds no checkpoint to evaluate.")
-    logs = trainer.evaluate(task.splits.eval)  # BaselineReport says it against the baseline
+    as the run was from ``config`` (``loader.load_run``: its model read alone, whatever
+    trainer wrote it) and read only; prints them (process 0)."""
+    run = loader.load_run(workdir, step="latest" if step is None else step, config=config)
+    logs = run.trainer.evaluate(run.splits.eval)
+    splits, loss = run.splits, float(logs["loss"])
+    gap = versus_baseline(loss, splits.baseline, splits.baseline_name)
+    say(f"step {run.step}: eval loss {loss:.4f}, {gap}")
     metrics = " ".join(f"eval/{k}={float(v):.4g}" for k, v in sorted(logs.items()))
-    say(f"evaluated step {restored} of {workdir}: {metrics}")
-    if bits := task.splits.bits_per_byte_line(float(logs["loss"])):
+    say(f"evaluated step {run.step} of {workdir}: {metrics}")
+    if bits := run.splits.bits_per_byte_line(float(logs["loss"])):
         say(bits)
     return {f"eval/{k}": float(v) for k, v in logs.items()}
 

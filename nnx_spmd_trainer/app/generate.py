@@ -24,7 +24,6 @@ stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -36,13 +35,11 @@ import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Generation, Sampler, Sampling, Trainer, callbacks  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app import loader, tasks
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.evaluate import run_config
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
-from nnx_spmd_trainer.app.job import _build_trainer, _choose_layout, _layout_asked, pretrained
-from nnx_spmd_trainer.app.job_checks import blamed_on
 from nnx_spmd_trainer.configs import gpt2_hf
 from nnx_spmd_trainer.data.tokenizer import TokenizerError, load_tokenizer
 from nnx_spmd_trainer.sharding import ShardingError
@@ -149,25 +146,6 @@ def prompts_of(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def best_step(workdir: Path, saved: Sequence[int]) -> int:
-    """The saved step with the lowest ``eval/loss`` in ``workdir/metrics.csv``."""
-    losses: dict[int, float] = {}
-    try:
-        with (workdir / "metrics.csv").open(encoding="utf-8", newline="") as file:
-            for row in csv.DictReader(file):
-                if row.get("eval/loss") and row.get("step", "").isdigit():
-                    losses[int(row["step"])] = float(row["eval/loss"])
-    except OSError:
-        pass
-    scored = [(losses[s], s) for s in saved if s in losses and math.isfinite(losses[s])]
-    if not scored:
-        raise _Refused(
-            f"--step=best: no saved step {sorted(saved)} has an eval/loss in "
-            f"{workdir / 'metrics.csv'}; give --step latest or a step number."
-        )
-    return min(scored)[1]
-
-
 #: Hugging Face's GPT-2 ``config.json`` keys, and the ``config.gpt2_hf`` key each sets.
 _HF_GPT2_KEYS = {"vocab_size": "vocab_size", "n_positions": "n_positions", "n_embd": "n_embd",
                  "n_layer": "n_layer", "n_head": "n_head"}  # fmt: skip
@@ -233,42 +211,20 @@ def _trainer(
     args: argparse.Namespace, config: ml_collections.ConfigDict
 ) -> tuple[Trainer, Any, str]:
     """The run's model with its weights from the checkpoint (or ``--weights``), the run's
-    text codec (``None`` where its task is not text) and where the weights came from."""
-    layout = _layout_asked(config)
-    if args.weights is not None:
-        config.init_from = args.weights
-    with blamed_on(f"config.{config.model}"):
-        task_config = config
-        if args.workdir is not None:  # the run's own tokenizer.json, where it saved one
-            task_config = datasets.from_config.run_tokenizer_config(config, Path(args.workdir))
-        task = tasks.build_task(task_config, shard=layout.shard)
-    if args.weights is not None and task.weight_map is None:  # pretrained() would say init_from
-        raise _Refused(
-            f"--weights={args.weights}: config.model={config.model!r} has no weight map to read "
-            "a safetensors file through (gpt2_hf has one); leave --weights out to sample from "
-            "the run's checkpoint."
-        )
-    init_from = pretrained(config, task) if args.weights is not None else None
-    trainer: Trainer = _build_trainer(config, task, layout, [], init_from)
-    _choose_layout(trainer, layout.strategy, task.splits)
-    if args.weights is not None:
-        return trainer, task.splits.text_codec, str(args.weights)
-    workdir = Path(args.workdir)
-    step = args.step
-    if step == "best":
-        step = best_step(workdir, _saved_steps(workdir))
-    checkpoint = callbacks.OrbaxCheckpoint(workdir / "checkpoints", restore=step, print_fn=None)
+    text codec (``None`` where its task is not text) and where the weights came from
+    (``loader.load_run``: any run's workdir, DPO's and GRPO's too)."""
+    note = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else say
     try:
-        restored = checkpoint.restore_into(trainer)
-    except (FileNotFoundError, ValueError, callbacks.DamagedCheckpoint) as error:
+        run = loader.load_run(
+            args.workdir, step=args.step, weights_file=args.weights, config=config, print_fn=note
+        )
+    except (callbacks.CheckpointOfAnotherModel, callbacks.DamagedCheckpoint) as error:
         raise _Refused(f"--step={args.step}: {error}") from None
-    if restored is None:
-        raise _Refused(f"{workdir / 'checkpoints'} holds no checkpoint to generate from.")
-    return trainer, task.splits.text_codec, f"step {restored} of {workdir}"
+    return run.trainer, run.tokenizer, run.source
 
 
 def _saved_steps(workdir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+    return loader.saved_steps(workdir)
 
 
 def _new_tokens(args: argparse.Namespace, ids: list[list[int]], context: int | None) -> int:

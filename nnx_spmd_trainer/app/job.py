@@ -4,12 +4,11 @@ trained, evaluated and reported (``run``: ``nnx-spmd-train`` without the flags).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import ml_collections
@@ -40,6 +39,7 @@ from nnx_spmd_trainer.app.job_lines import (  # speed_line and the others: job.s
     speed_line,
     started_line,
 )
+from nnx_spmd_trainer.app.loader import LayoutAsked, choose_layout, layout_asked
 from nnx_spmd_trainer.app.run_config import averaging_and_spikes
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
@@ -47,13 +47,10 @@ from nnx_spmd_trainer.app.workdir import (
     workdir_lock,
 )
 from nnx_spmd_trainer.data.reads import bytes_read_in_process
-from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.planner import compile_cache
-from nnx_spmd_trainer.planner.auto import Auto
 from nnx_spmd_trainer.planner.flops import peak_flops
 from nnx_spmd_trainer.planner.plan_report import PlanReport
 from nnx_spmd_trainer.sharding import ShardingError
-from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +103,7 @@ def run(
     notes: list[str] | None = [] if dry_run else None  # a dry run notes, not refuses
     with refused_or_noted(notes, tasks.ConfigError):
         check_workdir_writable(workdir)
-    layout = _layout_asked(config)
+    layout = layout_asked(config)
     with blamed_on(f"config.{config.model}"):
         # a resumed run tokenizes with the tokenizer.json it saved (app/datasets/from_config)
         task_config = start_from.tokenizer_config(config, workdir)
@@ -116,8 +113,8 @@ def run(
     check_export_format(config, task, export_format)
     with blamed_on("--workdir", OSError):
         run_callbacks = make_callbacks(config, workdir)
-    trainer = _build_trainer(config, task, layout, run_callbacks, init_from)
-    strategy = _choose_layout(trainer, layout.strategy, splits)
+    trainer = build_trainer(config, task, layout, run_callbacks, init_from)
+    strategy = choose_layout(trainer, layout.strategy, splits)
     batch = check_first_batch(config, layout.spec, trainer, splits)
     if config.resume:
         check_checkpoints_are_of_this_model(run_callbacks, notes)
@@ -133,69 +130,28 @@ def run(
     return dataclasses.replace(result, weight_map=task.weight_map)
 
 
-class _LayoutAsked(NamedTuple):
-    """``config.strategy`` read: the spec fitted to the devices (and ``why``, when it was
-    changed to fit), the strategy (or ``Auto``) and the rows this process reads."""
-
-    spec: str
-    why: str
-    strategy: Strategy | Auto
-    shard: DataShard
-
-
-def _layout_asked(config: ml_collections.ConfigDict) -> _LayoutAsked:
-    """``config.strategy`` (with ``config.across_hosts``) as the job runs it; a
-    ``ConfigError`` naming the key if it cannot."""
-    across = config.get("across_hosts", "")
-    with blamed_on(f"config.strategy={config.strategy!r}"):
-        # "fsdp=-1,model=2" (the default job) fits itself to the devices there are.
-        spec, why = tasks.fit_to_devices(config.strategy, jax.device_count())
-        if spec == "auto":  # chosen later, holding each process to DataParallel's rows
-            if across:
-                raise tasks.ConfigError(
-                    f"config.across_hosts={across!r} places the axes of a strategy spec "
-                    "(--config.strategy=data=2,fsdp=4), not those 'auto' chooses."
-                )
-            auto = Auto(memory_budget_bytes=config.memory_budget_bytes or None, print_fn=say)
-            shard = DataParallel().data_shard(DataParallel().make_mesh())
-            return _LayoutAsked(spec, why, auto, shard)
-        strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
-        if across:  # what the strategy alone cannot do is the strategy's, not across_hosts'
-            strategy.make_mesh()
-    with blamed_on(
-        f"config.across_hosts={across!r}" if across else f"config.strategy={config.strategy!r}"
-    ):
-        strategy = tasks.spanning_hosts(strategy, across)
-        # Which rows this process reads is a question of the layout: the strategy says.
-        # The trainer's placement.data_shard would say the same, but the data is needed
-        # before there is a trainer: a task builds its model with its data (the GPT's
-        # vocabulary is its text's), and "auto" chooses the layout on that data. So the
-        # strategy answers on the mesh the trainer's plan will build from the same
-        # devices; from the trainer on, trainer.placement is asked.
-        shard = strategy.data_shard(strategy.make_mesh())
-    return _LayoutAsked(spec, why, strategy, shard)
-
-
-def _build_trainer(
+def build_trainer(
     config: ml_collections.ConfigDict,
     task: tasks.Task,
-    layout: _LayoutAsked,
+    layout: LayoutAsked,
     run_callbacks: list[Any],
     init_from: weights.Pretrained | None,
     *,
     trainer_type: Callable[..., Trainer] = Trainer,
+    own: dict[str, Any] | None = None,
 ) -> Trainer:
-    """The job's ``Trainer`` (``trainer_type``'s, given the same keywords); what it refuses
-    is a ``ConfigError`` naming the key."""
+    """The job's ``Trainer`` to train; what it refuses is a ``ConfigError`` naming the key.
+    ``trainer_type`` with ``own``: a post-training trainer (``DPOTrainer``) given its own
+    keywords (its metrics, data) in place of the task's loss and metrics."""
     splits = task.splits
     settings = averaging_and_spikes(config)  # a ConfigError naming its own key
+    loss = {"loss_fn": task.loss_fn, "metrics": task.metrics} if own is None else own
     try:  # the state is built lazily: this traces the model, allocates nothing
         return trainer_type(
             task.model,
             tasks.make_optimizer(config),
             strategy=layout.strategy,
-            loss_fn=task.loss_fn,
-            metrics=task.metrics,
+            **loss,
             callbacks=[*run_callbacks, BaselineReport(splits.baseline, splits.baseline_name)],
             seed=config.seed,
             grad_accum_steps=config.grad_accum_steps,
@@ -218,19 +174,6 @@ def _build_trainer(
         raise tasks.ConfigError(f"config.{config.model}: {error}") from error
 
 
-def _choose_layout(
-    trainer: Trainer, strategy: Strategy | Auto, splits: datasets.Splits
-) -> Strategy:
-    """The strategy the run trains in: ``strategy``, or with ``Auto`` the one chosen now,
-    planned and timed on the first batches as ``fit`` would."""
-    if not isinstance(strategy, Auto):
-        return strategy
-    with blamed_on(
-        f"config.strategy='auto' (config.memory_budget_bytes={strategy.memory_budget_bytes})"
-    ):
-        return trainer.choose_layout(itertools.islice(iter(splits.train), strategy.steps)).strategy
-
-
 def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[str]) -> RunResult:
     """Prints the plan of the train step and what would refuse the run; trains nothing."""
     first = batch if batch is not None else next(iter(splits.train))
@@ -242,29 +185,8 @@ def _dry_run(trainer: Trainer, batch: Any, splits: datasets.Splits, notes: list[
     return RunResult(trainer.history, float("nan"), splits.baseline, splits.baseline_name, None)
 
 
-def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:
-    """Where the first state comes from: ``config.init_from`` read through the task's weight
-    map, or an earlier run's checkpoints (its workdir, ``checkpoints/`` or a step's
-    directory: ``callbacks.CheckpointWeights``), or ``None`` (random) where the key is
-    ``""`` or absent. A weights file for a task without a map, a path with nothing there,
-    or a directory without a finished step is a ``ConfigError`` naming the key."""
-    path = config.get("init_from", "") or ""
-    if not path:
-        return None
-    if start_from.is_checkpoint_directory(path):
-        found = start_from.checkpoint_weights(config)
-        say(f"init_from: the model of {found.source}; the optimizer starts fresh")
-        return found
-    key = f"config.init_from={path!r}"
-    if task.weight_map is None:
-        raise tasks.ConfigError(
-            f"{key}: config.model={config.model!r} has no weight map to read a weights file "
-            "through (config.model='gpt2_hf' has one: Hugging Face's GPT-2); pass "
-            "--config.init_from='' to start from random weights."
-        )
-    if not Path(path).exists():
-        raise tasks.ConfigError(f"{key}: there is no file or directory there.")
-    return weights.Pretrained(path, task.weight_map)
+#: ``config.init_from`` read (``start_from.pretrained``): kept here for its callers.
+pretrained = start_from.pretrained
 
 
 def prepare_workdir(

@@ -23,7 +23,7 @@ import numpy as np
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import datasets, job, start_from, tasks
+from nnx_spmd_trainer.app import datasets, job, loader, start_from, tasks
 from nnx_spmd_trainer.app import post_training_data as data
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_callbacks import make_callbacks
@@ -98,7 +98,7 @@ def run(
         check_workdir_writable(workdir)
     # The trainer's keys first: a bad one is refused before the tokenizer is trained.
     keys = data.grpo_keys(config) if name == "grpo" else data.dpo_keys(config)
-    layout = job._layout_asked(config)
+    layout = loader.layout_asked(config)
     with blamed_on(f"config.{config.model}"):
         task_config = start_from.tokenizer_config(config, workdir)
         task = tasks.build_task(task_config, shard=layout.shard)
@@ -110,18 +110,19 @@ def run(
         if name == "dpo"
         else _grpo(config, codec, layout.shard, keys)
     )
-    init_from = job.pretrained(config, task)
+    init_from = start_from.pretrained(config, task)
     check_export_format(config, task, export_format)
     with blamed_on("--workdir", OSError):
         run_callbacks = make_callbacks(config, workdir)
     splits = dataclasses.replace(task.splits, train=recipe.batches, eval=())
-    trainer = job._build_trainer(
+    trainer = job.build_trainer(
         config,
         dataclasses.replace(task, splits=splits),
         layout,
         run_callbacks,
         init_from,
-        trainer_type=_without_task_loss(recipe),
+        trainer_type=recipe.trainer_type,
+        own=recipe.keywords,  # its loss and metrics, in place of the task's
     )
     batch = check_first_batch(config, layout.spec, trainer, splits)
     if config.resume:
@@ -159,18 +160,6 @@ def step_batch_stand_in(trainer: Trainer, batch: dict[str, Any]) -> dict[str, np
             rollout["reference_logps"] = floats
         return rollout
     return batch
-
-
-def _without_task_loss(recipe: _Recipe) -> Any:
-    """``recipe.trainer_type`` built with ``job._build_trainer``'s keywords, less the
-    task's loss and metrics (the trainer's own), plus the recipe's."""
-
-    def build(model: Any, optimizer: Any, **keywords: Any) -> Trainer:
-        keywords.pop("loss_fn")
-        keywords.pop("metrics")
-        return recipe.trainer_type(model, optimizer, **keywords, **recipe.keywords)
-
-    return build
 
 
 def _dpo(

@@ -16,8 +16,12 @@ from pathlib import Path
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import callbacks, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app.console import say
+
+#: The folder of a workdir that holds its steps (``<workdir>/checkpoints``).
+CHECKPOINTS = "checkpoints"
 
 
 def is_checkpoint_directory(path: str | os.PathLike[str]) -> bool:
@@ -32,18 +36,38 @@ def is_checkpoint_directory(path: str | os.PathLike[str]) -> bool:
 
 def checkpoint_weights(config: ml_collections.ConfigDict) -> callbacks.CheckpointWeights:
     """``config.init_from``'s newest finished step; a ``ConfigError`` naming the key when
-    there is none."""
-    path = config.init_from
-    try:
-        return callbacks.CheckpointWeights(path)
-    except ValueError as error:
-        raise tasks.ConfigError(f"config.init_from={path!r}: {error}") from error
+    there is none. A LoRA run's adapters are merged first or kept
+    (``config.lora.init_from_adapters``: ``lora_start``)."""
+    from nnx_spmd_trainer.app import lora_start  # it reads this module's paths
+
+    return lora_start.checkpoint_weights(config)
 
 
 def run_that_wrote(step: Path) -> Path:
     """The workdir of a step directory the CLI wrote (``<workdir>/checkpoints/<step>``)."""
     parent = step.parent
-    return parent.parent if parent.name == callbacks.checkpoint.start_from.CHECKPOINTS else parent
+    return parent.parent if parent.name == CHECKPOINTS else parent
+
+
+def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.Pretrained | None:
+    """Where the first state comes from: ``config.init_from`` read through the task's weight
+    map, or an earlier run's checkpoints (its workdir, ``checkpoints/`` or a step's
+    directory: ``callbacks.CheckpointWeights``), or ``None`` (random) where the key is
+    ``""`` or absent. A weights file for a task without a map, a path with nothing there,
+    or a directory without a finished step is a ``ConfigError`` naming the key."""
+    path = config.get("init_from", "") or ""
+    if not path:
+        return None
+    if is_checkpoint_directory(path):
+        found = checkpoint_weights(config)
+        say(f"init_from: the model of {found.source}; the optimizer starts fresh")
+        return found
+    key = f"config.init_from={path!r}"
+    if not Path(path).exists():
+        raise tasks.ConfigError(f"{key}: there is no file or directory there.")
+    # A task without a map reads a file under the model's own parameter paths (what
+    # --export_format=merged or safetensors writes for it): weight_map=None.
+    return weights.Pretrained(path, task.weight_map)
 
 
 def tokenizer_config(
@@ -58,7 +82,7 @@ def tokenizer_config(
     if own is not config or not path or not is_checkpoint_directory(path):
         return own
     try:
-        step = callbacks.checkpoint.start_from.newest_step(path)
+        step = Path(callbacks.CheckpointWeights(path).source)  # type: ignore[arg-type]
     except ValueError:
         return own  # refused with the weights, naming the key
     return datasets.from_config.run_tokenizer_config(config, run_that_wrote(step))
