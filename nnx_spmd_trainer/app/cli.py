@@ -6,6 +6,7 @@
     nnx-spmd-train --config.data.corpus=corpora/mine  # ... and train on it
     nnx-spmd-train evaluate runs/default              # a workdir's checkpoint evaluated
     nnx-spmd-train generate runs/default --prompt Hi  # ... continuing prompts
+    nnx-spmd-train lm_eval runs/default --tasks T     # ... scored on lm-eval tasks
     python -m nnx_spmd_trainer --config=mlp          # an embedded config, by name
 
 ``--config`` takes a config file path, or the name of a config shipped in
@@ -55,7 +56,7 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import corpus, evaluate, generate, post_training_job, tasks
+from nnx_spmd_trainer.app import corpus, evaluate, generate, harness, post_training_job, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -228,6 +229,9 @@ def main(
     if argv[1:2] == ["generate"]:  # nnx-spmd-train generate WORKDIR: app/generate.py
         _default_sigterm(sigterm_noticed)
         sys.exit(generate.main(argv[2:]))
+    if argv[1:2] == ["lm_eval"]:  # nnx-spmd-train lm_eval WORKDIR --tasks ...: app/harness.py
+        _default_sigterm(sigterm_noticed)
+        sys.exit(harness.main(argv[2:]))
     argv = normalize_argv(argv)
     if "--help" in argv or "-h" in argv:
         print(usage(argv))

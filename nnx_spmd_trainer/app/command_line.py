@@ -158,6 +158,9 @@ def usage(argv: Sequence[str]) -> str:
             "                      continue prompts with a run's model; writes nothing",
             "  nnx-spmd-train generate --weights HF_GPT2_DIR --prompt TEXT",
             "                      ... with a Hugging Face GPT-2 folder's model and tokenizer",
+            "  nnx-spmd-train lm_eval WORKDIR --tasks T1,T2 [--include_path DIR] [--step N]",
+            "                      [--limit N] [--num_fewshot N] [--json]",
+            "                      score a run's checkpoint on lm-evaluation-harness tasks",
             "",
             f"Keys of {Path(config_file).name}, with their values (override any with "
             "--config.KEY=VALUE):",
