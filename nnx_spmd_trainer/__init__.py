@@ -16,6 +16,8 @@ from nnx_spmd_trainer.generate import Generation, Sampler, Sampling
 from nnx_spmd_trainer.io.export import export_params
 from nnx_spmd_trainer.io.run_lock import DirectoryInUse, RunLock
 from nnx_spmd_trainer.nn import lora, moe, remat, stack
+from nnx_spmd_trainer.nn.logprob import token_log_probs
+from nnx_spmd_trainer.nn.logprob_model import OutputHead
 from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.optim.ema import EMA
@@ -65,6 +67,7 @@ __all__ = [
     "Logs",
     "LogSchedule",
     "LoRA",
+    "OutputHead",
     "Plan",
     "Progress",
     "Generation",
@@ -99,6 +102,7 @@ __all__ = [
     "remat",
     "sharding_table",
     "stack",
+    "token_log_probs",
     "weights",
 ]
 

@@ -146,3 +146,114 @@ def test_bad_arguments_are_clear_errors():
         token_log_probs(hidden, kernel, targets, kept_min_logit=jnp.zeros((ROWS,)))
     with pytest.raises(ValueError, match="does not match the hidden states' width"):
         token_log_probs(hidden, kernel.T, targets)
+
+
+# -- a model's log-probabilities (nn.logprob_model's protocol) ---------------------------
+
+
+def tiny_gpt(rngs):
+    from nnx_spmd_trainer.app.models.gpt import GPT
+
+    return GPT(
+        vocab_size=40,
+        seq_len=12,
+        embed_dim=16,
+        num_heads=2,
+        ff_dim=32,
+        num_layers=1,
+        dropout_rate=0.0,
+        rngs=rngs,
+    )
+
+
+def tiny_gpt2(rngs):
+    from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config
+
+    config = GPT2Config(
+        vocab_size=37, n_positions=12, n_embd=16, n_layer=1, n_head=2, dropout=0.0, pad_vocab_to=8
+    )
+    return GPT2(config, rngs=rngs)
+
+
+def model_and_tokens(build, lora_config=None):
+    from flax import nnx
+
+    from nnx_spmd_trainer.nn import lora
+
+    with nnx.use_eager_sharding(False):  # one device: the models' annotations unused
+        model = build(nnx.Rngs(0))
+        if lora_config is not None:
+            lora.apply(model, lora_config, rngs=nnx.Rngs(1))
+        for layer in lora.adapted_layers(model).values():  # adapters that change the output
+            layer.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(2), layer.lora_b.shape)
+    tokens = jax.random.randint(jax.random.key(3), (3, 12), 0, 37)
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def model_grads(fn, model, inputs, targets, wrt):
+    """The log-probabilities and the gradient of their sum w.r.t. ``wrt``'s parameters."""
+    from flax import nnx
+
+    def loss(m):
+        logps = fn(m, inputs, targets)
+        return jnp.sum(logps), logps
+
+    grad = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, wrt), has_aux=True))
+    grads, logps = grad(model)
+    return logps, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize(
+    ("build", "lora_targets"),
+    [(tiny_gpt, None), (tiny_gpt2, None), (tiny_gpt, r"blocks/\d+/mha/(query|value)")],
+    ids=["gpt", "gpt2_tied_padded", "gpt_lora"],
+)
+def test_a_models_chunked_log_probs_equal_its_full_logits(build, lora_targets):
+    """GPT (head: nnx.Linear), GPT-2 (head tied to wte, vocabulary padded 37 -> 40) and a
+    LoRA run (only the adapters differentiated): the chunked log-probabilities and the
+    parameters' gradients equal jnp's log_softmax over ``model(inputs)``."""
+    from flax import nnx
+
+    from nnx_spmd_trainer.nn import lora
+    from nnx_spmd_trainer.nn.logprob_model import chunk_reason, model_token_scores
+
+    config = None if lora_targets is None else lora.LoRA(rank=2, targets=lora_targets)
+    model, inputs, targets = model_and_tokens(build, config)
+    assert chunk_reason(model) is None
+    assert config is None or len(lora.adapted_layers(model)) == 2
+    wrt = nnx.Param if config is None else nnx.LoRAParam
+
+    def chunked_fn(m, x, y):
+        return model_token_scores(m, x, y, chunk_size=4)[0]
+
+    def full_fn(m, x, y):
+        logps = jax.nn.log_softmax(m(x).astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(logps, y[..., None], axis=-1)[..., 0]
+
+    got, got_grads = model_grads(chunked_fn, model, inputs, targets, wrt)
+    want, want_grads = model_grads(full_fn, model, inputs, targets, wrt)
+    assert_close(got, want)
+    assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+    assert_close(got_grads, want_grads)
+
+
+def test_a_model_without_the_protocol_is_scored_on_its_logits():
+    from flax import nnx
+
+    from nnx_spmd_trainer.nn.logprob_model import chunk_reason, model_token_scores
+
+    class Bare(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(40, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 40, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.out(self.embed(tokens))
+
+    model, inputs, targets = model_and_tokens(Bare)
+    assert "Bare has no features" in chunk_reason(model)
+    logps, predictions = model_token_scores(model, inputs, targets, temperature=0.5)
+    logits = model(inputs) / 0.5
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    assert_close(logps, want)
+    np.testing.assert_array_equal(predictions, jnp.argmax(logits, -1))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "token_log_probs", "token_scores"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "scores_from_logits", "token_log_probs", "token_scores"]
 
 #: Positions per chunk when none is given: 16 rows x 128 positions of a 151,936-id
 #: vocabulary are 1.2 GB of float32 logits before any split over devices.
@@ -99,6 +99,38 @@ def _from_chunks(x: jax.Array, seq_len: int) -> jax.Array:
     return x.reshape(x.shape[0], -1)[:, :seq_len]
 
 
+def scores_from_logits(
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+    kept_min_logit: jax.Array | None = None,
+    vocab_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(log_probs, predictions)`` of logits that exist already (``[..., vocab]``, one
+    chunk's, a decode step's, or a model's whole output where it gives no head): each
+    target's log-probability (float32, ``[...]``) as ``token_log_probs`` defines it, and
+    the argmax of the raw logits (int32).
+
+    The target's logit is read by a compare-and-sum over the vocabulary, not a gather:
+    under a vocabulary split over a mesh axis, each device reduces its own slice and
+    what crosses devices is ``[...]``-sized.
+    """
+    logits = logits.astype(jnp.float32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if vocab_size is not None and vocab_size < logits.shape[-1]:  # a padded vocabulary
+        logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
+    predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    # Where sampling kept only some tokens, the rest leave the normalizer.
+    kept = kept_min_logit
+    kept_logits = logits if kept is None else jnp.where(logits >= kept[..., None], logits, -jnp.inf)
+    normalizer = jax.nn.logsumexp(kept_logits, axis=-1)
+    picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
+    return picked - normalizer, predictions
+
+
 def _chunk_scores(
     hidden: jax.Array,
     kernel: jax.Array,
@@ -110,31 +142,17 @@ def _chunk_scores(
     temperature: float,
     vocab_size: int | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Each target's log-probability and each position's argmax of one chunk.
-
-    The projection runs in ``dtype`` as ``nnx.Linear(dtype=...)`` computes it, the
-    softmax in float32. The target's logit is read by a compare-and-sum over the
-    vocabulary, not a gather: under a vocabulary split over a mesh axis, each device
-    reduces its own slice and what crosses devices is ``[rows, chunk]``-sized.
-    """
+    """``scores_from_logits`` of one chunk's projection, run in ``dtype`` as
+    ``nnx.Linear(dtype=...)`` computes it (the softmax in float32)."""
     if dtype is not None:
         hidden, kernel = hidden.astype(dtype), kernel.astype(dtype)
         bias = None if bias is None else bias.astype(dtype)
     logits = jnp.einsum("bcd,dv->bcv", hidden, kernel)
     if bias is not None:
         logits = logits + bias
-    logits = logits.astype(jnp.float32)
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    if vocab_size is not None and vocab_size < logits.shape[-1]:  # a padded vocabulary
-        logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
-    predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if temperature != 1.0:
-        logits = logits / temperature
-    # Where sampling kept only some tokens, the rest leave the normalizer.
-    kept_logits = logits if kept is None else jnp.where(logits >= kept[..., None], logits, -jnp.inf)
-    normalizer = jax.nn.logsumexp(kept_logits, axis=-1)
-    picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
-    return picked - normalizer, predictions
+    return scores_from_logits(
+        logits, targets, temperature=temperature, kept_min_logit=kept, vocab_size=vocab_size
+    )
 
 
 def token_scores(

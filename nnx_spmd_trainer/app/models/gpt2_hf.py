@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_spmd_trainer import OutputHead
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.app.models.gpt_losses import loss_fn
 from nnx_spmd_trainer.nn.attention import causal_attention
@@ -198,6 +199,30 @@ class GPT2(nnx.Module):
         )
         self.ln_f = _layer_norm(config, rngs)
 
+    def features(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final LayerNorm's output ``[rows, seq, n_embd]``, before the tied head
+        (``nn.logprob_model``'s protocol, with ``output_head``)."""
+        length = tokens.shape[-1]
+        if length > self.config.n_positions:
+            raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
+        where = jnp.arange(length) if positions is None else positions
+        x = self.drop(self.wte(tokens) + self.wpe(where))
+        side = () if segment_ids is None else (segment_ids,)
+        x = run_layers(self.h, x, *side)  # stacked: a scan; under PipelineParallel, the stages
+        return self.ln_f(x)
+
+    def output_head(self) -> OutputHead:
+        """The head tied to the token embedding (``wte^T``), its padded columns past
+        ``vocab_size``: what ``nn.logprob.token_log_probs`` projects a chunk at a time."""
+        return OutputHead(
+            self.wte.embedding[...].T, dtype=self.wte.dtype, vocab_size=self.config.vocab_size
+        )
+
     def __call__(
         self,
         tokens: jax.Array,
@@ -210,14 +235,8 @@ class GPT2(nnx.Module):
         decoding, ``mask`` (``[batch, 1, 1, cache]``) the cached keys a row may attend to."""
         if mask is not None:
             set_cache_mask(self, mask)
-        length = tokens.shape[-1]
-        if length > self.config.n_positions:
-            raise ValueError(f"GPT-2 has {self.config.n_positions} positions; got {length}.")
-        where = jnp.arange(length) if positions is None else positions
-        x = self.drop(self.wte(tokens) + self.wpe(where))
-        side = () if segment_ids is None else (segment_ids,)
-        x = run_layers(self.h, x, *side)  # stacked: a scan; under PipelineParallel, the stages
-        logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
+        x = self.features(tokens, segment_ids, positions)
+        logits = self.wte.attend(x).astype(jnp.float32)
         padding = jnp.arange(logits.shape[-1]) >= self.config.vocab_size
         return jnp.where(padding, jnp.finfo(logits.dtype).min, logits)
 
