@@ -33,9 +33,11 @@ from pathlib import Path
 
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.configs.default import data_config
+from nnx_spmd_trainer.data.chat import CHATML_TOKENS
 from nnx_spmd_trainer.data.corpus import CorpusError, write_corpus
 from nnx_spmd_trainer.data.corpus_inputs import documents, expand_inputs, text_files
 from nnx_spmd_trainer.data.tokenizer import (
+    EOS_TOKEN,
     TOKENIZER_FILE,
     Tokenizer,
     TokenizerError,
@@ -123,7 +125,11 @@ def _tokenizer(args: argparse.Namespace, files: Sequence[Path]) -> Tokenizer:
         flush=True,
     )
     start = time.perf_counter()
-    tokenizer = train_bpe(texts=_texts(files, args.jsonl_field), vocab_size=args.vocab_size)
+    # ChatML's markers reserved too: a chat fine-tune of a model trained on this corpus
+    # writes each as one token (docs/topics/chat.md)
+    special = (EOS_TOKEN, *CHATML_TOKENS)
+    texts = _texts(files, args.jsonl_field)
+    tokenizer = train_bpe(texts=texts, vocab_size=args.vocab_size, special_tokens=special)
     print(f"corpus: BPE trained in {time.perf_counter() - start:.1f} s", flush=True)
     return tokenizer
 

@@ -88,6 +88,8 @@ CHATML_TEMPLATE = (
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # appended to one content to find where that content ends in the rendered text
 _PROBE = "\x00"
+# what a template's end of turn looks like when it is meant to be one token
+_TAG = re.compile(r"<[^<>\s]+>")
 
 Messages = list[dict[str, Any]]
 
@@ -97,6 +99,12 @@ class ChatError(ValueError):
 
 
 def _transformers() -> Any:
+    # transformers says at import that PyTorch was not found, an advisory notice (its
+    # TRANSFORMERS_NO_ADVISORY_WARNINGS): templates and tokenizers need no torch, so every
+    # chat command would print it for nothing. Set for the import only.
+    advisory = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(advisory)
+    os.environ[advisory] = "1"
     try:
         import transformers
     except ImportError:
@@ -104,6 +112,11 @@ def _transformers() -> Any:
             "Chat data is rendered by Hugging Face transformers' apply_chat_template; "
             "install it with: pip install 'nnx-spmd-trainer[chat]'"
         ) from None
+    finally:
+        if before is None:
+            del os.environ[advisory]
+        else:
+            os.environ[advisory] = before
     return transformers
 
 
@@ -138,20 +151,36 @@ class ChatDocument:
 class ChatTokenizer:
     """A tokenizer and the chat template it renders conversations with.
 
+    The template's special tokens (ChatML's ``<|im_start|>`` and ``<|im_end|>``, and the
+    end of an assistant turn, ``<|eot_id|>``, ``<end_of_turn>``) must each be one token of
+    the tokenizer: split into byte pieces, a marker costs ten tokens a turn and the end of
+    turn could never end a generation. A tokenizer without them is refused (``ChatError``
+    saying the fix), or, with ``add_tokens=True``, given them as added special tokens at
+    the end of its vocabulary (``vocab_size`` grows: a model trained before has no rows
+    for them).
+
     Args:
       backend: a transformers tokenizer (``PreTrainedTokenizerFast``) with ``chat_template``.
+      add_tokens: add the template's special tokens the tokenizer lacks, rather than refuse.
 
     Attributes:
       template: the chat template's Jinja text.
       markers: whether it has ``{% generation %}`` markers (which then give the mask).
       roles: the roles a conversation may use (``tool`` where the template mentions it).
+      end_of_turn: the token that ends an assistant turn (``"<|im_end|>"``; ``None``
+        where the template ends it with no such token): what generation stops at.
 
-    >>> from nnx_spmd_trainer.data import train_bpe
-    >>> ChatTokenizer.from_tokenizer(train_bpe(texts=["hi"], vocab_size=260)).roles
-    ('system', 'user', 'assistant')
+    >>> from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN, train_bpe
+    >>> bpe = train_bpe(texts=["hi"], vocab_size=260, special_tokens=(EOS_TOKEN, *CHATML_TOKENS))
+    >>> ChatTokenizer.from_tokenizer(bpe).end_of_turn
+    '<|im_end|>'
+    >>> plain = train_bpe(texts=["hi"], vocab_size=260)
+    >>> grown = ChatTokenizer.from_tokenizer(plain, add_tokens=True)
+    >>> grown.vocab_size - plain.vocab_size, grown.end_of_turn_id == plain.vocab_size + 1
+    (2, True)
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, *, add_tokens: bool = False) -> None:
         if not getattr(backend, "chat_template", None):
             raise ChatError(
                 "The tokenizer has no chat template; give a tokenizer_config.json with one "
@@ -162,16 +191,65 @@ class ChatTokenizer:
         self.template: str = backend.chat_template
         self.markers = bool(_GENERATION.search(self.template))
         self.roles = ROLES + (("tool",) if "tool" in self.template else ())
+        self.end_of_turn = self._end_of_turn_text()
+        wanted = [t for t in CHATML_TOKENS if t in self.template]
+        if self.end_of_turn is not None and self.end_of_turn not in wanted:
+            wanted.append(self.end_of_turn)
+        split = {t: n for t in wanted if (n := self._pieces(t)) != 1}
+        if split and add_tokens:
+            backend.add_tokens(list(split), special_tokens=True)
+            split = {t: n for t in wanted if (n := self._pieces(t)) != 1}
+        if split:
+            pieces = ", ".join(
+                f"{t!r} into {n} pieces" if n else f"{t!r} unknown" for t, n in split.items()
+            )
+            raise ChatError(
+                f"The chat template writes {', '.join(map(repr, split))}, which this "
+                f"tokenizer of {self.vocab_size} ids has no single token for: each would be "
+                f"read as text ({pieces}) and the turn's end could never end a generation. Use a "
+                "tokenizer with them as special tokens (train_bpe(..., special_tokens="
+                "(EOS_TOKEN, *CHATML_TOKENS)); the default job's BPE has ChatML's), or add "
+                "them (add_tokens=True; the vocabulary grows, and a model trained before "
+                "has no rows for them)."
+            )
+
+    def _end_of_turn_text(self) -> str | None:
+        """What the template writes after an assistant's content to end the turn, where it
+        is one tag (``<|im_end|>``); ``None`` otherwise or where it cannot say."""
+        turn: Messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        try:
+            text = self.render(turn)
+            after = text[_common_prefix(text, self.render(_probed(turn, 1))) :].split()
+        except Exception:  # a template that needs more (a system turn, tools): no end known
+            return None
+        return after[0] if after and _TAG.fullmatch(after[0]) else None
+
+    def _pieces(self, text: str) -> int:
+        """The tokens ``text`` is encoded into: 1 where it is a token of its own, 0 where
+        it becomes one unknown token."""
+        ids = self.backend(text, add_special_tokens=False)["input_ids"]
+        if ids == [self.backend.get_vocab().get(text)]:
+            return 1
+        return 0 if len(ids) == 1 else len(ids)
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The id of ``end_of_turn`` (``None`` where there is none)."""
+        if self.end_of_turn is None:
+            return None
+        return int(self.backend.convert_tokens_to_ids(self.end_of_turn))
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer, template: str = "chatml") -> ChatTokenizer:
+    def from_tokenizer(
+        cls, tokenizer: Tokenizer, template: str = "chatml", *, add_tokens: bool = False
+    ) -> ChatTokenizer:
         """The library's own ``Tokenizer`` with ``template``: ``"chatml"``
-        (``CHATML_TEMPLATE``, whose ``CHATML_TOKENS`` the tokenizer should have as special
-        tokens) or a template's Jinja text."""
+        (``CHATML_TEMPLATE``, whose ``CHATML_TOKENS`` the tokenizer must have as special
+        tokens, or be given with ``add_tokens``) or a template's Jinja text."""
         backend = _transformers().PreTrainedTokenizerFast(
             tokenizer_object=tokenizer.backend, chat_template=_template_text(template)
         )
-        return cls(backend)
+        return cls(backend, add_tokens=add_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -195,6 +273,20 @@ class ChatTokenizer:
                 messages, tokenize=False, add_generation_prompt=generation_prompt
             )
         )
+
+    def encode_text(self, text: str) -> np.ndarray:
+        """``str -> int32 ids`` of text as it is (no template; special tokens read as such)."""
+        ids = self.backend(text, add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, np.int32)
+
+    def prompt_ids(self, messages: Messages | str) -> np.ndarray:
+        """The ids of ``messages`` rendered with the generation prompt: what a model
+        continues with the assistant's answer (``nnx-spmd-train generate`` on a chat run).
+
+        ``messages`` may be a plain prompt: one user message."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.encode_text(self.render(messages, generation_prompt=True))
 
     def encode(self, messages: Messages) -> ChatDocument:
         """The conversation's ids and its assistant mask (the module docstring says how)."""
@@ -259,7 +351,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def load_chat_tokenizer(
-    path: str | os.PathLike[str], *, template: str | None = None
+    path: str | os.PathLike[str], *, template: str | None = None, add_tokens: bool = False
 ) -> ChatTokenizer:
     """The tokenizer in a ``tokenizer.json`` (or its folder) and the chat template in the
     ``tokenizer_config.json`` (or ``chat_template.jinja``) beside it.
@@ -268,6 +360,7 @@ def load_chat_tokenizer(
       path: a ``tokenizer.json`` or the folder holding it.
       template: ``None``: the tokenizer's own; ``"chatml"``: ``CHATML_TEMPLATE``; else
         the Jinja text of a template.
+      add_tokens: add the template's special tokens the tokenizer lacks (``ChatTokenizer``).
     """
     path = Path(path)
     folder = path if path.is_dir() else path.parent
@@ -280,7 +373,7 @@ def load_chat_tokenizer(
         raise ChatError(f"The tokenizer in {folder} does not load ({error}).") from None
     if template is not None:
         backend.chat_template = _template_text(template)
-    return ChatTokenizer(backend)
+    return ChatTokenizer(backend, add_tokens=add_tokens)
 
 
 def _template_text(template: str) -> str:

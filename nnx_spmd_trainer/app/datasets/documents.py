@@ -30,7 +30,8 @@ import numpy as np
 
 from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 from nnx_spmd_trainer.app.datasets.text import SplitOptions
-from nnx_spmd_trainer.data import PackedBlocks, Tokenizer, train_bpe
+from nnx_spmd_trainer.data import CHATML_TOKENS, PackedBlocks, Tokenizer, train_bpe
+from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN
 
 __all__ = [
     "DocumentOptions",
@@ -52,12 +53,16 @@ def pydoc_documents() -> list[str]:
 
 
 def pydoc_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """A byte-level BPE trained on the pydoc topics (deterministic: the same file each time).
+    """A byte-level BPE trained on the pydoc topics (deterministic: the same file each time),
+    with ChatML's special tokens after the end of a document's.
 
     Trained on all the topics, held-out ones included: the tokenizer sees the text,
     never the model's loss; the unigram baseline is counted on the training rows only.
     """
-    return train_bpe(texts=pydoc_documents(), vocab_size=vocab_size)
+    # ChatML's markers reserved as special tokens: a chat fine-tune of this run's model
+    # (data.chat_template=chatml) writes each as one token, and <|im_end|> can end a turn.
+    special = (EOS_TOKEN, *CHATML_TOKENS)
+    return train_bpe(texts=pydoc_documents(), vocab_size=vocab_size, special_tokens=special)
 
 
 def split_documents(documents: Sequence[str], eval_fraction: float) -> tuple[list[str], list[str]]:
