@@ -4,8 +4,10 @@
 (rendered with ``--config.data.chat_template=chatml``; ``post_training.read_preferences``):
 a row without one of them is refused, naming the file and line; a row whose ``chosen``
 equals its ``rejected`` is counted and skipped.
-The model is the default job's GPT (here tiny: seconds on this CPU), the text tokenized
-with its BPE (``config.data.tokenizer`` / ``vocab_size``); each step takes
+The model is the default job's GPT at its sizes, the text tokenized with its BPE
+(``config.data.tokenizer`` / ``vocab_size``), so ``--config.init_from=<the default job's
+workdir>`` needs no override (a model of other sizes: ``--config.gpt.embed_dim=...``,
+as a refusal names them); each step takes
 ``batch_size`` pairs, cut or padded to ``config.gpt.seq_len`` tokens. ``config.dpo``:
 the loss (``post_training.DPOTrainer``): ``beta``, ``loss_type`` ("sigmoid": DPO, or
 "ipo") and ``label_smoothing`` (sigmoid only). Checkpoints, TensorBoard and
@@ -29,8 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_n_steps = 5
     config.eval_every_n_steps = 0
     config.checkpoint_every_n_steps = 10
-    config.gpt.update(seq_len=32, embed_dim=32, num_heads=4, ff_dim=64, num_layers=1)
-    config.data.vocab_size = 300  # the BPE trained on the pydoc topics: a second
+    # The model and its tokenizer are the default job's (configs/default.py: its GPT, its
+    # BPE of data.vocab_size ids), so --config.init_from=<a default run's workdir> (or of
+    # its chat fine-tune) reads it with no size overridden.
     config.data.preferences = ""  # the JSONL of pairs
     config.dpo = ml_collections.ConfigDict()
     config.dpo.beta = 0.1

@@ -9,7 +9,8 @@ fields handed over as lists. Each rollout takes ``batch_size`` prompts and sampl
 training mesh, then makes ``grpo.num_iterations`` updates on them: ``max_steps`` and
 ``checkpoint_every_n_steps`` count updates, so both are multiples of it. ``grpo.beta``
 weighs the KL term to the starting model (0: none, no reference built); ``grpo.epsilon``
-clips the ratio. The model is the default job's GPT, tiny here: seconds on this CPU.
+clips the ratio. The model is the default job's GPT at its sizes, with its BPE, so
+``--config.init_from=<the default job's workdir>`` needs no override.
 """
 
 import ml_collections
@@ -29,8 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_n_steps = 2
     config.eval_every_n_steps = 0
     config.checkpoint_every_n_steps = 4
-    config.gpt.update(seq_len=32, embed_dim=32, num_heads=4, ff_dim=64, num_layers=1)
-    config.data.vocab_size = 300  # the BPE trained on the pydoc topics: a second
+    # The model and its tokenizer are the default job's (configs/default.py: its GPT, its
+    # BPE of data.vocab_size ids), so --config.init_from=<a default run's workdir> (or of
+    # its chat fine-tune) reads it with no size overridden.
     config.data.prompts = ""  # the JSONL of prompts
     config.grpo = ml_collections.ConfigDict()
     config.grpo.reward = ""  # module:function, importable from PYTHONPATH

@@ -71,8 +71,12 @@ def rewards_importable(files, monkeypatch):
 
 
 def config_of(name: str, **keys):
+    """A config at small sizes: the dpo and grpo configs are the default job's GPT, so
+    every run here (default, dpo, grpo) is shrunk alike and each reads the others'."""
     config = importlib.import_module(f"nnx_spmd_trainer.configs.{name}").get_config()
     config.update(log_every_n_steps=keys.pop("log_every_n_steps", 1), **keys)
+    config.gpt.update(seq_len=32, embed_dim=32, num_heads=4, ff_dim=64, num_layers=1)
+    config.data.vocab_size = 300
     return config
 
 

@@ -39,9 +39,17 @@ def files(tmp_path_factory) -> Path:
     return folder
 
 
+#: The default job's GPT (the dpo and grpo configs' model) at small sizes.
+SMALL = [
+    "--config.gpt.seq_len=32", "--config.gpt.embed_dim=32", "--config.gpt.num_heads=4",
+    "--config.gpt.ff_dim=64", "--config.gpt.num_layers=1", "--config.data.vocab_size=300",
+]  # fmt: skip
+
+
 def grpo_command(files: Path, workdir: Path) -> list[str]:
     return [
         sys.executable, "-m", "nnx_spmd_trainer", "--config=grpo", f"--workdir={workdir}",
+        *SMALL,
         f"--export={workdir}-export",
         f"--config.data.prompts={files / 'prompts.jsonl'}",
         "--config.grpo.reward=kill_rewards:share_of_e",
@@ -54,6 +62,7 @@ def grpo_command(files: Path, workdir: Path) -> list[str]:
 def dpo_command(files: Path, workdir: Path) -> list[str]:
     return [
         sys.executable, "-m", "nnx_spmd_trainer", "--config=dpo", f"--workdir={workdir}",
+        *SMALL,
         f"--export={workdir}-export",
         f"--config.data.preferences={files / 'pairs.jsonl'}",
         "--config.max_steps=8", "--config.checkpoint_every_n_steps=2",

@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer, callbacks, data, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app.job_lines import sizes_line
 
 
 @contextlib.contextmanager
@@ -128,9 +129,10 @@ def check_init_from(
                 "random weights."
             ) from error
         except callbacks.CheckpointOfAnotherModel as error:  # an earlier run's checkpoint
+            sizes = sizes_line(config, Path(init_from.source))  # the keys that set the shapes
             raise tasks.ConfigError(
-                f"config.init_from={config.init_from!r}: {error} Start from a run of this "
-                f"config's model, or --config.init_from='' to start from random weights."
+                f"config.init_from={config.init_from!r}: {error} {sizes} Or start from a run "
+                f"of this config's model, or --config.init_from='' to start from random weights."
             ) from error
 
 

@@ -5,6 +5,7 @@ went (``goodput_line``). ``job.run`` prints them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -19,7 +20,14 @@ from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.planner import compile_cache
 from nnx_spmd_trainer.strategies import Strategy
 
-__all__ = ["corpus_reads_line", "goodput_line", "preempted_line", "speed_line", "started_line"]
+__all__ = [
+    "corpus_reads_line",
+    "goodput_line",
+    "preempted_line",
+    "sizes_line",
+    "speed_line",
+    "started_line",
+]
 
 
 def started_line(
@@ -30,14 +38,17 @@ def started_line(
     why: str,
     splits: datasets.Splits,
 ) -> str:
-    """What the run is, said as it starts: model, devices, mesh, layout, steps, baseline."""
-    return (
+    """What the run is, said as it starts: model, devices, mesh, layout, steps, baseline;
+    then the data's lines (``Splits.summary``: the corpus sizes, the mixture, a chat file's
+    conversations kept, cut and skipped), as a dry run prints them."""
+    line = (
         f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
         f"{': ' + why if why else ''}), {config.max_steps} steps of "
         f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
         f"workdir {workdir}"
     )
+    return "\n".join((line, *splits.summary))
 
 
 def preempted_line(trainer: Trainer) -> str:
@@ -120,3 +131,55 @@ def goodput_line(goodput: dict[str, float], cache: compile_cache.CacheCounts | N
     served = f"compile cache: {cache}" if cache is not None else "compile cache off"
     compiling = f"compile {goodput.get('goodput/compile_s', 0.0):.1f} s ({served})"
     return f"time: {wall:.1f} s of fit, {compiling} = {shares}"
+
+
+#: Integer keys of a model's config that set no parameter's shape.
+_NOT_SIZES = frozenset({"chunked_loss", "moe_top_k", "seed"})
+
+
+def sizes_line(config: ml_collections.ConfigDict, step: Path) -> str:
+    """What a refusal over a shape says to set: the size keys of ``config`` (its model's
+    ``config.<model>.*`` integers, and ``config.data.vocab_size``, the BPE's, which sizes
+    the embedding when ``vocab_size`` is 0) whose values differ from those in the
+    ``config.json`` of the run that wrote ``step`` (``<workdir>/checkpoints/<step>``).
+
+    >>> import json, tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> earlier = {"model": "gpt", "gpt": {"embed_dim": 128, "seq_len": 64},
+    ...            "data": {"vocab_size": 1024}}
+    >>> _ = (run / "config.json").write_text(json.dumps(earlier))
+    >>> config = ml_collections.ConfigDict(
+    ...     {"model": "gpt", "gpt": {"embed_dim": 32, "seq_len": 64}, "data": {"vocab_size": 300}})
+    >>> print(sizes_line(config, run / "checkpoints" / "40"))
+    The sizes are set by config.gpt.embed_dim=32 (that run's: 128), config.data.vocab_size=300 \
+(that run's: 1024): pass --config.gpt.embed_dim=128 --config.data.vocab_size=1024.
+    """
+    model = str(config.get("model", ""))
+    workdir = step.parent.parent if step.parent.name == "checkpoints" else step.parent
+    ours = {f"{model}.{k}": v for k, v in (config.get(model) or {}).items()}
+    ours["data.vocab_size"] = (config.get("data") or {}).get("vocab_size")
+    ours = {k: v for k, v in ours.items() if _is_size(k, v)}
+    keys = ", ".join(f"config.{k}" for k in ours)
+    try:
+        before = json.loads((workdir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"This model's sizes are set by {keys}: give that run's values."
+    theirs = {f"{model}.{k}": v for k, v in (before.get(model) or {}).items()}
+    theirs["data.vocab_size"] = (before.get("data") or {}).get("vocab_size")
+    differ = [k for k in ours if k in theirs and _is_size(k, theirs[k]) and theirs[k] != ours[k]]
+    if before.get("model") != model or not differ:
+        return (
+            f"This model's sizes are set by {keys} (the run that wrote it, {workdir}, is "
+            f"config.model={before.get('model')!r} with {len(differ)} of them other)."
+        )
+    said = ", ".join(f"config.{k}={ours[k]} (that run's: {theirs[k]})" for k in differ)
+    flags = " ".join(f"--config.{k}={theirs[k]}" for k in differ)
+    return f"The sizes are set by {said}: pass {flags}."
+
+
+def _is_size(key: str, value: object) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (key.rsplit(".", 1)[-1] not in _NOT_SIZES)
+    )
