@@ -22,6 +22,7 @@ from .checkpoint import (
     CheckpointWeights,
     CheckpointWriteError,
     DamagedCheckpoint,
+    MergedLoRAWeights,
     OrbaxCheckpoint,
 )
 from .csv_logger import CSVLogger
@@ -51,6 +52,7 @@ __all__ = [
     "LambdaCallback",
     "LearningRateMonitor",
     "MLflowLogger",
+    "MergedLoRAWeights",
     "MetricsLogger",
     "OrbaxCheckpoint",
     "Profiler",

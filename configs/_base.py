@@ -97,6 +97,12 @@ def training_config() -> ml_collections.ConfigDict:
     config.lora.alpha = 16.0
     config.lora.targets = ""
     config.lora.dropout = 0.0
+    # A run started from a LoRA run (init_from=<its workdir>): "merge" folds that run's
+    # adapters into its base first (the start is the model it trained, DPO's and GRPO's
+    # reference that model itself; lora.rank adds fresh adapters over it), "keep" trains
+    # the same adapters on (their rank, alpha and targets are that run's; with DPO/GRPO the
+    # reference is then the base under them, the model before that run).
+    config.lora.init_from_adapters = "merge"
     # JAX's persistent compilation cache: a directory, "off", or "auto" (the environment's
     # NNX_SPMD_TRAINER_COMPILE_CACHE, else JAX's own setting, else
     # $XDG_CACHE_HOME/nnx_spmd_trainer/jax): a rerun reads its compiled programs back

@@ -14,6 +14,8 @@
   parameters alone: ``read_params``).
 * ``start_from.py``: ``CheckpointWeights``, a new run's first state from an earlier run's
   newest step (its model parameters).
+* ``merged_start.py``: ``MergedLoRAWeights``, the same from a LoRA run's step, its adapters
+  folded into their kernels.
 * ``checks.py``: the checks before a read (model match, data position, damage agreed
   on); ``DamagedCheckpoint``, ``CheckpointOfAnotherModel``.
 * ``fingerprint.py``: per-leaf fingerprints computed on the devices, written in the
@@ -29,6 +31,7 @@ while a manager opens (``adapters.orbax_private.quiet_listing``).
 
 from .checks import CheckpointOfAnotherModel, DamagedCheckpoint
 from .format import NewerCheckpointFormat
+from .merged_start import MergedLoRAWeights
 from .orbax_checkpoint import OrbaxCheckpoint
 from .resumer import Restore
 from .save_errors import CheckpointWriteError
@@ -38,6 +41,7 @@ __all__ = [
     "CheckpointOfAnotherModel",
     "CheckpointWeights",
     "CheckpointWriteError",
+    "MergedLoRAWeights",
     "DamagedCheckpoint",
     "NewerCheckpointFormat",
     "OrbaxCheckpoint",

@@ -14,8 +14,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from nnx_spmd_trainer import LoRA, Trainer, export_params, weights
-from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer import Trainer, export_params, weights
+from nnx_spmd_trainer.app import lora_start, tasks
 from nnx_spmd_trainer.app.models import gpt2_hf
 
 #: ``--export_format``'s choices: a plain Orbax checkpoint of the model's tree, the
@@ -29,36 +29,18 @@ LORA_FORMATS = ("peft", "merged")
 SAFETENSORS_FILE = "model.safetensors"
 
 
-def lora_rank(config: ml_collections.ConfigDict) -> int:
-    """``config.lora.rank`` (0 where the config has no ``lora`` section: LoRA is off)."""
-    lora = config.get("lora")
-    return int(lora.get("rank", 0) or 0) if lora is not None else 0
-
-
-#: ``config.lora.targets=""``: the attention's q, k and v, by GPT-2's layer names (PEFT's
-#: ``c_attn``) and by the shipped GPT's (``mha/query``...).
-DEFAULT_LORA_TARGETS = r".*attn/(q|k|v)|.*mha/(query|key|value)"
+#: ``config.lora.targets=""`` (``lora_start``'s): the attention's q, k and v.
+DEFAULT_LORA_TARGETS = lora_start.DEFAULT_LORA_TARGETS
 
 
 def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """``Trainer``'s ``lora=`` from ``config.lora`` (``{}`` where the rank is 0); a
-    ``ConfigError`` naming the key where this library has no ``LoRA`` or it refuses the
-    values, so a LoRA run never trains the whole model instead."""
-    rank = lora_rank(config)
-    if not rank:
-        return {}
-    lora = config.lora
-    try:
-        return {
-            "lora": LoRA(
-                rank=rank,
-                alpha=float(lora.get("alpha", rank)),
-                targets=lora.get("targets", "") or DEFAULT_LORA_TARGETS,
-                dropout=float(lora.get("dropout", 0.0)),
-            )
-        }
-    except ValueError as error:
-        raise tasks.ConfigError(f"config.lora: {error}") from error
+    """``Trainer``'s ``lora=`` (``{}``: none): ``config.lora``'s ``LoRA``, or, starting
+    from a LoRA run with ``config.lora.init_from_adapters='keep'``, that run's
+    (``lora_start.run_lora``); a ``ConfigError`` naming the key where ``LoRA`` refuses
+    the values, so a LoRA run never trains the whole model instead. The plan holds it
+    from then on: what exports read (``nn_lora_of``)."""
+    found = lora_start.run_lora(config)
+    return {"lora": found} if found is not None else {}
 
 
 def check_export_format(
