@@ -36,7 +36,7 @@ from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.planner import plan_report, step
+from nnx_spmd_trainer.planner import forward, plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
@@ -417,6 +417,20 @@ class Plan:
         )
         with jax.set_mesh(self.mesh):
             return jitted.lower(jax.tree.leaves(self.state_targets()), metrics, placed)
+
+    def forward_program(
+        self,
+        fn: Callable[[nnx.Module, Any], Any],
+        graphdef: nnx.GraphDef[Any],
+        state: Any,
+        batch: Any,
+        **options: Any,
+    ) -> Callable[[Any, Any], Any]:
+        """``program(state, batch) -> fn(model, batch)``: a forward-only program on this
+        plan's layout, compiled once per function, graph, state layout and batch shapes
+        and kept in ``steps`` (``planner.forward.forward_program`` says how; ``options``:
+        ``enter``, ``out_shardings``)."""
+        return forward.forward_program(self, fn, graphdef, state, batch, **options)
 
     def report(
         self,

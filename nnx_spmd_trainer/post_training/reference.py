@@ -16,14 +16,19 @@ and its program reads the live model's arrays with the adapters switched off
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer.nn import lora
+
+#: ``(model, batch) -> outputs``: a forward pass of the reference (``ReferenceModel.run``).
+ForwardFn = Callable[[nnx.Module, Any], Any]
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.trainer import Trainer
@@ -41,15 +46,23 @@ def base_is_reference(trainer: Trainer) -> bool:
 
 class ReferenceModel:
     """A frozen copy of ``trainer``'s starting model, laid out as its policy; or, with
-    ``adapters_off``, the policy's own base, read from the live model (no copy).
+    ``adapters_off``, the policy's own base, read from the live model (no copy); or
+    another ``model`` of the policy's structure, placed in the policy's layout.
+
+    It runs any forward pass, ``run(fn, batch)``, as one compiled program of the
+    trainer's plan (``Plan.forward_program``): DPO asks it for the summed
+    log-probabilities of a batch of pairs, GRPO for per-token ones.
 
     Args:
       trainer: the trainer whose plan lays the copy out (``trainer.initial_state()``).
-      side_logps: ``(model, batch, side) -> [rows]``: a model's summed log-probabilities of
-        one side (``"chosen"``, ``"rejected"``) of a batch of pairs.
+      side_logps: deprecated: ``(model, batch, side) -> [rows]``, read by ``logps``
+        only; give the function to ``run`` instead.
       adapters_off: the trainer has LoRA adapters and trains nothing else: the reference is
         its live model computed with the adapters switched off (``nn.lora.adapters_off``),
         the frozen base being the starting model; no second copy of the weights exists.
+      model: another model to be the reference (an ``nnx.Module`` with the policy's
+        structure and shapes: an SFT model under a policy started elsewhere); its arrays
+        are copied into the policy's layout.
 
     Attributes:
       graphdef, state: the copy (``nnx.split`` of the model); ``state`` leaves carry the
@@ -57,19 +70,25 @@ class ReferenceModel:
         read again at each call (the arrays the next step reads).
     """
 
-    #: The batch keys the reference's log-probabilities are given under.
+    #: The batch keys DPO's reference log-probabilities are given under.
     KEYS = ("reference_chosen_logps", "reference_rejected_logps")
 
     def __init__(
         self,
         trainer: Trainer,
-        side_logps: Callable[[nnx.Module, Any, str], jax.Array],
+        side_logps: Callable[[nnx.Module, Any, str], jax.Array] | None = None,
         *,
         adapters_off: bool = False,
+        model: nnx.Module | None = None,
     ) -> None:
         self.adapters_off = adapters_off
         self._trainer = trainer
         self._copy: nnx.State | None = None
+        if adapters_off and model is not None:
+            raise ValueError(
+                "ReferenceModel: adapters_off=True makes the policy's own base the "
+                "reference; a model= reference is another model. Give one of them."
+            )
         if adapters_off:
             if not lora.adapted_layers(trainer.model):
                 raise ValueError(
@@ -77,14 +96,15 @@ class ReferenceModel:
                     "(Trainer(..., lora=LoRA(...))); without them, leave adapters_off unset."
                 )
             self.graphdef = nnx.graphdef(trainer.model)
+        elif model is not None:
+            self.graphdef, self._copy = nnx.graphdef(model), _placed_as_policy(trainer, model)
         else:
             objects = nnx.merge(trainer.plan.graphdef, trainer.initial_state())
-            model = objects["model"]
-            model.eval()  # no dropout in the reference's log-probabilities
-            self.graphdef, self._copy = nnx.split(model)
+            built = objects["model"]
+            built.eval()  # no dropout in the reference's log-probabilities
+            self.graphdef, self._copy = nnx.split(built)
         self._plan = trainer.plan
         self._side_logps = side_logps
-        self._programs: dict[Any, Callable[..., Any]] = {}
 
     @property
     def state(self) -> nnx.State:
@@ -104,16 +124,34 @@ class ReferenceModel:
         """The ``NamedSharding`` of each leaf of ``state``."""
         return jax.tree.map(lambda leaf: leaf.sharding, self.state)
 
+    def program(self, fn: ForwardFn, batch: Any) -> Callable[[nnx.State, Any], Any]:
+        """The compiled ``program(state, batch) -> fn(reference, batch)`` for batches like
+        ``batch`` (``Plan.forward_program``: compiled once, kept in the plan)."""
+        enter = lora.adapters_off if self.adapters_off else None
+        return self._plan.forward_program(fn, self.graphdef, self.state, batch, enter=enter)
+
+    def run(self, fn: ForwardFn, batch: Any) -> Any:
+        """``fn(reference, batch)`` on a placed ``batch``, in eval mode, as one compiled
+        program; its outputs laid out as the plan lays out the batch's rows."""
+        state = self.state
+        return self.program(fn, batch)(state, batch)
+
     def logps(self, batch: Any) -> dict[str, jax.Array]:
-        """``{KEYS[0]: [rows], KEYS[1]: [rows]}`` of a placed batch of pairs, laid out as
-        the plan lays out those leaves of the batch; one compiled program per batch
-        structure and shapes."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-        key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(abstract)))
-        if key not in self._programs:
-            self._programs[key] = self._compile(abstract)
-        program = self._programs[key]
-        return program(self.state, batch)  # type: ignore[no-any-return]
+        """Deprecated (``run``): ``{KEYS[0]: [rows], KEYS[1]: [rows]}`` of a placed batch of
+        pairs, by the ``side_logps`` given at construction."""
+        side_logps = self._side_logps
+        if side_logps is None:
+            raise TypeError(
+                "ReferenceModel.logps reads the side_logps given at construction; this one "
+                "has none: call reference.run(fn, batch) with the forward pass wanted."
+            )
+        warnings.warn(
+            "ReferenceModel.logps and side_logps are deprecated: call "
+            "reference.run(fn, batch) (DPOTrainer.reference_logps does).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.run(_both_sides(side_logps), batch)  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
     def traced(self, state: nnx.State) -> Iterator[nnx.Module]:
@@ -126,21 +164,41 @@ class ReferenceModel:
             model.eval()  # no dropout in the reference's log-probabilities
             yield model
 
-    def _compile(self, abstract: Any) -> Callable[..., Any]:
-        plan, side_logps = self._plan, self._side_logps
-        rows = jax.tree.leaves(abstract)[0].shape[0]
-        out = {k: jax.ShapeDtypeStruct((rows,), np.float32) for k in self.KEYS}
-        batch_shardings = plan.batch_shardings(abstract)
-        out_shardings = {k: plan.batch_shardings({**abstract, **out})[k] for k in self.KEYS}
 
-        def program(state: nnx.State, batch: Any) -> dict[str, jax.Array]:
-            with plan.trace_context(batch_shardings), self.traced(state) as model:
-                chosen = side_logps(model, batch, "chosen")
-                rejected = side_logps(model, batch, "rejected")
-            return dict(zip(self.KEYS, (chosen, rejected), strict=True))
+_SIDE_FNS: dict[Any, ForwardFn] = {}
 
-        return plan.compile_program(
-            program,
-            in_shardings=(self.shardings(), batch_shardings),
-            out_shardings=out_shardings,
-        )
+
+def _both_sides(side_logps: Callable[[nnx.Module, Any, str], jax.Array]) -> ForwardFn:
+    """One function object per ``side_logps`` (a compiled program is kept per function)."""
+    if side_logps not in _SIDE_FNS:
+
+        def both(model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+            sides = (side_logps(model, batch, "chosen"), side_logps(model, batch, "rejected"))
+            return dict(zip(ReferenceModel.KEYS, sides, strict=True))
+
+        _SIDE_FNS[side_logps] = both
+    return _SIDE_FNS[side_logps]
+
+
+def _placed_as_policy(trainer: Trainer, model: nnx.Module) -> nnx.State:
+    """``model``'s state copied into the layout of ``trainer``'s policy; a ValueError naming
+    the first leaf whose path or shape differs."""
+    policy = nnx.state(trainer.model)
+    mine = nnx.state(model)
+    theirs, want = (
+        jax.tree_util.tree_flatten_with_path(mine),
+        jax.tree_util.tree_flatten_with_path(policy),
+    )
+    paths = {jax.tree_util.keystr(p): x for p, x in want[0]}
+    given = {jax.tree_util.keystr(p): x for p, x in theirs[0]}
+    for path in sorted(set(paths) | set(given)):
+        a, b = given.get(path), paths.get(path)
+        if a is None or b is None or np.shape(a) != np.shape(b):
+            raise ValueError(
+                f"reference=: the reference model is not laid out as the policy: at {path} "
+                f"the reference has {None if a is None else np.shape(a)}, the policy "
+                f"{None if b is None else np.shape(b)}. Give a model of the policy's "
+                "architecture and sizes."
+            )
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, policy)
+    return jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x).copy(), s), mine, shardings)
