@@ -118,7 +118,7 @@ def test_a_safetensors_file_gives_the_same_continuation(run, capsys) -> None:
     (first,) = _generate(capsys, str(run["workdir"]), *argv, *sampled, "--json")
     assert generate.main([str(run["workdir"]), *argv, *sampled, "--logprobs"]) == 0
     text_line, logprob_line, speed_line = capsys.readouterr().out.splitlines()[-3:]
-    assert text_line == PROMPT + first["text"] and "tokens/s" in speed_line
+    assert text_line == PROMPT + " >>> " + first["text"] and "tokens/s" in speed_line
     printed = re.findall(r"=(-?\d+\.\d{4})(?= |$)", logprob_line.split(": ", 1)[1])
     assert printed == [f"{lp:.4f}" for lp in first["log_probs"]]
     # without --tokenizer: the run's own (GPT-2's single-byte ids), text in and out; without

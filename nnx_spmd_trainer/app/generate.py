@@ -15,10 +15,14 @@ Hugging Face's GPT-2 files, or a run's ``--export_format=safetensors``); without
 workdir, ``--weights DIR`` is a Hugging Face GPT-2 folder, its ``config.json`` sizing the
 shipped ``gpt2_hf`` model and its ``tokenizer.json`` the text. Sampling is
 ``Sampler.generate``'s: greedy at ``--temperature 0``, seeded per (seed, step, row).
-It prints each continuation (``--logprobs``: and its tokens' log-probabilities;
-``--json``: one JSON line per prompt on stdout, everything else on stderr), then one
-line of prefill and decode tokens/s (``Generation``'s). Each refusal is one line on
-stderr and exit status 2.
+On a chat run (its tokenizer has a chat template: ``--config.data.chat``) each prompt is
+a user message rendered with the template and its generation prompt, and a row ends at
+the template's end of turn (``<|im_end|>``); ``--raw`` gives the text as it is, and a
+JSONL row's ``"messages"`` list is rendered as the conversation it is.
+It prints each prompt, `` >>> `` and its continuation (``--logprobs``: and its tokens'
+log-probabilities; ``--json``: one JSON line per prompt on stdout, everything else on
+stderr), then one line of prefill and decode tokens/s (``Generation``'s). A line says
+when it compiles. Each refusal is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -108,26 +112,47 @@ def parser() -> argparse.ArgumentParser:
     add("--end_token", type=int, default=None, help="the id that ends a row (default: the EOS)")
     add("--logprobs", action="store_true", help="print each token's log-probability too")
     add("--json", action="store_true", help="one JSON line per prompt: text, tokens, log_probs")
+    add("--raw", action="store_true",
+        help="on a chat run, the prompt as it is, not rendered as a user message")  # fmt: skip
     return commands
 
 
-def _jsonl_prompt(line: str, where: str) -> str:
+#: What is printed between a prompt and its continuation.
+SEPARATOR = " >>> "
+
+#: A prompt: text, or (a JSONL row's ``"messages"``) a conversation for a chat template.
+Prompt = str | list[dict[str, Any]]
+
+
+def _jsonl_prompt(line: str, where: str) -> Prompt:
     try:
         value = json.loads(line)
     except ValueError as error:
         raise _Refused(f"{where} is not JSON ({error}); give one object a line.") from None
+    if isinstance(value, dict) and "messages" in value:
+        messages = value["messages"]
+        if isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and
+            isinstance(m.get("content"), str) for m in messages
+        ) and messages:  # fmt: skip
+            return messages
+        raise _Refused(f'{where}: "messages" must be a list of {{"role", "content"}} strings.')
     if isinstance(value, dict):
         value = value.get("prompt")
     if not isinstance(value, str):
-        raise _Refused(f'{where}: give {{"prompt": "..."}} or a JSON string on each line.')
+        raise _Refused(
+            f'{where}: give {{"prompt": "..."}}, {{"messages": [...]}} (a chat run) or a JSON '
+            "string on each line."
+        )
     return value
 
 
-def prompts_of(args: argparse.Namespace) -> list[str]:
+def prompts_of(args: argparse.Namespace) -> list[Prompt]:
     """``--prompt``s, then ``--prompts_file``'s: one a line, or for a ``.jsonl`` file one
     JSON object a line with its ``"prompt"`` (or a JSON string), so a prompt may hold
-    newlines. Blank lines are skipped."""
-    prompts = list(args.prompt)
+    newlines, or its ``"messages"`` (a conversation, for a chat run). Blank lines are
+    skipped."""
+    prompts: list[Prompt] = list(args.prompt)
     if args.prompts_file is not None:
         file = Path(args.prompts_file)
         try:
@@ -223,6 +248,44 @@ def _trainer(
     return run.trainer, run.tokenizer, run.source
 
 
+def _is_chat(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` renders conversations (``data.ChatTokenizer``: a chat run's)."""
+    return callable(getattr(tokenizer, "prompt_ids", None))
+
+
+def _prompt_ids(prompts: Sequence[Prompt], tokenizer: Any, *, raw: bool) -> list[list[int]]:
+    """Each prompt's ids: on a chat run a user message (or the row's messages) rendered
+    with the template's generation prompt, or with ``raw`` the text as it is; else the
+    text through the tokenizer."""
+    chat = _is_chat(tokenizer)
+    if not chat and any(not isinstance(p, str) for p in prompts):
+        raise _Refused(
+            'a "messages" prompt needs a chat run\'s tokenizer (one with a chat template); '
+            'this run\'s has none: give {"prompt": "..."} rows.'
+        )
+    if raw and any(not isinstance(p, str) for p in prompts):
+        raise _Refused('--raw gives text as it is: a "messages" row has no raw text.')
+    try:
+        if chat and not raw:
+            return [[int(t) for t in tokenizer.prompt_ids(p)] for p in prompts]
+        encode = tokenizer.encode_text if chat else tokenizer.encode
+        return [[int(t) for t in encode(p)] for p in prompts]
+    except (ValueError, KeyError) as error:  # a character the run's text never had
+        raise _Refused(f"a prompt does not encode with the run's tokenizer: {error}") from None
+    except Exception as error:  # the chat template's own raise_exception, a Jinja error
+        if not chat:
+            raise
+        raise _Refused(f"the run's chat template fails on a prompt ({error}).") from None
+
+
+def _end_token(tokenizer: Any) -> int | None:
+    """The id a row ends at: a chat template's end of turn, else the end of a document."""
+    if _is_chat(tokenizer) and tokenizer.end_of_turn_id is not None:
+        return int(tokenizer.end_of_turn_id)
+    eos = getattr(tokenizer, "eos_id", None)
+    return None if eos is None else int(eos)
+
+
 def _saved_steps(workdir: Path) -> list[int]:
     return loader.saved_steps(workdir)
 
@@ -245,7 +308,9 @@ def _lines(row: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> lis
     """What is printed of one continuation."""
     if args.json:
         return [json.dumps(row)]
-    lines = [row["prompt"] + row["text"]]
+    prompt = row["prompt"]
+    shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    lines = [shown + SEPARATOR + row["text"]]
     if args.logprobs:
         pieces = [f"{tokenizer.decode([t])!r}={lp:.4f}" for t, lp in zip(
             row["tokens"], row["log_probs"], strict=True)]  # fmt: skip
@@ -263,20 +328,20 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
     prompts = prompts_of(args)
     trainer, run_tokenizer, source = _trainer(args, config)
     tokenizer = _tokenizer(args, run_tokenizer, trainer.model, str(config.model))
-    try:
-        ids = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
-    except (ValueError, KeyError) as error:  # a character the run's text never had
-        raise _Refused(f"a prompt does not encode with the run's tokenizer: {error}") from None
+    ids = _prompt_ids(prompts, tokenizer, raw=args.raw)
     sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer, print_fn=note)
     new_tokens = _new_tokens(args, ids, sampler.context_length)
-    end = args.end_token if args.end_token is not None else getattr(tokenizer, "eos_id", None)
+    end = args.end_token if args.end_token is not None else _end_token(tokenizer)
     vocabulary = _vocabulary(trainer.model) or getattr(tokenizer, "vocab_size", None)
     if args.end_token is not None and vocabulary and not 0 <= args.end_token < vocabulary:
         raise _Refused(
             f"--end_token={args.end_token} is not one of the model's token ids (0 to "
             f"{vocabulary - 1}); give the id that ends a document, or leave it out for the EOS."
         )
-    note(f"generating from {source}")
+    note(
+        f"generating from {source}: compiling the prefill and decode steps first (tens of "
+        "seconds on a CPU, once per prompt length bucket)"
+    )
     try:
         out: Generation = sampler.generate(
             ids, max_new_tokens=new_tokens, temperature=how.temperature, top_k=how.top_k,
