@@ -46,7 +46,11 @@ def training_config() -> ml_collections.ConfigDict:
     # compute_dtype (planner/flops.py's table), and no MFU on a device it lacks (the CPU)
     config.peak_flops = 0.0
     config.max_steps_in_flight = 2
-    # AdamW, linear warmup then cosine decay to end_lr_fraction * learning_rate
+    # AdamW, linear warmup then cosine decay to end_lr_fraction * learning_rate.
+    # "muon": Muon for the hidden matrices (nnx_spmd_trainer.optim.muon, Newton-Schulz once
+    # per matrix across the mesh), AdamW for embeddings, biases and norms, one learning
+    # rate for both (Moonlight's consistent_rms=0.2 matches Muon's update RMS to AdamW's)
+    config.optimizer = "adamw"
     config.learning_rate = 3e-3
     config.warmup_steps = 30
     config.end_lr_fraction = 0.1

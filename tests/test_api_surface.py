@@ -24,6 +24,7 @@ MODULES = (
     "nnx_spmd_trainer.weights",
     "nnx_spmd_trainer.post_training",
     "nnx_spmd_trainer.app",
+    "nnx_spmd_trainer.optim",
 )
 
 

@@ -13,6 +13,8 @@ Orbax and Grain, and reaches the few private ones it needs through these modules
   and of the per-process files Grain checkpoints it into.
 * ``tensorboardx_private``: the ``FileWriter`` of a ``SummaryWriter``'s own event file
   (the hparams summary goes there, not into a run of its own).
+* ``optax_private``: the pieces ``optax.contrib.muon`` is built from (its Newton-Schulz
+  iterations, its scale by shape, its coefficient presets), which ``optim.muon`` reuses.
 * ``python_private``: Python's own exit handlers, run without waiting for the threads
   (``app/interrupts.py``: a prompt exit after Ctrl-C).
 

@@ -23,6 +23,7 @@ from nnx_spmd_trainer import (
     SpikeSkip,
     Strategy,
     TensorParallel,
+    optim,
 )
 from nnx_spmd_trainer.configs import _base
 from nnx_spmd_trainer.nn.attention import FORMS
@@ -294,18 +295,30 @@ def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; ``schedule``'s learning rate, injected so it is
-    visible.
+    """AdamW (or, with ``config.optimizer="muon"``, ``optim.muon`` with AdamW for the
+    non-matrix leaves) after global-norm clipping; ``schedule``'s learning rate, injected
+    so it is visible.
 
     ``optax.inject_hyperparams`` keeps the current learning rate in the
     optimizer state (``hyperparams["learning_rate"]``) for LearningRateMonitor.
     """
     lr_schedule = schedule(config)
+    kind = config.get("optimizer", "adamw")
+    if kind not in ("adamw", "muon"):
+        raise ValueError(
+            f"config.optimizer={kind!r}: use 'adamw' or 'muon' (--config.optimizer=muon)."
+        )
 
     def adamw(learning_rate: Any) -> optax.GradientTransformation:
-        return optax.chain(
-            optax.clip_by_global_norm(config.grad_clip_norm),
-            optax.adamw(learning_rate, weight_decay=config.weight_decay),
-        )
+        if kind == "muon":  # Moonlight's RMS match: AdamW's learning rate serves both
+            inner = optim.muon(
+                learning_rate,
+                weight_decay=config.weight_decay,
+                adam_weight_decay=config.weight_decay,
+                consistent_rms=0.2,
+            )
+        else:
+            inner = optax.adamw(learning_rate, weight_decay=config.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), inner)
 
     return optax.inject_hyperparams(adamw)(learning_rate=lr_schedule)

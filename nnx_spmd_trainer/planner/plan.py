@@ -34,6 +34,7 @@ from nnx_spmd_trainer.nn import lora as lora_lib
 from nnx_spmd_trainer.nn import lora_layout, tracing
 from nnx_spmd_trainer.nn import remat as remat_lib
 from nnx_spmd_trainer.nn.lora import LoRA
+from nnx_spmd_trainer.optim import muon_layout
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
 from nnx_spmd_trainer.planner import forward, plan_report, step
@@ -226,7 +227,11 @@ class Plan:
             if isinstance(s, NamedSharding) and (axes := sh.dimension_axes(s.spec, 1)[0])
         ]
         rows: sh.Rules = (("batch", split[0]),) if split else ()
-        with self.strategy.trace_context(self.mesh), tracing.tracing_rules(rows):
+        with (
+            self.strategy.trace_context(self.mesh),
+            tracing.tracing_rules(rows),
+            muon_layout.parameter_layout(self.shardings["model"]),  # Muon's matrix owners
+        ):
             yield
 
     def compile_step(
