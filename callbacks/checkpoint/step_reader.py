@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,22 @@ def _orbax_read(unraisable: Any) -> bool:
     return "/orbax/" in filename or "/tensorstore/" in filename
 
 
+class _UncollectedTasks(logging.Filter):
+    """asyncio's report of a task of Orbax's reads of ``step_dir`` whose failure nobody
+    collected (``Task exception was never retrieved``, a traceback each): the restore
+    already failed on another read of the same step, and says so once."""
+
+    NOTE = "Task exception was never retrieved"
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__()
+        self.step_dir = str(step_dir)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(self.NOTE) and self.step_dir in message)
+
+
 @contextlib.contextmanager
 def quiet_reads(path: Path) -> Iterator[None]:
     """While the block reads the step in ``path``: ``orbax_private.quiet_failed_reads``
@@ -72,8 +89,10 @@ def quiet_reads(path: Path) -> Iterator[None]:
     ``sys.unraisablehook`` ("Exception ignored in: <coroutine object
     _read_array_index_and_device_put>", a traceback each, hundreds for one damaged step):
     those are dropped, and the collection is run before the block ends, so the step's
-    damage is said once, by whoever catches the error. Every other unraisable exception
-    goes to the hook before."""
+    damage is said once, by whoever catches the error. So are asyncio's reports of its
+    tasks whose failure was never collected, about this step alone (for the process,
+    when the read failed: they come when the collector reaches them). Every other
+    unraisable exception goes to the hook before."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -81,13 +100,17 @@ def quiet_reads(path: Path) -> Iterator[None]:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    tasks = _UncollectedTasks(path)
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addFilter(tasks)
     try:
         with orbax_private.quiet_failed_reads(path):
-            try:
-                yield
-            except BaseException:
-                gc.collect()  # the reads left behind, collected while they are dropped
-                raise
+            yield
+    except BaseException:
+        gc.collect()  # the reads left behind, collected while they are dropped
+        raise
+    else:  # a read that went well leaves no task behind: the filter comes off
+        asyncio_logger.removeFilter(tasks)
     finally:
         if sys.unraisablehook is hook:  # another hook set since stays
             sys.unraisablehook = previous
