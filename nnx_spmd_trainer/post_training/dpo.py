@@ -248,6 +248,7 @@ class DPOTrainer(Trainer):
         table is written there once, atomically; when the file exists already (a resumed
         run) it is read back and the reference is not run. The values are the live
         reference's, bit for bit: the same compiled program on batches of the same shapes.
+        The reference's copy of the weights is let go once the table is made.
         """
         if path is not None and os.path.exists(path):
             self._table = ReferenceTable.load(path)
@@ -263,6 +264,7 @@ class DPOTrainer(Trainer):
         if path is not None:
             table.save(path)
         self._table = table
+        self._reference = None  # its copy of the weights is not needed during training
         return table
 
     def _with_table(self, batch: Any) -> Any:
