@@ -6,7 +6,9 @@ model where it is, with no export. Its three requests:
 
 - ``loglikelihood(context, continuation)``: the continuation's summed log-probability,
   teacher-forced through ``Trainer.predict`` (the training layout's compiled forward
-  pass), and whether it is the greedy continuation;
+  pass, kept in the plan's cache), by the one chunked per-token log-probability
+  (``score_tokens``: no ``[rows, positions, vocab]`` logits), and whether it is the
+  greedy continuation;
 - ``loglikelihood_rolling(text)``: the whole text's log-probability, in windows of the
   model's context as lm_eval's own models do (``get_rolling_token_windows``);
 - ``generate_until(context, gen_kwargs)``: greedy continuations through
@@ -24,11 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer.generate.sampler import Sampler, TextCodec
+from nnx_spmd_trainer.nn.logprob import DEFAULT_CHUNK_SIZE
+from nnx_spmd_trainer.nn.logprob_model import model_token_scores
 
 __all__ = ["HarnessLM", "score_tokens"]
 
@@ -57,23 +60,21 @@ def _lm_base() -> type:
     return LM
 
 
-def _model_forward(model: nnx.Module, inputs: jax.Array) -> jax.Array:
-    return model(inputs)
-
-
-def score_tokens(forward: Forward) -> Callable[[nnx.Module, Any], dict[str, jax.Array]]:
+def score_tokens(
+    forward: Forward | None = None, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Callable[[nnx.Module, Any], dict[str, jax.Array]]:
     """A ``predict_fn`` for ``Trainer.predict`` over ``{"inputs", "targets"}`` batches
-    (``[rows, positions]`` int32): each target's log-probability under ``forward``'s
-    logits (``log_softmax`` in float32) and whether it is their argmax."""
+    (``[rows, positions]`` int32): each target's log-probability and whether it is the
+    argmax, by the one per-token log-probability (``nn.logprob_model.model_token_scores``):
+    through the model's hidden states and head, ``chunk_size`` positions at a time (the
+    ``[rows, positions, vocab]`` logits never exist), or, with ``forward`` given (or a
+    model without that protocol), from the whole logits."""
 
     def predict_fn(model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
-        logits = forward(model, batch["inputs"]).astype(jnp.float32)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        targets = batch["targets"][..., None]
-        return {
-            "log_prob": jnp.take_along_axis(log_probs, targets, axis=-1)[..., 0],
-            "greedy": jnp.argmax(logits, axis=-1) == batch["targets"],
-        }
+        log_prob, predictions = model_token_scores(
+            model, batch["inputs"], batch["targets"], chunk_size=chunk_size, logits_fn=forward
+        )
+        return {"log_prob": log_prob, "greedy": predictions == batch["targets"]}
 
     return predict_fn
 
@@ -97,7 +98,9 @@ class HarnessLM(_lm_base()):  # type: ignore[misc]
       max_length: the most positions a row holds; default the model's context
         (``seq_len``, ``config.n_positions``). Longer contexts keep their end.
       batch_size: rows scored per compiled call.
-      forward: ``(model, inputs) -> logits``; default ``model(inputs)``.
+      forward: ``(model, inputs) -> logits``, read whole; default: the model's hidden
+        states and head, a chunk of positions at a time (``nn.logprob_model``'s protocol),
+        or ``model(inputs)`` for a model without it.
       max_gen_toks: ``generate_until``'s length when a request does not say.
 
     Every process of a multi-process run must make the same calls (the forward pass runs
@@ -126,7 +129,7 @@ class HarnessLM(_lm_base()):  # type: ignore[misc]
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
         # One function object: Trainer.predict compiles it once per padded shape.
-        self._score = score_tokens(forward or _model_forward)
+        self._score = score_tokens(forward)
 
     # -- what the model is -------------------------------------------------------------
     @property
