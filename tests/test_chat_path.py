@@ -80,6 +80,13 @@ def test_a_real_run_prints_the_skipped_conversations(runs) -> None:
     (line,) = [line for line in runs["out"].splitlines() if line.startswith("chat: ")]
     assert " of 51 conversations from " in line
     assert "3 without an assistant token skipped" in line
+    assert "compiling the train step first" in runs["out"]  # not 30 s of silence
+
+
+def test_a_resumed_run_does_not_say_the_optimizer_starts_fresh(runs) -> None:
+    assert "init_from: the model of " in runs["out"] and "starts fresh" in runs["out"]
+    assert "nothing trained" in runs["again"]  # resumed at its last step
+    assert "init_from" not in runs["again"] and "starts fresh" not in runs["again"]
 
 
 def test_the_markers_are_one_token_each_from_the_pretrained_runs_tokenizer(runs) -> None:

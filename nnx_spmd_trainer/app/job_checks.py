@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Trainer, callbacks, data, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
+from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_lines import sizes_line
 
 
@@ -134,6 +135,8 @@ def check_init_from(
                 f"config.init_from={config.init_from!r}: {error} {sizes} Or start from a run "
                 f"of this config's model, or --config.init_from='' to start from random weights."
             ) from error
+        if isinstance(init_from, callbacks.CheckpointWeights):  # said here: a resume never reads it
+            say(f"init_from: the model of {init_from.source}; the optimizer starts fresh")
 
 
 #: The keys ``run_config.make_optimizer`` plans the learning-rate schedule from.

@@ -40,7 +40,8 @@ def started_line(
 ) -> str:
     """What the run is, said as it starts: model, devices, mesh, layout, steps, baseline;
     then the data's lines (``Splits.summary``: the corpus sizes, the mixture, a chat file's
-    conversations kept, cut and skipped), as a dry run prints them."""
+    conversations kept, cut and skipped), as a dry run prints them, and that the step
+    compiles first."""
     line = (
         f"{config.model} on {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} ({strategy!r}, from strategy {config.strategy!r}"
@@ -48,7 +49,9 @@ def started_line(
         f"{config.batch_size} examples; {splits.baseline_name} {splits.baseline:.4f}; "
         f"workdir {workdir}"
     )
-    return "\n".join((line, *splits.summary))
+    # the first step's line waits for the compiler (tens of seconds on a CPU): said, not silent
+    compiling = "compiling the train step first (a rerun may read it from the compile cache)"
+    return "\n".join((line, *splits.summary, compiling))
 
 
 def preempted_line(trainer: Trainer) -> str:

@@ -18,7 +18,6 @@ import ml_collections
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import callbacks, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, tasks
-from nnx_spmd_trainer.app.console import say
 
 #: The folder of a workdir that holds its steps (``<workdir>/checkpoints``).
 CHECKPOINTS = "checkpoints"
@@ -59,9 +58,8 @@ def pretrained(config: ml_collections.ConfigDict, task: tasks.Task) -> weights.P
     if not path:
         return None
     if is_checkpoint_directory(path):
-        found = checkpoint_weights(config)
-        say(f"init_from: the model of {found.source}; the optimizer starts fresh")
-        return found
+        # check_init_from says it is read, where it is: a resume never reads it
+        return checkpoint_weights(config)
     key = f"config.init_from={path!r}"
     if not Path(path).exists():
         raise tasks.ConfigError(f"{key}: there is no file or directory there.")
