@@ -23,8 +23,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_spmd_trainer import path_str
 from nnx_spmd_trainer.adapters import orbax_private
-from nnx_spmd_trainer.sharding import path_str
 from nnx_spmd_trainer.weights import param_targets, pretrained_state
 
 from .checks import _saved_leaves

@@ -58,6 +58,11 @@ def check_export_format(
             f"{key}: this run trains no LoRA adapters (config.lora.rank=0); give "
             "--config.lora.rank=8 (say), or --export_format=safetensors for the whole model."
         )
+    if export_format == "safetensors" and lora_settings(config):
+        raise tasks.ConfigError(
+            f"{key}: this run trains LoRA adapters, which a safetensors file of the model "
+            "has no place for; use --export_format=merged (folded into the base) or peft."
+        )
     if export_format == "peft" and task.weight_map is None:
         raise tasks.ConfigError(
             f"{key}: config.model={config.model!r} has no weight map to name a PEFT adapter's "
@@ -104,6 +109,10 @@ def export(
         raise tasks.ConfigError(f"--export_format={export_format}: the run has no LoRA.")
     if export_format == "peft" and weight_map is None:
         raise tasks.ConfigError("--export_format=peft: the task has no weight map.")
+    if export_format == "safetensors" and nn_lora_of(trainer):
+        raise tasks.ConfigError(
+            "--export_format=safetensors: the model holds LoRA adapters; use merged or peft."
+        )
     with trainer.ema_weights() if ema else contextlib.nullcontext():
         if export_format == "orbax":
             return export_params(trainer.model, directory)

@@ -27,7 +27,7 @@ import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import LoRA, callbacks  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import start_from, tasks
+from nnx_spmd_trainer.app import tasks
 
 #: ``config.lora.init_from_adapters``'s values.
 MODES = ("merge", "keep")
@@ -69,13 +69,15 @@ def source_lora(config: ml_collections.ConfigDict) -> LoRA | None:
     """The ``LoRA`` the run ``config.init_from`` names trained with (its workdir's
     ``config.json``); ``None`` where it is no run of this CLI, or trained no adapters."""
     path = config.get("init_from", "") or ""
-    if not path or not start_from.is_checkpoint_directory(path):
+    if not path:
         return None
-    try:
+    try:  # a weights file or folder has no finished step: not a run of this library
         step = Path(callbacks.CheckpointWeights(path).source)  # type: ignore[arg-type]
     except ValueError:
-        return None  # refused with the weights, naming the key
-    record = start_from.run_that_wrote(step) / "config.json"
+        return None  # a checkpoint folder without a step is refused with the weights
+    # <workdir>/checkpoints/<step>, or a checkpoints folder given alone (no config.json)
+    workdir = step.parent.parent if step.parent.name == "checkpoints" else step.parent
+    record = workdir / "config.json"
     try:
         section = json.loads(record.read_text(encoding="utf-8")).get("lora") or {}
     except (OSError, ValueError, AttributeError):

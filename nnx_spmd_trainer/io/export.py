@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from nnx_spmd_trainer.data.to_host import gather_to_host
@@ -61,5 +62,12 @@ def export_params(
     params = gather_to_host(_string_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     with written_whole(path, overwrite=overwrite) as partial:
         # Written whole, then renamed: a full disk leaves nothing at path (written_whole).
-        ocp.PyTreeCheckpointer().save(partial, params, force=True)
+        # Orbax writes beside its target too (<target>.orbax-checkpoint-tmp): the target
+        # is a folder inside the partial one, so its leftovers go with it.
+        staged = partial / "checkpoint"
+        ocp.PyTreeCheckpointer().save(staged, params, force=True)
+        if jax.process_index() == 0:
+            for child in staged.iterdir():
+                os.replace(child, partial / child.name)
+            staged.rmdir()
     return Path(path).absolute()
