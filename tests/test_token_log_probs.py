@@ -257,3 +257,22 @@ def test_a_model_without_the_protocol_is_scored_on_its_logits():
     want = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     assert_close(logps, want)
     np.testing.assert_array_equal(predictions, jnp.argmax(logits, -1))
+
+
+def test_gpt2s_chunked_sft_loss_equals_its_plain_loss():
+    """gpt.chunked_loss_fn on GPT-2 (its tied, padded head through output_head()): the
+    plain loss over the full logits, value and gradients."""
+    from flax import nnx
+
+    from nnx_spmd_trainer.app.models import gpt
+
+    model, inputs, targets = model_and_tokens(tiny_gpt2)
+    batch = {"inputs": inputs, "targets": targets}
+
+    def grads(loss):
+        fn = nnx.value_and_grad(lambda m: loss(m, batch)[0])
+        value, g = nnx.jit(fn)(model)
+        return value, nnx.to_pure_dict(g)
+
+    chunked = grads(lambda m, b: gpt.chunked_loss_fn(m, b, chunk_size=4))
+    assert_close(chunked, grads(gpt.loss_fn))

@@ -51,6 +51,7 @@ def chunked_cross_entropy(
     *,
     chunk_size: int,
     dtype: jnp.dtype | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax cross entropy of the projection ``features @ kernel + bias``, a chunk of
     positions at a time, so the ``[batch, seq, vocab]`` logits never exist whole.
@@ -89,6 +90,8 @@ def chunked_cross_entropy(
       dtype: the projection's compute dtype (``jnp.bfloat16`` as
         ``nnx.Linear(dtype=jnp.bfloat16)``); default: the inputs'. The logits are cast
         to fp32 for the softmax either way.
+      vocab_size: the real vocabulary where the kernel's columns are padded past it
+        (GPT-2's tied head): the padding columns are never predicted.
 
     Returns:
       ``(losses, predictions)``: per-token cross entropy in nats, fp32 ``[batch, seq]``,
@@ -111,6 +114,12 @@ def chunked_cross_entropy(
     """
     _check_shapes(features, kernel, bias, labels)
     log_probs, predictions = token_scores(
-        features, kernel, labels, chunk_size=chunk_size, head_bias=bias, dtype=dtype
+        features,
+        kernel,
+        labels,
+        chunk_size=chunk_size,
+        head_bias=bias,
+        dtype=dtype,
+        vocab_size=vocab_size,
     )
     return -log_probs, predictions

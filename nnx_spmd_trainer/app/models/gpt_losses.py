@@ -5,21 +5,21 @@ batch and the trained targets of a packed or weighted one (``nn.packed.token_wei
 their total weight as ``aux[TOKEN_WEIGHT]``, so gradient accumulation gives the mean
 over the whole batch's trained tokens (``planner.step.compute_gradients``).
 
-``loss_fn`` asks only ``model(inputs, **packed_inputs(batch))`` of a model, so GPT-2
-(``gpt2_hf``) trains with it too; ``chunked_loss_fn`` also reads the hidden states before
-the head and the head (``GPT.features``, ``GPT.head``).
+``loss_fn`` asks only ``model(inputs, **packed_inputs(batch))`` of a model;
+``chunked_loss_fn`` also reads the hidden states before the head and the head
+(``GPT.features`` and ``GPT.head``; ``GPT2.features`` and ``GPT2.output_head()``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_spmd_trainer import OutputHead
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.nn.moe import moe_losses
 from nnx_spmd_trainer.nn.packed import (
@@ -33,18 +33,21 @@ from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, batch_mask, masked_mean
 __all__ = ["chunked_loss_fn", "loss_fn"]
 
 
-@runtime_checkable
-class _Headed(Protocol):
-    """What ``chunked_loss_fn`` reads of a model (``GPT`` has both)."""
-
-    head: nnx.Linear
-
-    def features(
-        self,
-        tokens: jax.Array,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-    ) -> jax.Array: ...
+def _head(model: nnx.Module) -> OutputHead | None:
+    """What ``chunked_loss_fn`` projects: ``model.output_head()`` (GPT-2's tied head) or
+    ``model.head`` (an ``nnx.Linear``: GPT's), beside ``model.features``; else ``None``."""
+    if not callable(getattr(model, "features", None)):
+        return None
+    if callable(getattr(model, "output_head", None)):
+        return model.output_head()  # type: ignore[attr-defined,no-any-return]
+    head = getattr(model, "head", None)
+    if not isinstance(head, nnx.Linear):
+        return None
+    return OutputHead(
+        head.kernel[...],
+        None if head.bias is None else head.bias[...],
+        None if head.dtype is None else jnp.dtype(head.dtype),
+    )
 
 
 def _checked(batch: Mapping[str, jax.Array], name: str) -> None:
@@ -137,24 +140,26 @@ def chunked_loss_fn(
     more head projection per step (the backward pass recomputes each chunk's logits).
     The projection runs in the head's compute dtype, as ``nnx.Linear`` runs it. The
     model must offer ``features`` (the hidden states before the head) and ``head`` (an
-    ``nnx.Linear``), as ``GPT`` does.
+    ``nnx.Linear``, as ``GPT`` does) or ``output_head()`` (GPT-2's tied head over its
+    padded vocabulary).
     """
-    if not isinstance(model, _Headed):
+    head = _head(model)
+    if head is None:
         raise TypeError(
-            f"chunked_loss_fn reads model.features(tokens, ...) and model.head (an nnx.Linear), "
-            f"as GPT has them; {type(model).__name__} lacks them. Use loss_fn "
-            "(in the CLI: --config.gpt.chunked_loss=0)."
+            f"chunked_loss_fn reads model.features(tokens, ...) and model.head (an nnx.Linear) "
+            f"or model.output_head(), as GPT and GPT-2 have them; {type(model).__name__} "
+            "lacks them. Use loss_fn (in the CLI: --config.gpt.chunked_loss=0)."
         )
     _checked(batch, "gpt.chunked_loss_fn")
-    head = model.head
     targets = batch["targets"]
     losses, predictions = chunked_cross_entropy(
-        model.features(batch["inputs"], **packed_inputs(batch)),
-        head.kernel[...],
-        None if head.bias is None else head.bias[...],
+        model.features(batch["inputs"], **packed_inputs(batch)),  # type: ignore[attr-defined]
+        head.kernel,
+        head.bias,
         targets,
         chunk_size=chunk_size,
-        dtype=None if head.dtype is None else jnp.dtype(head.dtype),
+        dtype=head.dtype,
+        vocab_size=head.vocab_size,
     )
     extra, moe_aux = moe_losses(model)
     mean, weight = _token_mean(losses, batch)
