@@ -55,7 +55,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import callbacks, distributed  # type: ignore[attr-defined]
+from nnx_spmd_trainer import ShardingError, callbacks, distributed  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import corpus, evaluate, generate, harness, post_training_job, tasks
 from nnx_spmd_trainer.app.command_line import (
     fail,
@@ -72,7 +72,6 @@ from nnx_spmd_trainer.app.job_checks import schedule_change_on_resume
 from nnx_spmd_trainer.app.job_export import EXPORT_FORMATS, export
 from nnx_spmd_trainer.app.workdir import check_writable
 from nnx_spmd_trainer.io.export import check_export_path
-from nnx_spmd_trainer.sharding import ShardingError
 
 
 def _main(argv: Sequence[str]) -> int:

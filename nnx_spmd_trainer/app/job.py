@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import (  # type: ignore[attr-defined]
     History,
+    ShardingError,
     Trainer,
     weights,
 )
@@ -50,7 +51,6 @@ from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.planner import compile_cache
 from nnx_spmd_trainer.planner.flops import peak_flops
 from nnx_spmd_trainer.planner.plan_report import PlanReport
-from nnx_spmd_trainer.sharding import ShardingError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -317,7 +317,8 @@ def _weights_to_read(
             ) from None
         if number not in saved:
             raise tasks.ConfigError(
-                f"step={number}: {folder} holds no step {number} (steps there: {saved})."
+                f"step={number}: there is no checkpoint step {number} in {folder} (steps "
+                f"there: {saved})."
             )
         chosen, fall_back = [number], False
     steps = tuple(folder / str(s) for s in chosen)
@@ -333,8 +334,9 @@ def _weights_file(
 ) -> weights.Pretrained:
     if task.weight_map is None:
         raise tasks.ConfigError(
-            f"weights {path}: config.model={config.model!r} has no weight map to read a "
-            "safetensors file through (gpt2_hf has one); read the run's checkpoint instead."
+            f"--weights={path}: config.model={config.model!r} has no weight map to read a "
+            "safetensors file through (gpt2_hf has one); leave --weights out to read the "
+            "run's checkpoint."
         )
     return weights.Pretrained(path, task.weight_map)
 
