@@ -33,17 +33,17 @@ from pathlib import Path
 
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.configs.default import data_config
-from nnx_spmd_trainer.data.chat import CHATML_TOKENS
-from nnx_spmd_trainer.data.corpus import CorpusError, write_corpus
-from nnx_spmd_trainer.data.corpus_inputs import documents, expand_inputs, text_files
-from nnx_spmd_trainer.data.tokenizer import (
-    EOS_TOKEN,
-    TOKENIZER_FILE,
+from nnx_spmd_trainer.data import (
+    CHATML_TOKENS,
+    CorpusError,
     Tokenizer,
     TokenizerError,
     load_tokenizer,
     train_bpe,
+    write_corpus,
 )
+from nnx_spmd_trainer.data.corpus_inputs import documents, expand_inputs, text_files
+from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "main", "parser"]
 

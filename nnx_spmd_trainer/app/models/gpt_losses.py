@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer import OutputHead
-from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
+from nnx_spmd_trainer import TOKEN_WEIGHT, OutputHead, chunked_cross_entropy, masked_mean
 from nnx_spmd_trainer.nn.moe import moe_losses
 from nnx_spmd_trainer.nn.packed import (
     PACKING_FIELDS,
@@ -28,7 +27,7 @@ from nnx_spmd_trainer.nn.packed import (
     packing_fields,
     token_weights,
 )
-from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, batch_mask, masked_mean
+from nnx_spmd_trainer.planner.step import batch_mask
 
 __all__ = ["chunked_loss_fn", "loss_fn"]
 

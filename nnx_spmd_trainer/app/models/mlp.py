@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnx_spmd_trainer import masked_mean
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
-from nnx_spmd_trainer.planner.step import masked_mean
 
 __all__ = ["CNN", "MLP", "loss_fn"]
 
