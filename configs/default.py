@@ -29,8 +29,9 @@ def get_config() -> ml_collections.ConfigDict:
     # The layers as one stacked block run by nnx.scan: compiles once, not per layer
     config.gpt.scan_layers = False
     config.gpt.remat = "none"  # per-block activation checkpointing: a remat.POLICIES name
-    # Sequence positions per chunk of the loss; 0: the plain loss over the full logits
-    config.gpt.chunked_loss = 0
+    # Sequence positions per chunk of the loss; 0: the plain loss over the full logits;
+    # -1: chunks of 128 where vocabulary x positions >= 2**22 (app.tasks.CHUNKED_FROM)
+    config.gpt.chunked_loss = -1
     # Mixture of experts: every moe_every-th block routes each token to moe_top_k of
     # moe_experts expert MLPs (moe.MoE); 0: dense blocks. Split them with expert=N.
     config.gpt.moe_experts = 0

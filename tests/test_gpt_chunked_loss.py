@@ -51,10 +51,23 @@ def test_the_chunked_gpt_loss_equals_the_plain_one(scan_layers):
 
 def test_chunked_loss_off_and_bad_values():
     config = default.get_config()
-    assert tasks.build_task(config).loss_fn is gpt.loss_fn  # 0, the shipped default
-    config.gpt.chunked_loss = -1
-    with pytest.raises(tasks.ConfigError, match=r"config.gpt.chunked_loss=-1: .*>= 0"):
+    # -1, the shipped default: the character vocabulary x 256 positions is small: plain
+    assert tasks.build_task(config).loss_fn is gpt.loss_fn
+    config.gpt.chunked_loss = -2
+    with pytest.raises(tasks.ConfigError, match=r"config.gpt.chunked_loss=-2: .*>= -1"):
         tasks.build_task(config)
+
+
+def test_the_default_chunks_the_loss_from_a_vocabulary_x_positions_size():
+    """-1 (the default) chunks where vocabulary x positions >= tasks.CHUNKED_FROM."""
+    config = default.get_config()
+    assert config.gpt.chunked_loss == -1
+    config.gpt.vocab_size = tasks.CHUNKED_FROM // config.gpt.seq_len
+    task = tasks.build_task(config)
+    assert task.loss_fn.func is gpt.chunked_loss_fn
+    assert task.loss_fn.keywords == {"chunk_size": tasks.AUTO_CHUNK}
+    config.gpt.vocab_size -= 8
+    assert tasks.build_task(config).loss_fn is gpt.loss_fn
 
 
 def test_the_chunked_loss_names_what_a_model_without_a_head_lacks():

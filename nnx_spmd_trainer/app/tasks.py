@@ -118,6 +118,14 @@ def _text_options(
     )
 
 
+#: ``config.gpt.chunked_loss=-1`` (the default) chunks the loss, ``AUTO_CHUNK`` positions a
+#: chunk, from this vocabulary x positions on: a row's float32 logits of 16 MiB, which
+#: with their gradient and the softmax's temporaries make the plain step's largest
+#: buffers (benchmarks/results/posttrain_memory.md measures both losses).
+CHUNKED_FROM = 2**22
+AUTO_CHUNK = 128
+
+
 @register("gpt")
 def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
     """A GPT learning text (``config.gpt``): BPE tokens of the pydoc topics or of corpora,
@@ -135,12 +143,15 @@ def gpt_task(config: ml_collections.ConfigDict, shard: tuple[int, int]) -> Task:
     dtype = compute_dtype(config)
     scan_layers, remat = gpt_layers(config)
     chunk_size = sizes.get("chunked_loss", 0)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < -1:
         raise ConfigError(
-            f"config.gpt.chunked_loss={chunk_size!r}: must be an integer >= 0 (sequence "
-            "positions per chunk of the loss; 0: the plain loss over the full logits); "
+            f"config.gpt.chunked_loss={chunk_size!r}: must be an integer >= -1 (sequence "
+            "positions per chunk of the loss; 0: the plain loss over the full logits; -1: "
+            f"chunks of {AUTO_CHUNK} where vocabulary x positions >= {CHUNKED_FROM:,}); "
             "pass e.g. --config.gpt.chunked_loss=128."
         )
+    if chunk_size == -1:  # auto: chunked where a row's logits outweigh the model's work
+        chunk_size = AUTO_CHUNK if vocab_size * sizes.seq_len >= CHUNKED_FROM else 0
     moe = gpt_moe(config)
     loss_fn: Callable[..., Any] = models.gpt.loss_fn
     if chunk_size:
