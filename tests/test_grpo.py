@@ -5,6 +5,8 @@ the same rewards and weights, and bad inputs are refused in one line."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,9 +196,11 @@ def test_a_stopped_run_resumes_to_the_same_rewards_and_weights(kl_run, tmp_path)
         crashed.fit(BATCHES, max_steps=MU * KL_ROLLOUTS)
     checkpoint = OrbaxCheckpoint(tmp_path, save_every_n_steps=MU)
     resumed = trainer_for([checkpoint])
-    with pytest.warns(UserWarning, match="read and discarded"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Resuming epoch", UserWarning)  # no batch re-read
         resumed.fit(BATCHES, max_steps=MU * KL_ROLLOUTS)
-    # The crash comes before step 2 * MU is saved: the run resumes from the first rollout's.
+    # The crash comes before step 2 * MU is saved: the run resumes from the first rollout's,
+    # seeking the prompt batches (the rollout stage's position) without sampling the first.
     assert checkpoint.restored_step == MU and resumed.step == MU * KL_ROLLOUTS
     assert len(resumed.rollouts) == KL_ROLLOUTS - 1
     for got, want in zip(resumed.rollouts, whole.rollouts[1:], strict=True):

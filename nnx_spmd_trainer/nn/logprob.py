@@ -123,11 +123,13 @@ def scores_from_logits(
     predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if temperature != 1.0:
         logits = logits / temperature
-    # Where sampling kept only some tokens, the rest leave the normalizer.
-    kept = kept_min_logit
+    picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
+    # Where sampling kept only some tokens, the rest leave the normalizer. The scored token
+    # is always kept (a sampled one was): a policy whose logits moved after the rollout
+    # (GRPO's later updates) never gets an empty normalizer.
+    kept = None if kept_min_logit is None else jnp.minimum(kept_min_logit, picked)
     kept_logits = logits if kept is None else jnp.where(logits >= kept[..., None], logits, -jnp.inf)
     normalizer = jax.nn.logsumexp(kept_logits, axis=-1)
-    picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
     return picked - normalizer, predictions
 
 

@@ -37,6 +37,7 @@ from nnx_spmd_trainer.post_training.rewards import (
 )
 from nnx_spmd_trainer.post_training.rollout import (
     PromptRows,
+    encode_prompt,
     prompt_batches,
     read_prompts,
     rollout_batch,
@@ -59,6 +60,7 @@ __all__ = [
     "base_is_reference",
     "dpo_loss",
     "encode_chat_pair",
+    "encode_prompt",
     "encode_text_pair",
     "group_advantages",
     "grpo_loss",

@@ -69,10 +69,19 @@ def score(
     completions: Sequence[Any],
     fields: dict[str, list[Any]],
 ) -> np.ndarray:
-    """``reward_fn``'s answer as float32 ``[completions]``, or a ``RewardError`` saying
-    what it returned and what was expected."""
+    """``reward_fn``'s answer as float32 ``[completions]``, or a ``RewardError`` of one
+    line saying what it raised, or returned and what was expected (a non-finite reward
+    included: no step is taken on it)."""
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    answer = reward_fn(list(prompts), list(completions), **fields)
+    try:
+        answer = reward_fn(list(prompts), list(completions), **fields)
+    except Exception as error:  # noqa: BLE001 -- the user's function: named in one line
+        said = str(error).splitlines()[0] if str(error) else ""
+        raise RewardError(
+            f"reward function {name} raised {type(error).__name__}"
+            f"{': ' + said[:200] if said else ''} on {len(completions)} completions; it "
+            "must score any completion (an empty one included) with a finite float."
+        ) from error
     expected = f"a sequence of {len(completions)} finite floats, one per completion"
     try:
         rewards = np.asarray(answer, dtype=np.float32)
@@ -88,7 +97,9 @@ def score(
         )
     if not np.isfinite(rewards).all():
         raise RewardError(
-            f"reward function {name} returned a non-finite reward; expected {expected}."
+            f"reward function {name} returned a non-finite reward "
+            f"({rewards[~np.isfinite(rewards)][0]} for completion "
+            f"{int(np.flatnonzero(~np.isfinite(rewards))[0])}); expected {expected}."
         )
     return rewards
 

@@ -17,6 +17,8 @@ from nnx_spmd_trainer.data_shard import DataShard
 
 __all__ = [
     "PromptRows",
+    "completion_columns",
+    "encode_prompt",
     "process_rows",
     "prompt_batches",
     "read_prompts",
@@ -131,3 +133,36 @@ def rollout_batch(
         targets[r, :n] = tokens[1:]
         weights[r, len(prompt) - 1 : n] = 1.0
     return {"inputs": inputs, "targets": targets, "weights": weights}
+
+
+def completion_columns(
+    prompts: Sequence[Sequence[int]],
+    values: Sequence[Sequence[float]],
+    batch: dict[str, np.ndarray],
+    fill: float,
+) -> np.ndarray:
+    """Per-token values of each completion (``values[r]``, one a generated token) laid out
+    as ``rollout_batch``'s ``batch`` lays out its targets: row ``r``'s from column
+    ``len(prompts[r]) - 1``, ``fill`` elsewhere; float32 ``[rows, seq_len]``."""
+    out = np.full(batch["weights"].shape, fill, np.float32)
+    for r, (prompt, row) in enumerate(zip(prompts, values, strict=True)):
+        start = len(prompt) - 1
+        out[r, start : start + len(row)] = row
+    return out
+
+
+def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
+    """A prompt row's ids: token ids as they are; text (or chat messages, a list of
+    ``{"role", "content"}``) through ``tokenizer``, rendered with a chat tokenizer's
+    template and generation prompt (``ChatTokenizer.prompt_ids``) where it has one."""
+    messages = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    if not isinstance(prompt, str) and not messages:
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise TypeError("GRPOTrainer: text prompts need tokenizer=...; or give token ids.")
+    chat = getattr(tokenizer, "prompt_ids", None)
+    if chat is not None:
+        return [int(t) for t in chat(prompt)]
+    if messages:
+        raise TypeError("GRPOTrainer: chat-message prompts need a chat tokenizer (prompt_ids).")
+    return [int(t) for t in tokenizer.encode(prompt)]
