@@ -1,7 +1,7 @@
-"""Sampler speed: prefill and decode tokens per second, and the host's share of a decode step.
+"""Sampler speed against a hand-written while-loop decode of the same model, in the same run.
 
     python benchmarks/generate_speed.py [--devices 8] [--batches 1,8] [--prompt 32]
-        [--new 32] [--repeats 5] [--out benchmarks/results] [--quick]
+        [--new 32] [--rounds 7] [--out benchmarks/results] [--quick]
 
 The model is the CLI's default job's GPT (``configs/default.py``: 2 layers, 128 wide,
 8 heads, ff 512, 64 positions, the BPE's 1024 ids), laid out by that job's strategy
@@ -10,21 +10,29 @@ device as is), with random weights: speed does not depend on them. Prompts of
 ``--prompt`` random tokens are continued greedily by ``--new`` tokens (no end token:
 every step runs).
 
-Each batch size is generated once to compile (not timed), then ``--repeats`` times;
-the medians are reported, with the smallest and largest beside them. From each call's
-``Sampler.last_timing`` (``generate.DecodeTiming``):
+Two ways, each timed for **a whole call** (prompt ids in, every row's tokens and
+log-probabilities on the host out):
 
-- prefill tokens/s: the prompts' tokens over the prefill program's wall time;
-- decode tokens/s: the tokens the decode steps produced over the decode programs'
-  wall time (each call to its result);
-- outside the call: of the whole Python decode loop (the call, the wait, reading each
-  step's tokens back, the stop checks), the part outside the compiled calls;
-- outside the program: of the decode steps, the share when no compiled program runs
-  on any device: the host's work, JAX's dispatch of the call's arguments (the
-  weights' ~40 leaves, the cache) included. Read from a profile (``jax.profiler``)
-  of one more ``generate``: the sampler's ``generate/decode_step`` annotations
-  against the XLA CPU client's ``ThunkExecutor::Execute`` spans (the CPU only: on
-  another backend the column reads ``nan``). The profiler's own cost is in it.
+- **library**: ``Sampler.generate`` (prefill, then the decode steps in one
+  ``lax.while_loop`` program; ``generate.programs``);
+- **hand-written**: one ``jax.jit`` function a user would write over the same model
+  and weights (as placed by the trainer): ``nnx.merge``, the model's own caches
+  (``nn.kv_cache.init_caches``), the prompt in one pass, then a ``lax.while_loop`` of
+  greedy steps, each keeping the token and its log-probability; the prompts placed with
+  their rows split as the plan splits a batch where they divide, else replicated.
+
+Each batch size is called once each way to compile (not timed), then ``--rounds``
+rounds, each timing the library and the hand-written call back to back (which goes
+first alternates): the machine's load drifts, so the ratio is read within a round,
+and the median ratio is reported (with the smallest and largest). Also, from the
+library's ``Sampler.last_timing`` (``generate.DecodeTiming``): prefill and decode
+tokens/s, and the decode phase's time outside its program calls (``host_share``).
+
+**Outside any program**: a profile (``jax.profiler``) of one more ``generate``: the
+time of the sampler's ``generate`` annotation during which no compiled program runs
+on any device (the XLA CPU client's ``ThunkExecutor::Execute`` spans, any thread; the
+CPU only: elsewhere ``nan``), per decode step, as a share of a decode step; and as a
+share of the whole call. The profiler's own cost is in it.
 
 ``--out`` appends the run's table to ``generate_speed.md`` and the run to the list in
 ``generate_speed_<devices>dev.json``.
@@ -56,14 +64,21 @@ def _devices_from_argv() -> int:
 # The device count is fixed when JAX starts: set it before importing it.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_devices_from_argv()}")
 
+import time  # noqa: E402
+
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from nnx_spmd_trainer import Sampler, Trainer  # noqa: E402
 from nnx_spmd_trainer.app.models.gpt import GPT  # noqa: E402
 from nnx_spmd_trainer.app.run_config import fit_to_devices, parse_strategy  # noqa: E402
 from nnx_spmd_trainer.configs import default  # noqa: E402
+from nnx_spmd_trainer.nn.kv_cache import init_caches  # noqa: E402
 
 VOCAB = 1024  # the default job's BPE (data.vocab_size), a multiple of 8 already
 
@@ -89,6 +104,61 @@ def default_trainer(quick: bool) -> tuple[Trainer, str]:
     return trainer, spec
 
 
+def hand_written(trainer: Trainer, batch: int, prompt: int, new: int) -> Any:
+    """``call(prompts) -> (tokens, log_probs)`` on the host: one jitted prefill and
+    ``lax.while_loop`` greedy decode of the trainer's model, written as a user would."""
+    mesh = trainer.plan.mesh
+    graphdef, state = nnx.split(trainer.model)
+    length = -(-(prompt + new) // 16) * 16  # the sampler's bucket, for the same cache
+    rows = tuple(a for a in trainer.plan.batch_axes() if mesh.shape[a] > 1)
+    split = int(np.prod([mesh.shape[a] for a in rows]))
+    placed = NamedSharding(mesh, P(rows or None, None) if batch % split == 0 else P())
+
+    @jax.jit
+    def run(state: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, state)
+        model.eval()
+        init_caches(model, batch, length)
+        cache_graph, cache, rest = nnx.split(model, nnx.Cache, ...)
+        seen = jnp.arange(length) < prompt  # [length]: the prompt's positions, then each step's
+        mask = jnp.broadcast_to(seen, (batch, 1, 1, length))
+        positions = jnp.broadcast_to(jnp.arange(prompt), (batch, prompt))
+
+        def forward(cache: Any, tokens: jax.Array, positions: jax.Array, mask: jax.Array) -> Any:
+            model = nnx.merge(cache_graph, cache, rest)
+            logits = model(tokens, positions=positions, mask=mask)[:, -1]
+            return nnx.state(model, nnx.Cache), logits
+
+        def pick(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+            token = jnp.argmax(logits, -1).astype(jnp.int32)
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+            return token, jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+
+        cache, logits = forward(cache, tokens, positions, mask)
+        token, logp = pick(logits)
+        out = jnp.zeros((batch, new), jnp.int32).at[:, 0].set(token)
+        out_logp = jnp.zeros((batch, new), jnp.float32).at[:, 0].set(logp)
+
+        def step(carry: Any) -> Any:
+            i, cache, token, out, out_logp = carry
+            mask = jnp.broadcast_to(jnp.arange(length) < prompt + i, (batch, 1, 1, length))
+            position = jnp.full((batch, 1), prompt + i - 1)
+            cache, logits = forward(cache, token[:, None], position, mask)
+            token, logp = pick(logits)
+            return i + 1, cache, token, out.at[:, i].set(token), out_logp.at[:, i].set(logp)
+
+        carry = (jnp.int32(1), cache, token, out, out_logp)
+        _, _, _, out, out_logp = jax.lax.while_loop(lambda c: c[0] < new, step, carry)
+        return out, out_logp
+
+    def call(prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with jax.set_mesh(mesh):
+            tokens, logp = run(state, jax.device_put(prompts, placed))
+        return np.asarray(tokens), np.asarray(logp)
+
+    return call
+
+
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
     """The nanoseconds covered by at least one of ``intervals``."""
     covered, reach = 0, None
@@ -100,11 +170,11 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return covered
 
 
-def program_share(sampler: Sampler, prompts: list[list[int]], new: int) -> float:
-    """The share of the sampler's decode steps (its ``generate/decode_step`` trace
-    annotations) during which a compiled program runs on some device (the XLA CPU
-    client's ``ThunkExecutor::Execute`` spans, any thread), from a profile of one
-    ``generate`` (the Python tracer off); ``nan`` where the profile has neither."""
+def outside_programs(sampler: Sampler, prompts: list[list[int]], new: int) -> float:
+    """The nanoseconds of one ``generate`` (its ``generate`` trace annotation) during
+    which no compiled program runs on any device (the XLA CPU client's
+    ``ThunkExecutor::Execute`` spans, any thread), from a profile with the Python tracer
+    off; ``nan`` where the profile has neither."""
     folder = tempfile.mkdtemp(prefix="generate-speed-profile-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
@@ -112,22 +182,25 @@ def program_share(sampler: Sampler, prompts: list[list[int]], new: int) -> float
     sampler.generate(prompts, max_new_tokens=new)
     jax.profiler.stop_trace()
     (path,) = Path(folder).rglob("*.xplane.pb")
-    steps, runs = [], []
+    calls, runs = [], []
     for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
         for line in plane.lines:
             for event in line.events:
-                if event.name == "generate/decode_step":
-                    steps.append((event.start_ns, event.end_ns))
+                if event.name == "generate":
+                    calls.append((event.start_ns, event.end_ns))
                 elif event.name == "ThunkExecutor::Execute":
                     runs.append((event.start_ns, event.end_ns))
     shutil.rmtree(folder, ignore_errors=True)
-    if not steps or not runs:
+    if len(calls) != 1 or not runs:
         return float("nan")
-    inside = sum(
-        _union_ns([(max(a, begin), min(b, end)) for a, b in runs if a < end and b > begin])
-        for begin, end in steps
-    )
-    return inside / sum(end - begin for begin, end in steps)
+    ((begin, end),) = calls
+    inside = _union_ns([(max(a, begin), min(b, end)) for a, b in runs if a < end and b > begin])
+    return float(end - begin - inside)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1]}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,26 +210,48 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     vocab = 64 if args.quick else VOCAB
     rows = []
     for batch in args.batches:
-        prompts = rng.integers(0, vocab, (batch, args.prompt)).tolist()
-        sampler.generate(prompts, max_new_tokens=args.new)  # compiles
-        runs = []
-        for _ in range(args.repeats):
-            out = sampler.generate(prompts, max_new_tokens=args.new)
+        prompts = rng.integers(0, vocab, (batch, args.prompt)).astype(np.int32)
+        hand = hand_written(trainer, batch, args.prompt, args.new)
+        ours = sampler.generate(prompts.tolist(), max_new_tokens=args.new)  # compiles
+        theirs = hand(prompts)  # compiles
+        # The same model, the same greedy tokens (a check that both do the same work).
+        same = float(np.mean(np.asarray(ours.tokens) == theirs[0]))
+        runs: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            order = ("library", "hand") if r % 2 == 0 else ("hand", "library")
+            seconds = {}
+            for who in order:
+                start = time.perf_counter()
+                if who == "library":
+                    sampler.generate(prompts.tolist(), max_new_tokens=args.new)
+                else:
+                    hand(prompts)
+                seconds[who] = time.perf_counter() - start
             timing = sampler.last_timing
             assert timing is not None and timing.decode_steps == args.new - 1
-            runs.append(
-                {
-                    "prefill_tokens_per_s": out.prefill_tokens_per_second,
-                    "decode_tokens_per_s": out.decode_tokens_per_second,
-                    "decode_step_ms": 1e3 * timing.decode_loop_seconds / timing.decode_steps,
-                    "host_share": 1 - timing.decode_seconds / timing.decode_loop_seconds,
-                }
-            )
-        row: dict[str, Any] = {"batch": batch, "rows": sampler.bucket(prompts, args.new)[0]}
-        for key in runs[0]:
-            values = sorted(r[key] for r in runs)
-            row[key] = {"median": statistics.median(values), "min": values[0], "max": values[-1]}
-        row["program_share"] = program_share(sampler, prompts, args.new)
+            tokens = batch * args.new
+            for key, value in (
+                ("call_tokens_per_s", tokens / seconds["library"]),
+                ("hand_tokens_per_s", tokens / seconds["hand"]),
+                ("ratio", seconds["hand"] / seconds["library"]),
+                ("prefill_tokens_per_s", timing.prefill_tokens_per_second),
+                ("decode_tokens_per_s", timing.decode_tokens_per_second),
+                ("decode_step_ms", 1e3 * timing.decode_seconds / timing.decode_steps),
+                ("host_share", 1 - timing.decode_seconds / timing.decode_loop_seconds),
+            ):
+                runs.setdefault(key, []).append(value)
+        row: dict[str, Any] = {
+            "batch": batch,
+            "rows": sampler.bucket(prompts.tolist(), args.new)[0],
+        }
+        row.update({key: _spread(values) for key, values in runs.items()})
+        row["same_tokens"] = same
+        outside_ns = outside_programs(sampler, prompts.tolist(), args.new)
+        step_ns = 1e6 * row["decode_step_ms"]["median"]
+        call_ns = 1e9 * batch * args.new / row["call_tokens_per_s"]["median"]
+        row["outside_per_step_share"] = outside_ns / (args.new - 1) / step_ns
+        row["outside_call_share"] = outside_ns / call_ns
+        row["program_share"] = 1 - row["outside_call_share"]
         rows.append(row)
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -168,7 +263,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": spec,
         "prompt_tokens": args.prompt,
         "new_tokens": args.new,
-        "repeats": args.repeats,
+        "rounds": args.rounds,
         "rows": rows,
     }
 
@@ -178,8 +273,10 @@ def table(result: dict[str, Any]) -> str:
         median, low, high = (scale * value[k] for k in ("median", "min", "max"))
         return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
-    header = ("batch (rows)", "prefill tokens/s", "decode tokens/s", "decode step ms",
-              "outside the call %", "outside the program %")  # fmt: skip
+    header = ("batch (rows)", "library tokens/s (call)", "hand-written tokens/s",
+              "library / hand-written", "prefill tokens/s", "decode tokens/s",
+              "decode step ms", "outside any program, per step, % of a step",
+              "outside any program, % of the call")  # fmt: skip
     lines = [
         f"{result['date']}, {result['devices']} {result['backend']} device(s) on "
         f"{result['cpu_cores']} cores, strategy `{result['strategy']}`, load "
@@ -190,9 +287,12 @@ def table(result: dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['batch']} ({row['rows']}) | {cell(row['prefill_tokens_per_s'])} "
-            f"| {cell(row['decode_tokens_per_s'])} | {cell(row['decode_step_ms'], digits=2)} "
-            f"| {cell(row['host_share'], 100, 1)} | {100 * (1 - row['program_share']):.0f} |"
+            f"| {row['batch']} ({row['rows']}) | {cell(row['call_tokens_per_s'])} "
+            f"| {cell(row['hand_tokens_per_s'])} | {cell(row['ratio'], digits=3)} "
+            f"| {cell(row['prefill_tokens_per_s'])} | {cell(row['decode_tokens_per_s'])} "
+            f"| {cell(row['decode_step_ms'], digits=3)} "
+            f"| {100 * row['outside_per_step_share']:.1f} "
+            f"| {100 * row['outside_call_share']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -203,13 +303,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="prompts a call, comma-separated")
     parser.add_argument("--prompt", type=int, default=32, help="tokens a prompt")
     parser.add_argument("--new", type=int, default=32, help="tokens generated a prompt")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, each both ways")
     parser.add_argument("--out", type=Path, help="append to generate_speed.md, write JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny: the script runs, no more")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
-        args.prompt, args.new, args.repeats = 8, 4, 2
+        args.prompt, args.new, args.rounds = 8, 4, 2
     result = measure(args)
     text = table(result)
     print(text)

@@ -163,7 +163,7 @@ def test_one_prefill_and_one_decode_program_per_bucket_not_per_token(
     assert [len(x) for x in first.tokens + again.tokens] == [NEW + 4] * 3 + [NEW + 6] * 2
 
 
-def test_the_decode_step_donates_the_cache(small: Sampler) -> None:
+def test_the_decode_loop_donates_the_cache(small: Sampler) -> None:
     programs = small.programs
     rows, columns, length = 8, 16, 32
     how = Sampling()
@@ -171,13 +171,15 @@ def test_the_decode_step_donates_the_cache(small: Sampler) -> None:
     tokens = np.ones((rows, columns), np.int32)
     positions = np.tile(np.arange(columns, dtype=np.int32), (rows, 1))
     real = np.ones((rows, length), bool)
-    seed, row_ids = jnp.uint32(0), np.arange(rows, dtype=np.int32)
-    cache, choice = programs.prefill(rows, columns, length, how)(
-        leaves, tokens, positions, real, seed, row_ids
+    seed, row_ids, end = jnp.uint32(0), np.arange(rows, dtype=np.int32), jnp.int32(-1)
+    active = np.ones(rows, bool)
+    cache, carry = programs.prefill(rows, columns, length, how)(
+        leaves, tokens, positions, real, seed, row_ids, active, end
     )
     decode = programs.decode(rows, length, how)
     lengths = np.full(rows, columns, np.int32)
-    after, _ = decode(leaves, cache, choice.token, lengths, real, seed, jnp.int32(1), row_ids)
+    after, done = decode(leaves, cache, carry, lengths, real, seed, row_ids, end, jnp.int32(4))
+    assert int(done.step) == 4 and np.asarray(done.taken).tolist() == [4] * rows
     # The keys, values and index: their buffers became the next cache's. (The padding
     # mask is rewritten from `real` at every call, so the step never reads the old one.)
     kept = [x for x in cache if x.dtype != jnp.bool_]

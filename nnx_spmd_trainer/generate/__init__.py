@@ -1,8 +1,16 @@
-"""Sampling from a trained model on its training mesh: ``Sampler`` (prefill, decode
-with a key-value cache, stops), the sampling functions (``Sampling``, ``sample``,
-``row_key``), and the compiled programs (``DecodePrograms``)."""
+"""Sampling from a trained model on its training mesh: ``Sampler`` (prefill, then the
+decode steps in one loop on the devices, stops), the sampling functions (``Sampling``,
+``choose``, ``sample``, ``row_key``), the compiled programs (``DecodePrograms``), and the
+conventions a model decodes in (``decoding``: the cache in its attention modules, or
+as an argument; ``ContextLength``)."""
 
-from nnx_spmd_trainer.generate.programs import DecodePrograms
+from nnx_spmd_trainer.generate.decoding import (
+    CacheArgument,
+    CacheInModules,
+    ContextLength,
+    context_length,
+)
+from nnx_spmd_trainer.generate.programs import Carry, DecodePrograms
 from nnx_spmd_trainer.generate.sampler import (
     CacheTooLarge,
     DecodeTiming,
@@ -10,16 +18,30 @@ from nnx_spmd_trainer.generate.sampler import (
     Sampler,
     TextCodec,
 )
-from nnx_spmd_trainer.generate.sampling import Sampling, log_probabilities, row_key, sample
+from nnx_spmd_trainer.generate.sampling import (
+    Choice,
+    Sampling,
+    choose,
+    log_probabilities,
+    row_key,
+    sample,
+)
 
 __all__ = [
+    "CacheArgument",
+    "CacheInModules",
     "CacheTooLarge",
+    "Carry",
+    "Choice",
+    "ContextLength",
     "DecodePrograms",
     "DecodeTiming",
     "Generation",
     "Sampler",
     "Sampling",
     "TextCodec",
+    "choose",
+    "context_length",
     "log_probabilities",
     "row_key",
     "sample",

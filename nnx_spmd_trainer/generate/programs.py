@@ -1,226 +1,144 @@
-"""The sampler's two compiled programs, on the plan's mesh: prefill and one decode step.
+"""The sampler's two compiled programs, on the plan's mesh: prefill, and the decode loop.
 
-Both run a *copy* of the model (``nnx.merge`` of the live state, in eval mode, its
-caches made by ``nn.kv_cache.init_caches``), so the training state is only read.
-Prefill runs the whole prompt block through the model in one pass, writing every
-prompt position's keys and values at once (where every attention takes a block:
-``nn.kv_cache.decodes_blocks``; Flax's own ``nnx.MultiHeadAttention`` takes one
-position a call, so a model built on it is prefilled one column at a time).
-Each program is compiled once per shape bucket (rows, prompt columns, cache length),
-ahead of its first call (``jax.jit(...).lower(...).compile()``: no call is timed with
-its compilation), and kept in the plan's one cache of compiled steps (``Plan.steps``);
-the decode step is handed the cache and donates it, writing the next one into the
-same buffers.
+- **prefill** runs the left-padded prompt block into a fresh cache (in one pass where
+  the model takes a block: ``decoding``) and chooses each row's first token.
+- **decode** runs decode steps in one ``lax.while_loop`` on the devices, Tunix's
+  ``_decode_fn`` design: each step feeds every row's last token, chooses the next,
+  writes it and its log-probabilities into the output buffers, and marks a row done at
+  the end token; the loop stops when every row is done or at the step ``until`` (a
+  call's length, or the end of a block of steps: the host checks stop strings there).
 
-Layout: the rows are split as the plan splits a batch's rows (``Plan.batch_axes``),
-the cache's rows with them, and the cache's heads over the tensor-parallel
-(``"model"``-role: ``Plan.axis_roles``) axes the attention's heads are split over.
+Both run a *copy* of the model (``nnx.merge`` of the live state's leaves, in eval
+mode), so the training state is only read. Each is compiled once per shape bucket
+(rows, prompt columns, cache length, sampling settings), ahead of its first call
+(``jax.jit(...).lower(...).compile()``: no call is timed with its compilation), and
+kept in the plan's one cache of compiled steps (``Plan.steps``). How many steps a
+call runs is an argument, not a shape: one decode program serves every length.
+The decode program is handed the cache and donates it.
 
-A layout that does not decode (a pipeline's layers split over stages, a sequence
-split over devices: ``UNDECODABLE``) is resharded once per state: the weights are
-copied into the same mesh without those axes (``resharded``, ``note`` says so in one
-line), traced without that strategy's context; the training state is untouched.
-
-Prompts are **left padded**: every row's last prompt token sits in the same
-column, so one cache position serves the whole batch (Flax's ``cache_index`` is one
-number). The padding is hidden by the key mask and each row's positions count from
-its first real token, so a row decodes exactly as it would alone.
+Layout: ``layout.DecodeLayout``. Prompts are **left padded**: every row's last prompt
+token sits in the same column, so one cache position serves the whole batch; the
+padding is hidden by the key mask and each row's positions count from its first real
+token, so a row decodes exactly as it would alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_spmd_trainer import sharding as sh
+from nnx_spmd_trainer.generate.decoding import CacheArgument, CacheInModules
+from nnx_spmd_trainer.generate.layout import DecodeLayout
 from nnx_spmd_trainer.generate.sampling import Choice, Sampling, choose, row_key
-from nnx_spmd_trainer.nn.kv_cache import decodes_blocks, init_caches
 from nnx_spmd_trainer.planner.plan import Plan
 
-__all__ = ["DecodePrograms"]
-
-#: The mesh-axis roles whose layouts do not decode, and what they are called.
-UNDECODABLE = {"stage": "a pipeline", "seq": "a sequence split"}
-
-#: What a step returns: the cache and each row's choice (``sampling.Choice``).
-StepOut = tuple[Any, Choice]
+__all__ = ["Carry", "DecodePrograms"]
 
 
-def _choose(
-    logits: jax.Array, seed: jax.Array, step: jax.Array, rows: jax.Array, how: Sampling
-) -> Choice:
-    """Each row's next token from its own key, with its log-probabilities."""
-    keys = jax.vmap(lambda row: row_key(seed, step, row))(rows)
-    return Choice(*jax.vmap(lambda lg, k: choose(lg, k, how))(logits, keys))
+class Carry(NamedTuple):
+    """What the decode loop carries, and what a program hands back to the host.
+
+    Attributes:
+      step: the next decode step (prefill's choice is step 0).
+      token: each row's last token (``[rows]``).
+      done: each row has stopped (its end token; or a padding row; or the host's stop).
+      taken: the tokens each row took (its end token included).
+      out: each step's choice (``sampling.Choice`` of ``[rows, cache length]`` buffers,
+        step ``s`` in column ``s``; a done row's later columns are not its own).
+    """
+
+    step: jax.Array
+    token: jax.Array
+    done: jax.Array
+    taken: jax.Array
+    out: Choice
 
 
 class DecodePrograms:
-    """Prefill and decode for ``model`` laid out by ``plan`` (the live model is read only).
+    """Prefill and the decode loop for ``model`` laid out by ``plan``.
 
     Args:
       model: the trained ``nnx.Module`` (its arrays sharded on ``plan.mesh``).
       plan: the plan it was trained with.
       cache_dtype: the cache's dtype (default float32).
+      init_cache: for a model that takes its cache as an argument (jax-ml/bonsai's
+        convention: ``decoding.CacheArgument``), what makes it:
+        ``init_cache(batch_size, token_len, generate_steps, dtype)``.
     """
 
-    def __init__(self, model: nnx.Module, plan: Plan, *, cache_dtype: Any = jnp.float32) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        plan: Plan,
+        *,
+        cache_dtype: Any = jnp.float32,
+        init_cache: Callable[..., Any] | None = None,
+    ) -> None:
         self.plan = plan
         self.cache_dtype = cache_dtype
         self._model = model
-        self._graphdef, state = nnx.split(model)
-        self._treedef = jax.tree.structure(state)
-        mesh, roles = plan.mesh, plan.axis_roles()
-        #: The mesh axes resharded away (a pipeline's, a sequence split's): ``()`` mostly.
-        self.resharded = tuple(
-            a for a, role in roles.items() if role in UNDECODABLE and mesh.shape.get(a, 1) > 1
+        self.layout = DecodeLayout(model, plan)
+        self.decoding: CacheInModules | CacheArgument = (
+            CacheInModules(model, cache_dtype)
+            if init_cache is None
+            else CacheArgument(model, init_cache, cache_dtype)
         )
-        #: One line saying what was resharded, or ``None``.
-        self.note = None
-        if self.resharded:
-            kinds = sorted({UNDECODABLE[roles[a]] for a in self.resharded})
-            self.note = (
-                f"{plan.strategy!r} lays the model out as {' and '.join(kinds)}, which does not "
-                f"decode: sampling from a copy of the weights without the {self.resharded} "
-                "axes (the training state is untouched)."
-            )
-        self.row_axes = tuple(
-            a for a in plan.batch_axes() if a not in self.resharded and mesh.shape.get(a, 1) > 1
-        )
-        self._copied: tuple[list[int], list[Any]] | None = None
-        #: Whether prefill runs the prompts in one pass (every attention takes a block of
-        #: positions: ``nn.kv_cache.decodes_blocks``), else one column at a time.
-        self.one_pass_prefill = decodes_blocks(model)
+        self._graphdef = nnx.graphdef(model)
 
-    # -- layout --------------------------------------------------------------------
-    def state_leaves(self) -> list[Any]:
-        """The model's arrays now (the trainer's steps replace them), copied into a layout
-        that decodes when the training layout does not (once per state)."""
-        live = jax.tree.leaves(nnx.state(self._model))
-        if not self.resharded:
-            return live
-        ids = [id(x) for x in live]
-        if self._copied is None or self._copied[0] != ids:
-            self._copied = (
-                ids,
-                [jax.device_put(x, self._decodable(x.sharding, x.ndim)) for x in live],
-            )
-        return self._copied[1]
+    # -- what the sampler reads ------------------------------------------------------
+    @property
+    def note(self) -> str | None:
+        """One line saying the layout was resharded to decode, or ``None``."""
+        return self.layout.note
 
-    def _decodable(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
-        dims = sh.dimension_axes(sharding.spec, ndim)
-        kept = [tuple(a for a in axes if a not in self.resharded) or None for axes in dims]
-        return NamedSharding(self.plan.mesh, P(*kept))
-
-    @contextlib.contextmanager
-    def _tracing(self, batch_shardings: Any) -> Iterator[None]:
-        """The plan's trace context; none where the layout was resharded (a pipeline's
-        schedule or a sequence split's rules would take the copy for theirs)."""
-        if self.resharded:
-            yield
-            return
-        with self.plan.trace_context(batch_shardings):
-            yield
+    @property
+    def resharded(self) -> tuple[str, ...]:
+        return self.layout.resharded
 
     @property
     def row_multiple(self) -> int:
-        """Rows are padded to a multiple of this (the devices splitting them)."""
-        return math.prod(self.plan.mesh.shape[a] for a in self.row_axes)
+        return self.layout.row_multiple
 
-    def _rows(self, *rest: Any) -> NamedSharding:
-        return NamedSharding(self.plan.mesh, P(self.row_axes or None, *rest))
+    @property
+    def one_pass_prefill(self) -> bool:
+        return self.decoding.one_pass_prefill
+
+    def state_leaves(self) -> list[Any]:
+        return self.layout.state_leaves()
 
     def on_devices(self, *arrays: Any) -> list[jax.Array]:
-        """``arrays`` (host arrays of ``rows`` leading rows, or scalars) placed as the
-        programs take them: the rows split, scalars replicated. Placed once per
-        ``generate``, not per step: a step's call then moves nothing from the host but its
-        step number."""
-        return [
-            jax.device_put(x, self._rows(*(None,) * (np.ndim(x) - 1)) if np.ndim(x) else
-                           self.plan.replicated)
-            for x in arrays
-        ]  # fmt: skip
+        return self.layout.on_devices(*arrays)
 
-    def _heads_axes(self, heads: int) -> tuple[str, ...]:
-        """The tensor-parallel axes (role ``"model"``) that divide ``heads``, as the
-        attention's projections split them; none when the rows already use them."""
-        mesh, roles = self.plan.mesh, self.plan.axis_roles()
-        axes = tuple(
-            a for a, role in roles.items()
-            if role == "model" and a not in self.row_axes and mesh.shape.get(a, 1) > 1
-        )  # fmt: skip
-        return axes if axes and heads % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-    def _cache_sharding(self, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        rows = self.row_axes or None
-        if jnp.dtype(leaf.dtype) == jnp.dtype(bool):  # cache_mask: [(layers,) rows, length]
-            return NamedSharding(self.plan.mesh, P(*(None,) * (leaf.ndim - 2), rows, None))
-        if leaf.ndim < 4:  # cache_index (one per layer when stacked)
-            return NamedSharding(self.plan.mesh, P())
-        lead = (None,) * (leaf.ndim - 4)  # a stack's layer dimension
-        heads = self._heads_axes(leaf.shape[-2]) or None
-        return NamedSharding(self.plan.mesh, P(*lead, self.row_axes or None, None, heads, None))
-
-    # -- the decoding copy -----------------------------------------------------------
-    def _decoding_copy(self, leaves: list[Any], rows: int, length: int) -> nnx.Module:
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, leaves))
-        model.eval()
-        if not init_caches(model, rows, length, self.cache_dtype):
-            raise TypeError(
-                f"{type(model).__name__} has no attention that decodes with a cache: build "
-                "its attention as nnx.MultiHeadAttention(..., decode=False) (or give your own "
-                "a `decode` attribute and init_cache, as Flax's); see docs/topics/sampling.md."
-            )
-        return model
+    def _abstract_cache(self, rows: int, length: int) -> list[Any]:
+        return self.decoding.abstract_cache(self.layout.abstract_state(), rows, length)
 
     def cache_bytes_per_device(self, rows: int, length: int) -> int:
         """The bytes of the cache each device holds for ``rows`` x ``length``."""
-        _, cache = self._abstract(rows, length)
-        total = 0
-        for leaf in jax.tree.leaves(cache):
-            shard = self._cache_sharding(leaf).shard_shape(leaf.shape)
-            total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-        return total
-
-    def _abstract(self, rows: int, length: int) -> tuple[nnx.GraphDef[Any], Any]:
-        leaves = self.state_leaves()
-        graphdefs = []
-
-        # jax.eval_shape, not nnx.eval_shape: shapes only, no sharding made from the
-        # annotations (a mesh in force, inside a fit, need not name the axes they name).
-        def caches(leaves: list[Any]) -> Any:
-            graphdef, cache, *_ = nnx.split(
-                self._decoding_copy(leaves, rows, length), nnx.Cache, ...
-            )
-            graphdefs.append(graphdef)
-            return cache
-
-        cache = jax.eval_shape(caches, leaves)
-        return graphdefs[0], cache
+        with jax.set_mesh(self.plan.mesh):
+            return self.layout.bytes_per_device(self._abstract_cache(rows, length))
 
     # -- the programs ------------------------------------------------------------------
     def prefill(
         self, rows: int, columns: int, length: int, how: Sampling
-    ) -> Callable[..., StepOut]:
-        """``(state, tokens, positions, real, seed, row_ids) -> (cache, token, logp)``:
-        the prompts (``[rows, columns]``, left padded) run into a fresh cache in one pass
-        (a model whose attention takes one position a call, as Flax's own: one column at
-        a time), then each row's first token chosen (decode step 0)."""
+    ) -> Callable[..., tuple[Any, Carry]]:
+        """``(state, tokens, positions, real, seed, row_ids, active, end_token) ->
+        (cache, carry)``: the prompts (``[rows, columns]``, left padded) run into a fresh
+        cache, then each row's first token chosen (step 0); ``active``: the rows that are
+        prompts (the others start done)."""
         key = ("generate/prefill", self._graph, rows, columns, length, how, self.cache_dtype)
-        return self.plan.steps.get(key, lambda: self._compile(rows, columns, length, how, True)).fn
+        build = lambda: self._compile(rows, columns, length, how, True)  # noqa: E731
+        return self.plan.steps.get(key, build).fn
 
-    def decode(self, rows: int, length: int, how: Sampling) -> Callable[..., StepOut]:
-        """``(state, cache, tokens, lengths, real, seed, step, row_ids) -> (cache, token,
-        logp)``: one position for every row (each row's ``lengths + step - 1``: the prompt's
-        length counts its first position 0); the cache is donated."""
+    def decode(self, rows: int, length: int, how: Sampling) -> Callable[..., tuple[Any, Carry]]:
+        """``(state, cache, carry, lengths, real, seed, row_ids, end_token, until) ->
+        (cache, carry)``: decode steps from ``carry.step`` until every row is done or the
+        step ``until``; a row's position is ``lengths + step - 1`` (its prompt's length
+        counts its first position 0). The cache is donated."""
         key = ("generate/decode", self._graph, rows, length, how, self.cache_dtype)
         return self.plan.steps.get(key, lambda: self._compile(rows, 1, length, how, False)).fn
 
@@ -229,93 +147,103 @@ class DecodePrograms:
         """The model's graph in the plan's cache keys: another model's programs are its own."""
         return self.plan.steps.graph_id(self._graphdef)
 
+    def _choose(
+        self, logits: jax.Array, seed: jax.Array, step: jax.Array, rows: jax.Array,
+        how: Sampling,
+    ) -> Choice:  # fmt: skip
+        """Each row's next token from its own key, with its log-probabilities."""
+        keys = jax.vmap(lambda row: row_key(seed, step, row))(rows)
+        if not self.layout.explicit:
+            return Choice(*jax.vmap(lambda lg, k: choose(lg, k, how))(logits, keys))
+        # Explicit axes: each row's logits whole on its devices, and every result laid
+        # out as the rows (a value vmap broadcast, greedy's kept_min_logit, is not).
+        split = self.layout.row_axes or None
+        logits = jax.sharding.reshard(logits, P(split, None))
+        chosen = jax.vmap(lambda lg, k: choose(lg, k, how))(logits, keys)
+        return Choice(*(jax.sharding.reshard(x, P(split)) for x in chosen))
+
     def _compile(self, rows: int, columns: int, length: int, how: Sampling, fresh: bool) -> Any:
-        """The program, compiled now (ahead of its first call, so no call is timed with
-        its compilation); ``fresh``: prefill, else a decode step."""
-        graphdef, abstract_cache = self._abstract(rows, length)
-        cache_tree = jax.tree.structure(abstract_cache)
-        cache_shardings = [self._cache_sharding(x) for x in jax.tree.leaves(abstract_cache)]
-        treedef, abstract_leaves = self._treedef, jax.tree.leaves(abstract_cache)
-        tokens_sharding = self._rows(None)
+        """The program, compiled now (ahead of its first call); ``fresh``: prefill, else
+        the decode loop."""
+        layout, decoding = self.layout, self.decoding
+        with jax.set_mesh(self.plan.mesh):
+            abstract_cache = self._abstract_cache(rows, length)
+        cache_shardings = [layout.cache_sharding(x) for x in abstract_cache]
+        tokens_sharding = layout.rows(None)
         batch_shardings = {"tokens": tokens_sharding}
-        one_pass = self.one_pass_prefill
 
-        def forward(
-            state: Any, cache: Any, tokens: jax.Array, positions: jax.Array, real: jax.Array
-        ) -> tuple[Any, jax.Array]:
-            """The last column's logits of ``tokens`` (``[rows, columns]``, written into the
-            cache from its index on) and the cache they leave; ``real``: the cached
-            positions each row may attend to."""
-            model = nnx.merge(graphdef, state, jax.tree.unflatten(cache_tree, cache))
-            logits = model(tokens, positions=positions, mask=real[:, None, None, :])
-            return jax.tree.leaves(nnx.state(model, nnx.Cache)), logits[:, -1].astype(jnp.float32)
+        def prefill(leaves, tokens, positions, real, seed, row_ids, active, end_token):  # type: ignore[no-untyped-def]
+            with layout.tracing(batch_shardings):
+                cache = decoding.new_cache(leaves, rows, length)
+                cache, logits = decoding.prefill(leaves, cache, tokens, positions, real)
+                first = self._choose(logits, seed, jnp.int32(0), row_ids, how)
+                # [rows, length] buffers laid out as the rows (broadcast from a row's value).
+                out = Choice(*(
+                    jnp.zeros_like(x)[:, None] + jnp.zeros((1, length), x.dtype) for x in first
+                ))  # fmt: skip
+                out = Choice(*(o.at[:, 0].set(x) for o, x in zip(out, first, strict=True)))
+                done = ~active | (first.token == end_token)
+                taken = jnp.ones_like(first.token)
+                return cache, Carry(jnp.int32(1), first.token, done, taken, out)
 
-        def by_columns(leaves, cache, tokens, positions, real):  # type: ignore[no-untyped-def]
-            """Prefill one column at a time (Flax's attention takes one position a call).
-            The state rides in the carry: NNX refuses variables closed over from outside
-            the scan (a scanned model's nnx.scan checks their trace)."""
+        def decode(leaves, cache, carry, lengths, real, seed, row_ids, end_token, until):  # type: ignore[no-untyped-def]
+            def running(state: tuple[Any, Carry]) -> jax.Array:
+                _, c = state
+                return (c.step < until) & ~jnp.all(c.done)
 
-            def column(carry: Any, t: jax.Array) -> tuple[Any, None]:
-                state, cache, _ = carry
-                own = real | (jnp.arange(length) == t)  # a padding query sees itself
-                column_tokens, column_positions = (
-                    jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1) for a in (tokens, positions)
-                )
-                state_tree = jax.tree.unflatten(treedef, state)
-                cache, logits = forward(state_tree, cache, column_tokens, column_positions, own)
-                return (state, cache, logits), None
+            def step(state: tuple[Any, Carry]) -> tuple[Any, Carry]:
+                cache, c = state
+                position = lengths + c.step - 1
+                cache, logits = decoding.decode(leaves, cache, c.token, position, real)
+                chosen = self._choose(logits, seed, c.step, row_ids, how)
+                out = Choice(*(
+                    jax.lax.dynamic_update_slice_in_dim(o, x[:, None], c.step, axis=1)
+                    for o, x in zip(c.out, chosen, strict=True)
+                ))  # fmt: skip
+                taken = c.taken + (~c.done).astype(c.taken.dtype)
+                done = c.done | (chosen.token == end_token)
+                return cache, Carry(c.step + 1, chosen.token, done, taken, out)
 
-            none = jnp.zeros((rows, 0), jnp.float32)
-            vocab = jax.eval_shape(column, (leaves, cache, none), 0)[0][2].shape[-1]
-            start = (leaves, cache, jnp.zeros((rows, vocab), jnp.float32))
-            (_, cache, logits), _ = jax.lax.scan(column, start, jnp.arange(columns))
-            return cache, logits
+            with layout.tracing(batch_shardings):
+                return jax.lax.while_loop(running, step, (cache, carry))
 
-        def prefill(leaves, tokens, positions, real, seed, row_ids):  # type: ignore[no-untyped-def]
-            with self._tracing(batch_shardings):
-                cache = [jnp.zeros(x.shape, x.dtype) for x in abstract_leaves]
-                if one_pass:
-                    state = jax.tree.unflatten(treedef, leaves)
-                    cache, logits = forward(state, cache, tokens, positions, real)
-                else:
-                    cache, logits = by_columns(leaves, cache, tokens, positions, real)
-                return cache, _choose(logits, seed, jnp.int32(0), row_ids, how)
-
-        def decode(leaves, cache, tokens, lengths, real, seed, step, row_ids):  # type: ignore[no-untyped-def]
-            with self._tracing(batch_shardings):
-                state = jax.tree.unflatten(treedef, leaves)
-                positions = (lengths + step - 1)[:, None]
-                cache, logits = forward(state, cache, tokens[:, None], positions, real)
-                return cache, _choose(logits, seed, step, row_ids, how)
-
-        row = self._rows()
-        state = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.state_leaves()
-        ]
+        row = layout.rows()
+        state = layout.abstract_state()
         scalar = {"sharding": self.plan.replicated}
         seed = jax.ShapeDtypeStruct((), jnp.uint32, **scalar)
+        end_token = jax.ShapeDtypeStruct((), jnp.int32, **scalar)
         row_ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row)
         real = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=tokens_sharding)
+        buffer_shardings = Choice._make([tokens_sharding] * 4)
+        carry_shardings = Carry._make((self.plan.replicated, row, row, row, buffer_shardings))
         program: Callable[..., Any]
         args: tuple[Any, ...]
         donate: tuple[int, ...]
         if fresh:
             block = jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=tokens_sharding)
-            program, args, donate = prefill, (state, block, block, real, seed, row_ids), ()
+            active = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row)
+            program, donate = prefill, ()
+            args = (state, block, block, real, seed, row_ids, active, end_token)
         else:
             cache = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                for x, s in zip(abstract_leaves, cache_shardings, strict=True)
+                for x, s in zip(abstract_cache, cache_shardings, strict=True)
             ]
             column = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row)
             step = jax.ShapeDtypeStruct((), jnp.int32, **scalar)
-            program = decode
-            args, donate = (state, cache, column, column, real, seed, step, row_ids), (1,)
+            buffers = [
+                jax.ShapeDtypeStruct((rows, length), d, sharding=tokens_sharding)
+                for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32)
+            ]
+            done = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row)
+            carry = Carry._make((step, column, done, column, Choice._make(buffers)))
+            program, donate = decode, (1,)
+            args = (state, cache, carry, column, real, seed, row_ids, end_token, step)
         with jax.set_mesh(self.plan.mesh):
             jitted = self.plan.compile_program(
                 program,
                 in_shardings=jax.tree.map(lambda x: x.sharding, args),
-                out_shardings=(cache_shardings, Choice(row, row, row, row)),
+                out_shardings=(cache_shardings, carry_shardings),
                 donate_argnums=donate,
             )
             lower = getattr(jitted, "lower", None)  # a strategy's own wrapper may not lower

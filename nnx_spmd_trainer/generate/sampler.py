@@ -6,24 +6,21 @@ Example::
     out = sampler.generate(["Once upon"], max_new_tokens=32, temperature=0.8, top_p=0.95)
     out.text[0], out.log_probs[0][:3]
 
-The contract a model meets (docs/topics/sampling.md): its attention decodes in
-Flax's convention (``nnx.MultiHeadAttention``: a ``decode`` attribute and
-``init_cache``), and it is called ``model(tokens, positions=..., mask=...)`` with
-a block of tokens (``[rows, positions]``: the whole left-padded prompt block at
-prefill where every attention takes a block, ``nn.kv_cache.decodes_blocks``, else
-one column at a time; one column a decode step), each token's position, and the
-cached keys each row may attend to (``[rows, 1, 1, cache_length]``), returning
-logits ``[rows, positions, vocab]``. Prompts are left padded (``programs``).
+A call is two compiled programs (``programs``): prefill, then every decode step in one
+loop on the devices, the end token and the length decided there; the host reads the
+tokens once a call (or once a block of ``block_steps`` steps when stop strings are
+given: it checks them there). The conventions a model decodes in (the cache inside its
+attention modules, Flax's; or the cache as an argument, jax-ml/bonsai's) are in
+``decoding``; docs/topics/sampling.md. Prompts are left padded (``programs``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,15 @@ from flax import nnx
 from jax.profiler import TraceAnnotation
 
 from nnx_spmd_trainer.data.to_host import gather_to_host
+from nnx_spmd_trainer.generate.decoding import context_length as declared_context_length
 from nnx_spmd_trainer.generate.programs import DecodePrograms
+from nnx_spmd_trainer.generate.results import (
+    DecodeTiming,
+    Generation,
+    Rows,
+    TextCodec,
+    left_padded,
+)
 from nnx_spmd_trainer.generate.sampling import Sampling
 from nnx_spmd_trainer.planner.plan import Plan
 
@@ -63,59 +68,12 @@ def _free_device_bytes(devices: Sequence[jax.Device]) -> int | None:
     return min(free, default=None)
 
 
-class TextCodec(Protocol):
-    """What the sampler needs of a tokenizer (``data.Tokenizer`` is one)."""
-
-    def encode(self, text: str) -> Any: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """What ``Sampler.generate`` returns, one entry per prompt.
-
-    Attributes:
-      tokens: the generated token ids (an end token that stopped a row included).
-      log_probs: each generated token's log-probability under the model's raw logits
-        (``log_softmax``, float32), whatever the sampling settings.
-      text: the generated text through the tokenizer (the end token and anything from
-        a stop string on left out); ``None`` without a tokenizer.
-      finish: why each row stopped: ``"end"``, ``"stop"`` (a stop string) or ``"length"``.
-      prefill_tokens_per_second: the prompts' tokens (padding not counted) over the
-        prefill program's wall time (dispatch to result, compilation not counted).
-      decode_tokens_per_second: the tokens the decode steps produced for the prompts
-        (one per prompt and step, the first token of each row being prefill's) over the
-        decode programs' wall time (each call to its result); ``0.0`` when no decode
-        step ran (``max_new_tokens=1``).
-      sampling_log_probs: each generated token's log-probability under the distribution
-        it was drawn from: the logits divided by the temperature, renormalised over the
-        tokens top-k/top-p kept (``sampling.choose``). Equal to ``log_probs`` when greedy
-        and at ``temperature=1`` with no truncation. What a policy-gradient learner's
-        first-update ratio is measured against.
-      kept_min_logit: per generated token, the smallest temperature-scaled logit the
-        truncation kept (``-inf`` when nothing was truncated): a learner rebuilds the
-        kept set as the tokens whose ``logit / temperature`` is at least this.
-    """
-
-    tokens: list[list[int]]
-    log_probs: list[list[float]]
-    text: list[str] | None
-    finish: list[str]
-    prefill_tokens_per_second: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    sampling_log_probs: list[list[float]] = dataclasses.field(default_factory=list)
-    kept_min_logit: list[list[float]] = dataclasses.field(default_factory=list)
-
-
-def _context_length(model: nnx.Module) -> int | None:
-    """The positions a shipped model was built for (GPT's ``seq_len``, GPT-2's
-    ``config.n_positions``), else ``None``."""
-    for owner, name in ((model, "seq_len"), (getattr(model, "config", None), "n_positions")):
-        value = getattr(owner, name, None)
-        if isinstance(value, int):
-            return value
-    return None
+def _to_host(arrays: tuple[jax.Array, ...]) -> list[np.ndarray]:
+    """``arrays`` whole on the host: copied together where this process holds them all,
+    else gathered from every process (``gather_to_host``, a collective)."""
+    if all(x.is_fully_addressable for x in arrays):
+        return [np.asarray(x) for x in jax.device_get(arrays)]
+    return list(gather_to_host(arrays))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -131,13 +89,21 @@ class Sampler:
         it and kept in its cache.
       tokenizer: encodes string prompts and decodes the output (``encode``/``decode``).
       context_length: the most positions the model takes (prompt + generated); default
-        read from the model (``seq_len``, ``config.n_positions``), else unchecked.
+        what the model declares (``decoding.ContextLength``: a ``context_length``
+        attribute), else unchecked.
       cache_dtype: the key-value cache's dtype.
       memory_budget_bytes: the most a device may give the cache; default what the device
         has free, where the backend says (else unchecked). A larger cache is refused
         (``CacheTooLarge``) before anything is compiled.
       print_fn: where the one line saying a layout was resharded goes (a pipeline's, a
         sequence split's: ``DecodePrograms.note``); ``None``: nowhere.
+      init_cache: for a model that takes its cache as an argument (jax-ml/bonsai's
+        convention: ``model(tokens, cache=..., segment_ids=...)``), what makes the cache:
+        ``init_cache(batch_size, token_len, generate_steps, dtype)``, e.g.
+        ``functools.partial(modeling.init_cache, model.config)``. ``None``: the model
+        holds its cache in its attention modules (Flax's convention).
+      block_steps: with stop strings, the decode steps between two reads of the tokens
+        (where the host checks them); without, a call reads once.
 
     Example::
 
@@ -158,13 +124,18 @@ class Sampler:
         cache_dtype: Any = jnp.float32,
         memory_budget_bytes: int | None = None,
         print_fn: Callable[[str], None] | None = print,
+        init_cache: Callable[..., Any] | None = None,
+        block_steps: int = 16,
     ) -> None:
+        if block_steps < 1:
+            raise ValueError(f"Sampler: block_steps={block_steps}; it must be >= 1.")
         self.memory_budget_bytes = memory_budget_bytes
-        self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype)
+        self.block_steps = block_steps
+        self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype, init_cache=init_cache)
         if self.programs.note and print_fn is not None:
             print_fn(self.programs.note)
         self.tokenizer = tokenizer
-        self.context_length = context_length or _context_length(model)
+        self.context_length = context_length or declared_context_length(model)
         #: Where the last ``generate`` call's time went (``None`` before the first).
         self.last_timing: DecodeTiming | None = None
 
@@ -264,41 +235,53 @@ class Sampler:
         stop: Sequence[str],
     ) -> Generation:
         n = len(ids)
-        tokens, positions, real, lengths = _left_padded(ids, rows, columns, length)
-        row_ids = np.arange(rows, dtype=np.int32)  # a prompt's index: its keys' third input
+        tokens, positions, real, lengths = left_padded(ids, rows, columns, length)
         programs, leaves = self.programs, self.programs.state_leaves()
         prefill = programs.prefill(rows, columns, length, how)
-        decode = programs.decode(rows, length, how)
+        decode = programs.decode(rows, length, how) if max_new_tokens > 1 else None
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
-        # TraceAnnotations: a profile (jax.profiler) shows each phase and decode step.
-        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate/prefill"):
-            seed_array, real_array, lengths_array, row_array = programs.on_devices(
-                np.uint32(seed), real, lengths, row_ids
-            )
+        out = Rows(n, end_token, stop, self.tokenizer)
+        block = self.block_steps if stop else max_new_tokens
+        # Host arrays go to the programs as they are: a compiled call places its
+        # arguments itself, cheaper than placing them first.
+        seed_, end = np.uint32(seed), np.int32(-1 if end_token is None else end_token)
+        row_ids, active = np.arange(rows, dtype=np.int32), np.arange(rows) < n
+
+        def run_block(cache: Any, carry: Any, until: int) -> tuple[Any, Any]:
+            return decode(leaves, cache, carry, lengths, real, seed_, row_ids, end, np.int32(until))  # type: ignore[misc]
+
+        # TraceAnnotation: a profile (jax.profiler) shows the call.
+        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
             start = time.perf_counter()
-            cache, choice = jax.block_until_ready(
-                prefill(leaves, tokens, positions, real_array, seed_array, row_array)
-            )
-            timing.prefill_seconds = time.perf_counter() - start
-            out = _Rows(n, end_token, stop, self.tokenizer)
-            done = out.take(*gather_to_host(tuple(choice)))
-        loop_start = time.perf_counter()
-        with jax.set_mesh(programs.plan.mesh):
-            for step in range(1, max_new_tokens):
-                if done:
+            cache, carry = prefill(leaves, tokens, positions, real, seed_, row_ids, active, end)
+            first = carry
+            # The first block is dispatched before prefill's result is waited for: the
+            # devices go from one program to the next with no host work between.
+            if decode is not None:
+                cache, carry = run_block(cache, carry, min(block, max_new_tokens))
+            jax.block_until_ready(first.token)
+            block_start = loop_start = time.perf_counter()
+            timing.prefill_seconds = loop_start - start
+            while True:
+                carry = jax.block_until_ready(carry)
+                if decode is not None:
+                    timing.decode_seconds += time.perf_counter() - block_start
+                    timing.blocks += 1
+                step, done, taken, *buffers = _to_host(
+                    (carry.step, carry.done, carry.taken, *carry.out)
+                )
+                stopped = out.take(taken[:n], tuple(b[:n] for b in buffers))
+                done = np.array(done)
+                done[:n] |= stopped
+                if decode is None or done.all() or int(step) >= max_new_tokens:
                     break
-                with TraceAnnotation("generate/decode_step"):
-                    start = time.perf_counter()
-                    cache, choice = jax.block_until_ready(
-                        decode(
-                            leaves, cache, choice.token, lengths_array, real_array,
-                            seed_array, np.int32(step), row_array,
-                        )
-                    )  # fmt: skip
-                    timing.decode_seconds += time.perf_counter() - start
-                    timing.decode_steps += 1
-                    done = out.take(*gather_to_host(tuple(choice)))
+                if stopped.any():  # the host's stops, marked done on the device
+                    (done_array,) = programs.on_devices(done)
+                    carry = carry._replace(done=done_array)
+                block_start = time.perf_counter()
+                cache, carry = run_block(cache, carry, min(int(step) + block, max_new_tokens))
         timing.decode_loop_seconds = time.perf_counter() - loop_start
+        timing.decode_steps = int(step) - 1
         timing.decode_tokens = n * timing.decode_steps
         self.last_timing = timing
         logger.info(
@@ -306,117 +289,3 @@ class Sampler:
             length, timing.line(),
         )  # fmt: skip
         return out.result(timing)
-
-
-@dataclasses.dataclass
-class DecodeTiming:
-    """Where one ``generate`` call's time went (``Sampler.last_timing``): what
-    ``Generation``'s tokens per second are computed from.
-
-    Attributes:
-      prompt_tokens: the prompts' tokens (padding not counted).
-      prefill_seconds: the prefill program, from its call to its result.
-      decode_steps: the decode steps run (the first token of each row is prefill's).
-      decode_tokens: the tokens they produced for the prompts (prompts x steps).
-      decode_seconds: the decode programs, each from its call to its result.
-      decode_loop_seconds: the whole loop of decode steps, the host's work included
-        (the inputs, reading each step's tokens back, the stop checks).
-    """
-
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    decode_loop_seconds: float = 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    def line(self) -> str:
-        """One line: the tokens, seconds and tokens per second of each phase."""
-        return (
-            f"prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.4f} s "
-            f"({self.prefill_tokens_per_second:.1f} tokens/s), decode {self.decode_tokens} "
-            f"tokens in {self.decode_steps} steps, {self.decode_seconds:.4f} s "
-            f"({self.decode_tokens_per_second:.1f} tokens/s)"
-        )
-
-
-def _left_padded(
-    ids: list[list[int]], rows: int, columns: int, length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The prompts left padded into ``rows x columns`` (padding rows: one token), each
-    row's positions from its own first token, the cache positions each row may attend
-    to (``rows x length``: its prompt and everything generated), and each row's length."""
-    tokens = np.zeros((rows, columns), np.int32)
-    positions = np.zeros((rows, columns), np.int32)
-    real = np.zeros((rows, length), bool)
-    real[:, columns:] = True  # what is generated is always attended to
-    padded = ids + [[0]] * (rows - len(ids))
-    for r, prompt in enumerate(padded):
-        tokens[r, columns - len(prompt) :] = prompt
-        positions[r, columns - len(prompt) :] = np.arange(len(prompt))
-        real[r, columns - len(prompt) : columns] = True
-    return tokens, positions, real, np.array([len(p) for p in padded], np.int32)
-
-
-class _Rows:
-    """The generated rows on the host: what each row took and whether it stopped."""
-
-    def __init__(
-        self, n: int, end_token: int | None, stop: Sequence[str], tokenizer: TextCodec | None
-    ) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.log_probs: list[list[float]] = [[] for _ in range(n)]
-        self.sampling_log_probs: list[list[float]] = [[] for _ in range(n)]
-        self.kept_min_logit: list[list[float]] = [[] for _ in range(n)]
-        self.finish = ["length"] * n
-        self.done = [False] * n
-        self.end_token, self.stop, self.tokenizer = end_token, tuple(stop), tokenizer
-
-    def take(
-        self, token: np.ndarray, logp: np.ndarray, sampling_logp: np.ndarray, kept: np.ndarray
-    ) -> bool:
-        """Adds one step's tokens; True once every row has stopped."""
-        for r in range(len(self.tokens)):
-            if self.done[r]:
-                continue
-            self.tokens[r].append(int(token[r]))
-            self.log_probs[r].append(float(logp[r]))
-            self.sampling_log_probs[r].append(float(sampling_logp[r]))
-            self.kept_min_logit[r].append(float(kept[r]))
-            if self.end_token is not None and int(token[r]) == self.end_token:
-                self.done[r], self.finish[r] = True, "end"
-            elif self.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(self.tokens[r])
-                if any(s in text for s in self.stop):
-                    self.done[r], self.finish[r] = True, "stop"
-        return all(self.done)
-
-    def _text(self, r: int) -> str:
-        assert self.tokenizer is not None
-        ids = self.tokens[r]
-        if self.finish[r] == "end":
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        cuts = [text.index(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
-
-    def result(self, timing: DecodeTiming) -> Generation:
-        text = None if self.tokenizer is None else [self._text(r) for r in range(len(self.tokens))]
-        return Generation(
-            self.tokens,
-            self.log_probs,
-            text,
-            self.finish,
-            prefill_tokens_per_second=timing.prefill_tokens_per_second,
-            decode_tokens_per_second=timing.decode_tokens_per_second,
-            sampling_log_probs=self.sampling_log_probs,
-            kept_min_logit=self.kept_min_logit,
-        )

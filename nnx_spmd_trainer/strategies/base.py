@@ -353,3 +353,29 @@ class Strategy(abc.ABC):
         the first member's transform is outermost.
         """
         return step_fn
+
+    # -- question 7: a decode cache's layout ----------------------------------------
+    def cache_spec(self, shape: tuple[int, ...], mesh: dict[str, int]) -> P:
+        """The layout of a decoder's key or value cache, ``[(layers,) rows, positions,
+        heads, head_dim]``, on ``mesh`` (axis -> size; a sampler leaves out the axes it
+        resharded away): the rows split as a batch's (``batch_axes``), the heads as this
+        strategy splits attention heads (its rule for the logical ``"heads"``: tensor
+        parallelism's axis), positions and head_dim whole. Heads that the axes do not
+        divide, or axes the rows already use, stay whole; a leaf of another rank is
+        replicated.
+
+        >>> from nnx_spmd_trainer import FSDP, Hybrid, TensorParallel
+        >>> layout = Hybrid(FSDP(4), TensorParallel(2))
+        >>> layout.cache_spec((8, 32, 4, 16), {"fsdp": 4, "model": 2})
+        P('fsdp', None, 'model', None)
+        """
+        if len(shape) < 4:
+            return P()
+        rows = tuple(a for a in self.batch_axes() if mesh.get(a, 1) > 1)
+        target = dict(self.logical_rules()).get("heads")
+        named = (target,) if isinstance(target, str) else tuple(target or ())
+        heads = tuple(a for a in named if a not in rows and mesh.get(a, 1) > 1)
+        if shape[-2] % math.prod(mesh[a] for a in heads):
+            heads = ()
+        lead = (None,) * (len(shape) - 4)
+        return P(*lead, rows or None, None, heads or None, None)

@@ -274,6 +274,11 @@ class GPT(nnx.Module):
             **precision,
         )
 
+    @property
+    def context_length(self) -> int:
+        """The most positions it takes (``generate.ContextLength``: a sampler refuses more)."""
+        return self.seq_len
+
     def features(
         self,
         tokens: jax.Array,

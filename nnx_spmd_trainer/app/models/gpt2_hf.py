@@ -199,6 +199,11 @@ class GPT2(nnx.Module):
         )
         self.ln_f = _layer_norm(config, rngs)
 
+    @property
+    def context_length(self) -> int:
+        """The most positions it takes (``generate.ContextLength``: a sampler refuses more)."""
+        return self.config.n_positions
+
     def features(
         self,
         tokens: jax.Array,
