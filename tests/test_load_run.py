@@ -250,3 +250,22 @@ def test_lm_eval_on_a_step_of_another_model_is_an_error(another_model, local_tas
     argv = [str(another_model), "--tasks", "words_rolling", "--include_path", str(local_tasks)]
     line = refused(harness.main, argv, capsys)
     assert line.startswith("nnx-spmd-train: error: lm_eval: ") and "another model" in line
+
+
+def test_a_lora_runs_adapters_are_read_with_its_base(tmp_path):
+    """A LoRA run's model is its base and its trained adapters (B starts at zero: a fresh
+    adapter would read back as zeros), each as Orbax saved it."""
+    from test_cli import load, shrink
+
+    config = shrink(load("default"))
+    config.update(max_steps=1, checkpoint_every_n_steps=1, loggers="csv", strategy="fsdp=8")
+    config.lora.rank = 2
+    job.run(config, tmp_path / "lora")
+    run = load_run(tmp_path / "lora", strategy="fsdp=4,model=2")
+    saved = orbax_params(tmp_path / "lora" / "checkpoints" / "1")
+    ours = named_params(run.model)
+    adapters = [name for name in saved if name.endswith("lora_b")]
+    assert adapters and ours.keys() == saved.keys()
+    for name, value in saved.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+    assert all(np.abs(saved[name]).max() > 0 for name in adapters)  # trained, not fresh
