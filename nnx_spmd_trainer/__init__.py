@@ -27,6 +27,7 @@ from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayou
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.state import sharding_table
 from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, masked_mean
+from nnx_spmd_trainer.planner.target import Target
 from nnx_spmd_trainer.sharding import ShardingError, path_str
 from nnx_spmd_trainer.strategies import (
     FSDP,
@@ -76,6 +77,7 @@ __all__ = [
     "RunLock",
     "RunState",
     "StepRecord",
+    "Target",
     "Hybrid",
     "PipelineParallel",
     "SequenceParallel",

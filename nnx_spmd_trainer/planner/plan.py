@@ -42,6 +42,7 @@ from nnx_spmd_trainer.planner.backend_defaults import backend_default
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
 from nnx_spmd_trainer.planner.step_compiler import CachedStep, StepCache, step_spec
+from nnx_spmd_trainer.planner.target import Target, is_target, resolve_devices
 from nnx_spmd_trainer.strategies import DataParallel, Strategy
 
 DefaultMetrics = clu_metrics.Collection.create(loss=clu_metrics.Average.from_output("loss"))
@@ -92,7 +93,10 @@ class Plan:
       seed: seeds ``nnx.Rngs`` given to the factory.
       grad_accum_steps: microbatches per step.
       wrt: an NNX filter of what trains (default every ``nnx.Param``).
-      devices: the devices the mesh spans; default all of ``jax.devices()``.
+      devices: the devices the mesh spans; default all of ``jax.devices()``. A
+        ``Target`` or a TPU name (``"v5e-16"``, ``"v5p:4x4x4"``, ``"2xv5e-256"``) plans
+        for chips that are not here: the TPU compiler's verdict, from this CPU
+        (``planner.target``; nothing of such a plan can be materialised).
       donate: give the state's buffers to the train step, which writes the new
         state into them (one copy of the state on the devices); default: measured
         per backend (``backend_defaults``; on wherever measured so far).
@@ -124,6 +128,7 @@ class Plan:
         layers inside the sharded initialisation (after ``init_from``'s base is loaded),
         each laid out from its base layer (``nn.lora_layout``), and only they train
         (``wrt`` defaults to ``nnx.LoRAParam``; a ``wrt`` given is kept). Default ``None``.
+      target: TPU chips to plan for in place of ``devices`` (a ``Target`` or its name).
 
     Attributes:
       strategy, mesh: the layout (ask the plan, not the strategy: ``batch_shardings``,
@@ -160,7 +165,9 @@ class Plan:
         ema: EMA | None = DEFAULTS.ema,
         skip_spikes: SpikeSkip | None = DEFAULTS.skip_spikes,
         lora: LoRA | None = DEFAULTS.lora,
+        target: Target | str | None = None,
     ) -> None:
+        devices = resolve_devices(devices if target is None else target)  # a Target's chips
         self.settings = PlanSettings.of(locals())  # the thirteen keywords, as given
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
@@ -311,7 +318,10 @@ class Plan:
         return jax.jit(self.metrics_class.empty, out_shardings=self.replicated)
 
     def empty_metrics(self) -> clu_metrics.Collection:
-        """A fresh metrics collection, replicated on the mesh."""
+        """A fresh metrics collection, replicated on the mesh; on a ``Target``'s chips,
+        where no array can be, its shapes (a plan for them is compiled, never run)."""
+        if is_target(list(self.mesh.devices.flat[:1])):
+            return jax.eval_shape(self.metrics_class.empty)  # type: ignore[no-any-return]
         return self._make_empty_metrics()
 
     # -- the steps -------------------------------------------------------------------
@@ -448,5 +458,5 @@ class Plan:
         compiler alone: state bytes per leaf, the compiled memory and whether it fits
         (``memory_budget_bytes``, else the device's limit), collectives, FLOPs.
         No array is built and no step runs; ``print(plan.report(shapes))``."""
-        compiled = self.lower(batch, train_step=train_step).compile()
-        return plan_report.build(self, compiled, memory_budget_bytes=memory_budget_bytes)
+        lowered = self.lower(batch, train_step=train_step)  # a compiler's refusal: a verdict
+        return plan_report.compiled_report(self, lowered, memory_budget_bytes=memory_budget_bytes)

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_spmd_trainer.planner import flops
+from nnx_spmd_trainer.planner import flops, target_chips, target_report
+from nnx_spmd_trainer.planner.target import is_target
 from nnx_spmd_trainer.sharding import path_str, shard_shape
 from nnx_spmd_trainer.strategies import pipeline, sequence
 
@@ -201,6 +202,9 @@ class PlanReport:
       training: trainable and frozen parameters, their bytes per device and the
         optimizer's, next to what full fine-tuning's optimizer would hold
         (``training_split``); printed where some parameters are frozen (LoRA).
+      target: on TPU chips, the chip's table row, the collectives split into those
+        inside a slice (ICI) and across slices (DCN), and a roofline step time and
+        the MFU it allows (``target_report.figures``); ``{}`` elsewhere.
     """
 
     strategy: str
@@ -220,6 +224,7 @@ class PlanReport:
     pipeline: str = ""
     sequence: str = ""
     training: dict[str, float] = dataclasses.field(default_factory=dict)
+    target: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def bytes_per_device(self, kind: str) -> int:
         """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
@@ -269,6 +274,7 @@ class PlanReport:
             f"  per step and device: {self.flops:.3g} FLOPs ({over}), "
             f"{self.bytes_accessed:.3g} bytes{bound}"
         )
+        lines.extend(target_report.lines(self.target, size))
         lines.append(f"  layout of the largest leaf: {self.picture}")
         lines.extend(f"  {line}" for line in (self.pipeline, self.sequence) if line)
         return "\n".join(lines)
@@ -286,7 +292,11 @@ def _device_limit(devices: Sequence[jax.Device]) -> int | None:
 
     Another process's devices cannot be asked (PjRt: "MemoryStats is only supported for
     addressable devices"), so each process reads its own; processes on the same hardware
-    read the same limit, and a job spans one kind of hardware."""
+    read the same limit, and a job spans one kind of hardware. Chips described, not
+    present (a ``Target``'s), cannot be asked at all: their HBM is the chip table's."""
+    if devices and is_target(devices):
+        spec = target_chips.chip(devices[0].device_kind)
+        return spec.hbm_bytes if spec is not None else None
     here = jax.process_index()
     limits = [
         int(stats["bytes_limit"])
@@ -354,6 +364,9 @@ def build(
     largest = max(leaves, key=lambda row: math.prod(row["shape"]))
     hlo = compiled.as_text()
     counted = collectives(hlo)
+    target = target_report.figures(devices, hlo, cost)
+    if target:  # TPU chips: the roofline counts the interconnects too
+        bound = target["roofline"]["bound_s"]
     return PlanReport(
         strategy=repr(plan.strategy),
         mesh=mesh,
@@ -372,4 +385,44 @@ def build(
         pipeline=pipeline.report_line(plan.strategy, plan.mesh, plan.state_targets()),
         sequence=sequence.report_line(plan.strategy, plan.mesh, counted, hlo),
         training=training_split(plan, leaves),
+        target=target,
     )
+
+
+def compiled_report(
+    plan: Any, lowered: Any, *, memory_budget_bytes: int | None = None
+) -> PlanReport:
+    """``build`` of ``lowered.compile()``; where the compiler itself refuses for want
+    of memory (the TPU compiler's ``RESOURCE_EXHAUSTED``), that verdict, with its bytes,
+    as a report that does not fit."""
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        refused = target_report.refusal(error)
+        if refused is None:
+            raise
+        return refusal_report(plan, refused)
+    return build(plan, compiled, memory_budget_bytes=memory_budget_bytes)
+
+
+def refusal_report(plan: Any, refused: Mapping[str, Any]) -> PlanReport:
+    """The report of a step the compiler refused: the state's leaves, the bytes it
+    needed against the HBM it had, no cost (nothing was compiled)."""
+    leaves = leaf_rows(plan.state_targets())
+    mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    devices = list(plan.mesh.devices.flat)
+    needed, available = refused["needed"], refused["available"]
+    verdict = (
+        f"does not fit: the compiler refused: {refused['what']} need {size(needed)}, "
+        f"{size(available)} of HBM available per chip ({size(needed - available)} over)"
+    )
+    return PlanReport(
+        strategy=repr(plan.strategy), mesh=mesh, leaves=leaves,
+        memory={"peak": int(needed)}, budget_bytes=int(available), fits=False,
+        verdict=verdict, collectives={n: {"count": 0, "bytes": 0} for n in COLLECTIVES},
+        flops=0.0, bytes_accessed=0.0, device_kind=devices[0].device_kind,
+        step_time_bound_s=None, suggestions=suggestions(mesh, plan.grad_accum_steps),
+        picture=layout_picture(max(leaves, key=lambda r: math.prod(r["shape"])), mesh),
+        training=training_split(plan, leaves),
+        target=target_report.figures(devices, None, {}),
+    )  # fmt: skip

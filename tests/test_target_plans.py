@@ -1,0 +1,170 @@
+"""Issue 55: a plan for TPU chips that are not here, compiled by the real TPU compiler
+(libtpu) on this CPU. Small topologies only (v5e:2x2, v5e:2x4): each compile is seconds.
+Skipped where libtpu is not installed (``pip install 'nnx-spmd-trainer[tpu-plan]'``)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel
+from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.planner import target_choice
+from nnx_spmd_trainer.planner.target import Target, TargetError
+
+pytest.importorskip("libtpu")
+
+GiB = 2**30
+
+
+def tiny_gpt(rngs):
+    return GPT(
+        vocab_size=256, seq_len=32, embed_dim=64, num_heads=4, ff_dim=128, num_layers=1,
+        dropout_rate=0.0, rngs=rngs,
+    )  # fmt: skip
+
+
+def tokens(rows):
+    shape = jax.ShapeDtypeStruct((rows, 32), jnp.int32)
+    return {"inputs": shape, "targets": shape}
+
+
+class Wide(nnx.Module):
+    """One square layer of ``n`` x ``n`` float32: 4 n^2 bytes of weights, and Adam twice that."""
+
+    def __init__(self, n, rngs):
+        self.linear = nnx.Linear(n, n, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def squared_error(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
+
+
+def wide_batch(rows, n):
+    shape = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    return {"x": shape, "y": shape}
+
+
+def test_target_names_parse_and_unknown_ones_list_the_known():
+    assert Target.parse("v5e-16") == Target("v5e", "4x4")
+    assert Target.parse("v5p-128").chips == 64  # Cloud TPU counts v5p's TensorCores
+    assert Target.parse("2xv5e-256") == Target("v5e", "16x16", slices=2)
+    assert Target.parse("v6e:16x16").chips == 256
+    with pytest.raises(TargetError, match=r"no chip 'v9'.*Known targets: v5e-N"):
+        Target.parse("v9-8")
+    with pytest.raises(TargetError, match=r"v5e comes in 4, 8, 16.*not 12"):
+        Target.parse("v5e-12")
+
+
+def test_state_bytes_per_device_agree_between_eight_cpus_and_a_v5e_target():
+    strategy = Hybrid(FSDP(4, min_size=64), TensorParallel(2))
+    on_cpu = Plan(tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn)
+    on_tpu = Plan(
+        tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn, target="v5e:2x4"
+    )
+    assert dict(on_tpu.mesh.shape) == dict(on_cpu.mesh.shape) == {"fsdp": 4, "model": 2}
+    assert on_tpu.mesh.devices.flat[0].platform == "tpu"
+    held = {}
+    for name, plan in (("cpu", on_cpu), ("tpu", on_tpu)):
+        compiled = plan.lower(tokens(8)).compile()
+        leaves = jax.tree.leaves(plan.abstract_state)
+        shardings = jax.tree.leaves(compiled.input_shardings[0])[: len(leaves)]
+        # each compiler's own answer: the shape of every state argument on one device
+        held[name] = [
+            (s.shard_shape(x.shape), x.dtype.itemsize)
+            for x, s in zip(leaves, shardings, strict=True)
+        ]
+        report = plan.report(tokens(8))
+        held[name + " report"] = {
+            k: report.bytes_per_device(k) for k in ("parameters", "optimizer", "other")
+        }
+    assert held["cpu"] == held["tpu"]
+    own = sum(math.prod(shape) * itemsize for shape, itemsize in held["tpu"])
+    assert held["tpu report"] == held["cpu report"]
+    assert sum(held["tpu report"].values()) == own > 0
+
+
+@pytest.fixture(scope="module")
+def wide_choice():
+    """``auto`` on v5e:2x2 between replicating a 4 GiB layer (with Adam's 8 GiB and the
+    gradients: over a chip's 16 GiB, so the compiler refuses) and sharding it (FSDP)."""
+    n = 32768
+    return target_choice.choose(
+        lambda rngs: Wide(n, rngs), optax.adam(1e-3), wide_batch(8, n),
+        loss_fn=squared_error, devices=Target.parse("v5e:2x2").devices,
+        strategies=[DataParallel(), FSDP()], target="v5e:2x2",
+    )  # fmt: skip
+
+
+def test_a_compiler_refusal_is_a_report_that_does_not_fit_with_its_bytes(wide_choice):
+    refused = next(row.report for row in wide_choice.rows if row.layout == "DataParallel()")
+    assert refused.fits is False
+    assert refused.verdict.startswith("does not fit: the compiler refused")
+    # the compiler's own figures: what it needed against the HBM it had (15.75 of 16 GiB)
+    assert 15 * GiB < refused.budget_bytes <= 16 * GiB
+    assert refused.memory["peak"] > refused.budget_bytes
+    # at least the replicated weights and Adam's two moments the plan lays out
+    assert refused.memory["peak"] >= sum(r["bytes_per_device"] for r in refused.leaves)
+    assert refused.target["chip"] == "v5e" and refused.target["hbm_bytes"] == 16 * GiB
+    assert "does not fit" in str(refused)
+
+
+def test_a_plan_that_fits_reports_the_chip_the_links_and_the_roofline():
+    plan = Plan(
+        tiny_gpt, optax.adam(1e-3), strategy=Hybrid(DataParallel(2), FSDP(4, min_size=64)),
+        loss_fn=gpt.loss_fn, target="2xv5e:2x2",
+    )  # fmt: skip
+    report = plan.report(tokens(8))
+    target = report.target
+    assert report.fits is True and report.budget_bytes == 16 * GiB
+    assert target["chips"] == 8 and target["slices"] == 2
+    # the data axis spans the slices: the gradients cross the data-centre network
+    assert target["links"]["dcn"]["count"] > 0 and target["links"]["dcn"]["bytes"] > 0
+    assert target["links"]["ici"]["count"] > 0
+    times = target["roofline"]
+    assert times["bound_s"] == max(
+        times["compute_s"], times["hbm_s"], times["ici_s"], times["dcn_s"]
+    )
+    assert times["compute_s"] == pytest.approx(report.flops / 197e12)
+    assert 0 < times["mfu"] <= 1 and report.step_time_bound_s == times["bound_s"]
+    assert "across slices (DCN)" in str(report)
+
+
+def test_auto_picks_a_layout_that_fits_where_the_default_does_not(wide_choice):
+    rows = {row.layout: row for row in wide_choice.rows}
+    assert rows["DataParallel()"].status == "does not fit"
+    assert wide_choice.strategy == FSDP() and wide_choice.chosen.status == "bounded"
+    assert wide_choice.report.fits is True and wide_choice.chosen.peak_bytes < 16 * GiB
+    # FSDP over 4 chips holds a quarter of the weights and of Adam's moments (and counts)
+    assert 0 <= wide_choice.chosen.state_bytes - 3 * 4 * 32768**2 // 4 < 64
+    assert "ranked by the roofline" in wide_choice.table()
+
+
+def test_largest_batch_doubles_then_bisects():
+    n = 1024  # 4 MiB of weights; within 64 MiB a chip, the rows' activations decide
+    plan = Plan(
+        lambda rngs: Wide(n, rngs), optax.sgd(1e-3), strategy=FSDP(), loss_fn=squared_error,
+        target="v5e:2x2",
+    )  # fmt: skip
+    step = 8192
+    found = target_choice.largest_batch(
+        plan, lambda rows: wide_batch(rows, n), start=step, step=step, memory_budget_bytes=64 << 20
+    )
+    fits = {rows: ok for rows, ok, _ in found.compiles}
+    tried = [rows for rows, _, _ in found.compiles]
+    doubled = [r for r in tried if r & (r - 1) == 0]
+    assert tried[: len(doubled)] == [step * 2**k for k in range(len(doubled))]
+    assert fits[found.rows] and found.report is not None and found.report.fits
+    assert not any(ok for rows, ok in fits.items() if rows > found.rows)
+    assert min(rows for rows, ok in fits.items() if not ok) - found.rows == step
+    # the peak grows with the rows: what fits is below the budget, what does not above
+    assert all((peak <= 64 << 20) == ok for _, ok, peak in found.compiles)
+    assert found.lines()[0].startswith(f"largest global batch that fits: {found.rows} rows")
