@@ -10,7 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_post_training_cli import dpo_config, files, named_arrays, saved_params, sft_config
+from test_post_training_cli import (
+    dpo_config,
+    files,
+    grpo_config,
+    named_arrays,
+    saved_params,
+    sft_config,
+)
 
 from nnx_spmd_trainer.app import job, job_export, post_training_job, tasks
 
@@ -92,6 +99,22 @@ def test_dpo_from_a_lora_run_can_keep_training_its_adapters(files, lora_run, tmp
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     # The policy (base + the SFT's adapters) is not its reference (the base): h != 0.
     assert abs(result.history.history["train/loss"][0] - math.log(2.0)) > 1e-6
+
+
+def test_grpo_from_a_lora_run_checks_its_start_before_anything_is_written(
+    files, lora_run, tmp_path, monkeypatch, capsys
+):
+    """GRPO reads a LoRA run as DPO does (the same start, ``lora_start``): a dry run reads
+    and folds the step's parameters into the plan's layout and notes nothing that would
+    refuse the run."""
+    monkeypatch.syspath_prepend(str(files))  # the reward's module
+    config = grpo_config(files)
+    config.update(init_from=str(lora_run))
+    post_training_job.run(config, tmp_path / "grpo", dry_run=True)
+    out = capsys.readouterr().out
+    assert "dry run: the grpo job's keys" in out and "would be refused" not in out
+    assert "init_from: the model of" in out
+    assert not (tmp_path / "grpo").exists()
 
 
 def test_keep_with_other_lora_settings_is_refused_naming_the_keys(files, lora_run, tmp_path):
