@@ -37,7 +37,7 @@ def checkpoint_weights(config: ml_collections.ConfigDict) -> callbacks.Checkpoin
     """``config.init_from``'s newest finished step; a ``ConfigError`` naming the key when
     there is none. A LoRA run's adapters are merged first or kept
     (``config.lora.init_from_adapters``: ``lora_start``)."""
-    from nnx_spmd_trainer.app import lora_start  # it reads this module's paths
+    from nnx_spmd_trainer.app import lora_start
 
     return lora_start.checkpoint_weights(config)
 
