@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.grpo.group_size = 4  # completions a prompt (>= 2)
     config.grpo.num_iterations = 2  # updates a rollout
     config.grpo.max_new_tokens = 8
+    config.grpo.stop = ()  # strings that end a completion (besides the end token)
     config.grpo.temperature = 1.0
     config.grpo.top_k = 0
     config.grpo.top_p = 1.0

@@ -1,7 +1,8 @@
 """``--config=grpo`` and ``--config=dpo`` killed with SIGKILL after their first
 checkpoint, then run again: the same rewards (GRPO) or losses (DPO) at every log point and
 bitwise the same final weights as a run that was never stopped (GRPO's sampler keys are a
-function of the seed and the step; DPO's batches of the seed and the batch's index)."""
+function of the seed and the step; DPO's batches of the seed and the batch's index). GRPO
+samples at temperature 0.7 and top-p 0.9, the loss scoring that distribution."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def grpo_command(files: Path, workdir: Path) -> list[str]:
         f"--export={workdir}-export",
         f"--config.data.prompts={files / 'prompts.jsonl'}",
         "--config.grpo.reward=kill_rewards:share_of_e",
-        "--config.grpo.temperature=2.0",  # varied samples: rewards that differ in a group
+        # The sampled distribution (tempered, top-p truncated) is the one trained on.
+        "--config.grpo.temperature=0.7", "--config.grpo.top_p=0.9",
         "--config.max_steps=8", "--config.checkpoint_every_n_steps=2",
         "--config.log_every_n_steps=2", "--config.loggers=csv",
     ]  # fmt: skip

@@ -272,9 +272,9 @@ def grpo_keys(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def reward_function(config: ml_collections.ConfigDict, prompts: PromptRows) -> RewardFn:
     """The function ``config.grpo.reward`` names, imported and tried once on the first
-    prompt's fields and a group of empty completions: an answer of the wrong shape is a
-    ``ConfigError`` saying what it returned and what was expected, before the run writes
-    anything. (A function that raises on the stand-in completions is left to the run.)"""
+    prompt's fields and a group of empty completions (a completion can be empty: its first
+    token the end token): an answer of the wrong shape, a non-finite one or an exception is
+    a ``ConfigError`` of one line saying so, before the run writes anything."""
     spec = config.grpo.reward
     if not spec:
         raise ConfigError(
@@ -288,10 +288,8 @@ def reward_function(config: ml_collections.ConfigDict, prompts: PromptRows) -> R
         raise ConfigError(f"{key}: {error}") from None
     group = config.grpo.group_size
     fields = {name: [value] * group for name, value in prompts.fields[0].items()}
-    try:
+    try:  # a raising function is a RewardError too (rewards.score names it)
         score(reward_fn, [prompts.prompts[0]] * group, [""] * group, fields)
     except RewardError as error:
-        raise ConfigError(f"{key}: {error}") from None
-    except Exception:  # noqa: BLE001 -- the stand-in's fault, maybe: the rollout will say
-        pass
+        raise ConfigError(f"{key}: tried on empty completions before the run: {error}") from None
     return reward_fn

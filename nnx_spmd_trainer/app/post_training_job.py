@@ -36,6 +36,7 @@ from nnx_spmd_trainer.app.job_checks import (
 )
 from nnx_spmd_trainer.app.job_export import check_export_format
 from nnx_spmd_trainer.app.job_lines import goodput_line, preempted_line
+from nnx_spmd_trainer.app.post_training_phases import check_rollout_fits, phases
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
     workdir_lock,
@@ -47,6 +48,8 @@ from nnx_spmd_trainer.post_training import (
     GRPOMetrics,
     GRPOTrainer,
     ReferenceModel,
+    RewardError,
+    encode_prompt,
 )
 
 #: ``config.post_training``'s values: the trainers a config can name.
@@ -129,37 +132,64 @@ def run(
         check_checkpoints_are_of_this_model(run_callbacks, notes)
     check_init_from(config, init_from, trainer, run_callbacks, notes)
     say(recipe.data_line)
-    if notes is not None:
+    budget = int(config.get("memory_budget_bytes") or 0) or None
+    if notes is not None or (budget and name == "grpo"):
         first = batch if batch is not None else next(iter(splits.train))
-        say(str(job.plan_report_of(trainer, step_batch_stand_in(trainer, first))))
+        _plan_every_phase(config, trainer, first, budget, dry_run=notes is not None)
+    if notes is not None:
         say(f"dry run: the {name} job's keys, data and layout checked; nothing trained or written")
         for note in notes:
             say(f"note: the run itself would be refused: {note}")
         return job.RunResult(trainer.history, float("nan"), float("nan"), "", None)
     with workdir_lock(workdir):
-        history = _train(config, workdir, trainer, splits, name, layout.spec)
+        try:
+            history = _train(config, workdir, trainer, splits, name, layout.spec)
+        except RewardError as error:  # raised mid-run, before the step it would feed
+            raise tasks.ConfigError(f"config.grpo.reward={config.grpo.reward!r}: {error}") from None
     return job.RunResult(
         history, float("nan"), float("nan"), "", trainer, weight_map=task.weight_map
     )
 
 
-def step_batch_stand_in(trainer: Trainer, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Zeros shaped as the batch the train step reads once ``prepare_batch`` has made it
-    from ``batch`` (this process's rows): DPO's pairs with the reference's
-    log-probabilities, GRPO's rollout of ``batch["row"]``'s prompts. What a dry run plans
-    the step on, without running the reference or sampling a rollout."""
+def step_batch_stand_in(trainer: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
+    """What the train step reads once ``prepare_batch`` has made it from ``batch`` (this
+    process's rows), as a plan takes it: DPO's pairs with zeros for the reference's
+    log-probabilities; GRPO's rollout of ``batch["row"]``'s prompts as the rollout stage
+    declares it (``GRPOTrainer.rollout_spec``: shapes, nothing sampled)."""
     if isinstance(trainer, DPOTrainer):
         rows = np.shape(batch["chosen_inputs"])[0]
         return {**batch, **{key: np.zeros(rows, np.float32) for key in ReferenceModel.KEYS}}
     if isinstance(trainer, GRPOTrainer):
-        rows, seq = np.shape(batch["row"])[0] * trainer.group_size, trainer.seq_len
-        tokens, floats = np.zeros((rows, seq), np.int32), np.zeros((rows, seq), np.float32)
-        rollout = {"inputs": tokens, "targets": tokens, "weights": floats}
-        rollout.update(rewards=floats[:, 0], advantages=floats[:, 0], sampler_logps=floats)
-        if trainer.beta > 0:
-            rollout["reference_logps"] = floats
-        return rollout
+        return trainer.rollout_spec(np.shape(batch["row"])[0])
     return batch
+
+
+def _plan_every_phase(
+    config: ml_collections.ConfigDict,
+    trainer: Trainer,
+    first: dict[str, Any],
+    budget: int | None,
+    *,
+    dry_run: bool,
+) -> None:
+    """The plan of the step on ``first``'s global shapes and each phase's peak per device
+    (``post_training_phases``), said in a dry run; a GRPO rollout that cannot fit beside
+    the policy under ``budget`` (``config.memory_budget_bytes``) refused in one line."""
+    local = step_batch_stand_in(trainer, first)
+    count = trainer.placement.data_shard.count
+    shapes = {
+        key: jax.ShapeDtypeStruct((np.shape(x)[0] * count, *np.shape(x)[1:]), x.dtype)
+        for key, x in local.items()
+    }
+    report = trainer.plan.report(shapes, train_step=trainer.train_step)
+    phase_list = phases(trainer, int(report.memory["peak"]), shapes)
+    if dry_run:
+        say(str(report))
+        say("memory per device of each phase (the compiler's analysis):")
+        for phase in phase_list:
+            say(phase.line())
+    key = f"config.memory_budget_bytes={budget}"
+    check_rollout_fits(trainer, phase_list, budget, key)
 
 
 def _dpo(
@@ -185,7 +215,7 @@ def _grpo(
     """GRPO's trainer keywords (``config.grpo``, the reward function) and prompt batches."""
     prompts = data.prompt_rows(config)
     reward_fn = data.reward_function(config, prompts)
-    longest = max(len(codec.encode(p)) if isinstance(p, str) else len(p) for p in prompts.prompts)
+    longest = max(len(encode_prompt(codec, p)) for p in prompts.prompts)
     seq_key, positions = data.model_positions(config)
     if longest + keywords["max_new_tokens"] > positions:
         raise tasks.ConfigError(
@@ -199,13 +229,17 @@ def _grpo(
         len(prompts), batch_size=config.batch_size, rollouts=rollouts, seed=config.seed,
         shard=shard,
     )  # fmt: skip
-    end_token = getattr(codec, "eos_id", None)
+    # A chat run's completions end at its template's end of turn, else at the end of text.
+    end_token = getattr(codec, "end_of_turn_id", None)
+    if end_token is None:
+        end_token = getattr(codec, "eos_id", None)
     keywords = {
         **keywords,
         "prompts": prompts,
         "reward_fn": reward_fn,
         "tokenizer": codec,
         "end_token": end_token,
+        "stop": _stop_strings(config),
         "metrics": GRPOMetrics,
     }
     line = (
@@ -214,6 +248,19 @@ def _grpo(
         f"{keywords['num_iterations']} updates each; reward {config.grpo.reward}"
     )
     return _Recipe(GRPOTrainer, keywords, batches, line)
+
+
+def _stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """``config.grpo.stop``: a string, or a tuple of strings, that ends a completion; a
+    ``ConfigError`` naming the key for anything else."""
+    stop = config.grpo.get("stop", ()) or ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise tasks.ConfigError(
+            f"config.grpo.stop={stop!r}: give a non-empty string, or a tuple of them, that "
+            "ends a completion (e.g. --config.grpo.stop='\\n')."
+        )
+    return strings
 
 
 def _train(
