@@ -120,7 +120,11 @@ def scores_from_logits(
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     if vocab_size is not None and vocab_size < logits.shape[-1]:  # a padded vocabulary
         logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
-    predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The argmax as two plain reductions (the first index at the maximum, as jnp.argmax
+    # picks): a variadic argmax reduce keeps a [rows, chunk, vocab] index array alive.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    last = jnp.int32(logits.shape[-1])
+    predictions = jnp.min(jnp.where(logits >= top, ids, last), axis=-1).astype(jnp.int32)
     if temperature != 1.0:
         logits = logits / temperature
     picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
