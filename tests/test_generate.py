@@ -249,6 +249,16 @@ def test_stops_on_an_end_token_and_a_stop_string(small: Sampler) -> None:
     stopped = small.generate(["bcdef", "hi"], max_new_tokens=NEW, stop=[stop])
     assert stopped.finish[1] == "stop" and stopped.text is not None
     assert stopped.text[1] == full.text[1][: full.text[1].index(stop)]
+    assert stopped.tokens[1] == full.tokens[1][: len(stopped.tokens[1])]
+    # Read every 2 steps (three decode programs): the same rows, the stopped one marked
+    # done on the device between blocks while the other runs on.
+    blocks = Sampler(small.programs._model, small.programs.plan, tokenizer=Letters(),
+                     block_steps=2, print_fn=None)  # fmt: skip
+    again = blocks.generate(["bcdef", "hi"], max_new_tokens=NEW, stop=[stop])
+    assert (again.tokens, again.text, again.finish) == (stopped.tokens, stopped.text,
+                                                        stopped.finish)  # fmt: skip
+    assert again.log_probs == stopped.log_probs
+    assert blocks.last_timing is not None and blocks.last_timing.blocks >= 2
 
 
 def test_tokens_per_second_are_measured_and_logged_once_per_call(

@@ -134,13 +134,18 @@ class DecodePrograms:
         build = lambda: self._compile(rows, columns, length, how, True)  # noqa: E731
         return self.plan.steps.get(key, build).fn
 
-    def decode(self, rows: int, length: int, how: Sampling) -> Callable[..., tuple[Any, Carry]]:
+    def decode(
+        self, rows: int, length: int, how: Sampling, *, ends: bool = True
+    ) -> Callable[..., tuple[Any, Carry]]:
         """``(state, cache, carry, lengths, real, seed, row_ids, end_token, until) ->
         (cache, carry)``: decode steps from ``carry.step`` until every row is done or the
         step ``until``; a row's position is ``lengths + step - 1`` (its prompt's length
-        counts its first position 0). The cache is donated."""
-        key = ("generate/decode", self._graph, rows, length, how, self.cache_dtype)
-        return self.plan.steps.get(key, lambda: self._compile(rows, 1, length, how, False)).fn
+        counts its first position 0). The cache is donated. ``ends=False`` (no end token
+        to stop at): the loop runs to ``until`` without asking whether every row is done,
+        a reduction over the rows (a collective when they are split) each step saved."""
+        key = ("generate/decode", self._graph, rows, length, how, self.cache_dtype, ends)
+        build = lambda: self._compile(rows, 1, length, how, False, ends)  # noqa: E731
+        return self.plan.steps.get(key, build).fn
 
     @property
     def _graph(self) -> int:
@@ -162,9 +167,11 @@ class DecodePrograms:
         chosen = jax.vmap(lambda lg, k: choose(lg, k, how))(logits, keys)
         return Choice(*(jax.sharding.reshard(x, P(split)) for x in chosen))
 
-    def _compile(self, rows: int, columns: int, length: int, how: Sampling, fresh: bool) -> Any:
+    def _compile(
+        self, rows: int, columns: int, length: int, how: Sampling, fresh: bool, ends: bool = True
+    ) -> Any:
         """The program, compiled now (ahead of its first call); ``fresh``: prefill, else
-        the decode loop."""
+        the decode loop (``ends``: it stops once every row is done)."""
         layout, decoding = self.layout, self.decoding
         with jax.set_mesh(self.plan.mesh):
             abstract_cache = self._abstract_cache(rows, length)
@@ -189,7 +196,7 @@ class DecodePrograms:
         def decode(leaves, cache, carry, lengths, real, seed, row_ids, end_token, until):  # type: ignore[no-untyped-def]
             def running(state: tuple[Any, Carry]) -> jax.Array:
                 _, c = state
-                return (c.step < until) & ~jnp.all(c.done)
+                return (c.step < until) & ~jnp.all(c.done) if ends else c.step < until
 
             def step(state: tuple[Any, Carry]) -> tuple[Any, Carry]:
                 cache, c = state

@@ -238,7 +238,8 @@ class Sampler:
         tokens, positions, real, lengths = left_padded(ids, rows, columns, length)
         programs, leaves = self.programs, self.programs.state_leaves()
         prefill = programs.prefill(rows, columns, length, how)
-        decode = programs.decode(rows, length, how) if max_new_tokens > 1 else None
+        ends = end_token is not None  # else no row stops on the device: it runs to `until`
+        decode = programs.decode(rows, length, how, ends=ends) if max_new_tokens > 1 else None
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
         out = Rows(n, end_token, stop, self.tokenizer)
         block = self.block_steps if stop else max_new_tokens
