@@ -33,17 +33,23 @@ import dataclasses
 import difflib
 import math
 import re
-import string
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from nnx_spmd_trainer.nn.lora_kernel import ADAPTABLE
+from nnx_spmd_trainer.nn.lora_kernel import Kernel as _Kernel
+from nnx_spmd_trainer.nn.lora_kernel import call_specs as _call_specs
+from nnx_spmd_trainer.nn.lora_kernel import kernel_of as _kernel_of
+from nnx_spmd_trainer.nn.lora_kernel import kernel_sizes as _sizes
 from nnx_spmd_trainer.nn.lora_layout import BASE, DIMS, RANK
+from nnx_spmd_trainer.nn.lora_merge import Model, adapted_layers, delta, merge
+from nnx_spmd_trainer.nn.lora_merge import layers_by_path as _layers
 
 __all__ = [
     "LoRA",
@@ -59,11 +65,6 @@ __all__ = [
     "targeted",
 ]
 
-#: The model type ``apply`` and ``merge`` give back.
-Model = TypeVar("Model", bound=nnx.Module)
-
-#: The layer kinds ``apply`` can adapt (their subclasses too).
-ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 #: Folded into the plan's seed for the adapters' draws ("LoRA" in ASCII).
 _SEED_STREAM = 0x4C6F5241
 #: What ``base_dtype`` casts by default: the parameters that are not adapters.
@@ -141,64 +142,6 @@ class Adapter(NamedTuple):
     scale: float
 
 
-# -- what a kernel's dimensions mean -----------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Kernel:
-    """A kernel's dimensions as einsum letters (its stacked layer dimensions left out):
-    ``inputs`` multiply the layer's input, ``outputs`` make its output."""
-
-    letters: str
-    inputs: str
-    outputs: str
-
-
-def _einsum_parts(equation: str) -> tuple[str, str, str]:
-    lhs, rest = equation.replace(" ", "").split(",")
-    rhs, out = rest.split("->")
-    return lhs, rhs, out
-
-
-def _kernel_of(module: nnx.Module, einsum_str: str | None = None) -> _Kernel | str:
-    """The kernel's dimensions, or why this layer cannot be adapted."""
-    if isinstance(module, nnx.Einsum):
-        lhs, rhs, out = _einsum_parts(einsum_str or module.einsum_str)
-        inputs = "".join(c for c in rhs if c in lhs and c not in out)
-        outputs = "".join(c for c in rhs if c in out and c not in lhs)
-        if len(inputs) + len(outputs) != len(rhs):
-            return f"its kernel {rhs!r} has a dimension both in the input and the output"
-        return _Kernel(rhs, inputs, outputs)
-    if isinstance(module, nnx.Linear):
-        return _Kernel("io", "i", "o")
-    if isinstance(module, nnx.LinearGeneral):
-        if module.batch_axis:
-            return "it has batch_axis dimensions"
-        n_in, n_out = len(module.in_features), len(module.out_features)
-        letters = string.ascii_lowercase[: n_in + n_out]
-        return _Kernel(letters, letters[:n_in], letters[n_in:])
-    return f"it is a {type(module).__name__}, not one of {', '.join(k.__name__ for k in ADAPTABLE)}"
-
-
-def _fresh(used: str, n: int) -> str:
-    return "".join([c for c in string.ascii_letters if c not in used][:n])
-
-
-def _call_specs(
-    module: Any, kernel: _Kernel, ndim: int, einsum_str: str | None
-) -> tuple[str, str, str, str]:
-    """``(x, rank letter, x A, y)`` einsum specs of the adapters' path for an input of ``ndim``."""
-    if isinstance(module, nnx.Einsum):
-        lhs, _, out = _einsum_parts(einsum_str or module.einsum_str)
-        rank = _fresh(lhs + out + kernel.letters, 1)
-        return lhs, rank, "".join(c for c in lhs if c not in kernel.inputs) + rank, out
-    axes = (-1,) if isinstance(module, nnx.Linear) else tuple(module.axis)
-    where = {axis % ndim: letter for axis, letter in zip(axes, kernel.inputs, strict=True)}
-    free = iter(_fresh(kernel.letters, ndim + 1))
-    x = "".join(where[d] if d in where else next(free) for d in range(ndim))
-    rank = next(free)
-    kept = "".join(c for c in x if c not in kernel.inputs)
-    return x, rank, kept + rank, kept + kernel.outputs
-
-
 # -- the adapted layer -------------------------------------------------------------
 class _Adapted(nnx.Module):
     """Mixed into an adapted layer's class: its output plus the adapters' update."""
@@ -232,11 +175,38 @@ class _Adapted(nnx.Module):
         return out * jnp.asarray(self.lora_scale, out.dtype)
 
 
-_CLASSES: dict[type, type] = {}
+class LoRALinear(_Adapted, nnx.Linear):
+    """An ``nnx.Linear`` with adapters."""
+
+    lora_base_class = nnx.Linear
+
+
+class LoRALinearGeneral(_Adapted, nnx.LinearGeneral):
+    """An ``nnx.LinearGeneral`` (GPT's attention projections) with adapters."""
+
+    lora_base_class = nnx.LinearGeneral
+
+
+class LoRAEinsum(_Adapted, nnx.Einsum):
+    """An ``nnx.Einsum`` with adapters."""
+
+    lora_base_class = nnx.Einsum
+
+
+#: The adapted class of each base class: the three kinds above, written here; a subclass
+#: of one of them (a user's ``nnx.Linear`` subclass) gets its own the first time it is
+#: adapted (``_adapted_class``).
+_CLASSES: dict[type, type] = {
+    nnx.Linear: LoRALinear,
+    nnx.LinearGeneral: LoRALinearGeneral,
+    nnx.Einsum: LoRAEinsum,
+}
 
 
 def _adapted_class(cls: type) -> type:
-    """``cls`` with adapters (one class per base class, importable from this module)."""
+    """``cls`` with adapters: one class per base class. A subclass of an adaptable kind is
+    made once, named ``LoRA<its name>`` in this module so that it pickles by name as the
+    three written above do."""
     if cls not in _CLASSES:
         name = f"LoRA{cls.__name__}"
         while hasattr(sys.modules[__name__], name):
@@ -248,10 +218,6 @@ def _adapted_class(cls: type) -> type:
 
 
 # -- finding the targets -------------------------------------------------------------
-def _layers(model: nnx.Module) -> dict[str, nnx.Module]:
-    return {"/".join(map(str, path)): m for path, m in nnx.iter_modules(model)}
-
-
 def targeted(model: nnx.Module, config: LoRA) -> dict[str, nnx.Module]:
     """The layers of ``model`` whose paths match ``config.targets``, by path.
 
@@ -279,13 +245,6 @@ def targeted(model: nnx.Module, config: LoRA) -> dict[str, nnx.Module]:
         if isinstance(reason, str):
             raise ValueError(f"LoRA: {path} cannot be adapted: {reason}.")
     return found
-
-
-def _sizes(module: Any, kernel: _Kernel) -> tuple[tuple[int, ...], list[int], list[int]]:
-    shape = tuple(module.kernel.get_value().shape)
-    lead = len(shape) - len(kernel.letters)
-    at = {c: shape[lead + i] for i, c in enumerate(kernel.letters)}
-    return shape[:lead], [at[c] for c in kernel.inputs], [at[c] for c in kernel.outputs]
 
 
 def _check_rank(path: str, module: nnx.Module, rank: int) -> None:
@@ -429,11 +388,6 @@ def adapters_off() -> Iterator[None]:
         _ADAPTERS_OFF.reset(token)
 
 
-def adapted_layers(model: nnx.Module) -> dict[str, Any]:
-    """The layers of ``model`` that hold adapters, by path."""
-    return {p: m for p, m in _layers(model).items() if isinstance(m, _Adapted)}
-
-
 def adapters(model: nnx.Module) -> dict[str, Adapter]:
     """Each adapted layer's ``Adapter(a, b, scale)``, by its kernel's path
     (``"h/0/attn/q/kernel"``: the key a ``WeightMap`` of the base uses)."""
@@ -443,34 +397,3 @@ def adapters(model: nnx.Module) -> dict[str, Adapter]:
         )
         for path, m in adapted_layers(model).items()
     }
-
-
-def delta(layer: nnx.Module) -> jax.Array:
-    """``alpha / rank * A @ B`` of an adapted layer, shaped (and laid out) as its kernel,
-    in float32 (the update ``merge`` adds)."""
-    if not isinstance(layer, _Adapted):
-        raise TypeError(f"delta: {type(layer).__name__} holds no adapters.")
-    kernel = _kernel_of(layer)
-    assert isinstance(kernel, _Kernel)
-    lead_shape, _, _ = _sizes(layer, kernel)
-    lead = _fresh(kernel.letters, len(lead_shape) + 1)
-    lead, rank = lead[:-1], lead[-1]
-    a = layer.lora_a.get_value().astype(jnp.float32)
-    b = layer.lora_b.get_value().astype(jnp.float32)
-    spec = f"{lead}{kernel.inputs}{rank},{lead}{rank}{kernel.outputs}->{lead}{kernel.letters}"
-    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST) * layer.lora_scale
-
-
-def merge(model: Model) -> Model:
-    """Folds every layer's adapters into its kernel (``W + alpha / rank * A @ B``, in the
-    kernel's dtype) and removes them, in place; returns ``model``, a model of the base's
-    structure that computes what the adapted one did (for export through the base's map).
-    """
-    for module in adapted_layers(model).values():
-        weight = module.kernel.get_value()
-        module.kernel.set_value((weight.astype(jnp.float32) + delta(module)).astype(weight.dtype))
-        for name in ("lora_a", "lora_b", "lora_scale", "lora_dropout"):
-            if name in vars(module):
-                delattr(module, name)
-        module.__class__ = type(module).lora_base_class
-    return model
