@@ -137,7 +137,7 @@ def test_generate_prints_the_prompt_a_separator_and_says_it_compiles(runs, tmp_p
     assert line == QUESTION + generate.SEPARATOR + rows[0]["text"]
 
 
-def test_a_tokenizer_that_would_split_the_markers_is_refused(runs, tmp_path) -> None:
+def test_a_tokenizer_that_would_split_the_markers_is_refused(tmp_path) -> None:
     bpe = train_bpe(texts=["what is one and two"] * 4, vocab_size=300)
     with pytest.raises(ChatError, match=r"'<\|im_start\|>', '<\|im_end\|>', which this"):
         ChatTokenizer.from_tokenizer(bpe)
@@ -146,11 +146,14 @@ def test_a_tokenizer_that_would_split_the_markers_is_refused(runs, tmp_path) -> 
     assert grown.end_of_turn_id == bpe.vocab_size + 1
     bpe.save(tmp_path / "plain")
     config = tiny(max_steps=1)
-    config.data.update(chat=runs["config"].data.chat, chat_template="chatml",
-                       tokenizer=str(tmp_path / "plain"))  # fmt: skip
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(4)))
+    config.data.update(chat=str(chat), chat_template="chatml", tokenizer=str(tmp_path / "plain"))
     with pytest.raises(tasks.ConfigError, match="no single token for") as refused:
         job.run(config, tmp_path / "run")
-    assert "<|im_end|>' into" in str(refused.value) and not (tmp_path / "run").exists()
+    message = str(refused.value)
+    assert "<|im_end|>' into" in message and "--config.data.tokenizer=<a tokenizer" in message
+    assert not (tmp_path / "run").exists()
 
 
 def test_dpo_is_the_default_gpt_and_a_run_of_other_sizes_is_refused_naming_keys(

@@ -49,7 +49,19 @@ Document = dict[str, np.ndarray]
 def _chat_tokenizer(data: ml_collections.ConfigDict, conversations: list) -> ChatTokenizer:
     path, template = data.get("tokenizer", ""), data.get("chat_template", "") or None
     if path:
-        return load_chat_tokenizer(path, template=template)
+        try:
+            return load_chat_tokenizer(path, template=template)
+        except ChatError as error:
+            try:  # refused for the template's special tokens alone? Say the CLI's fix too.
+                load_chat_tokenizer(path, template=template, add_tokens=True)
+            except ChatError:
+                raise error from None
+            raise ChatError(
+                f"{error} Here config.data.tokenizer={path!r} (with --config.init_from, that "
+                "run's) lacks them: start from a run of the default job's BPE or of a corpus "
+                "written by nnx-spmd-train corpus (both have ChatML's tokens), or give "
+                "--config.data.tokenizer=<a tokenizer.json with them>."
+            ) from None
     if template is None:
         raise ChatError(
             "config.data.tokenizer='' trains a BPE, which has no chat template; choose the "
