@@ -200,7 +200,7 @@ class LoadedRun:
     trainer: Trainer
     tokenizer: Any
     config: ml_collections.ConfigDict
-    splits: datasets.Splits
+    splits: Any  # the task's datasets.Splits (the app's; not in the API reference)
     step: int | None
     source: str
     weight_map: weights.WeightMap | None = None
@@ -243,11 +243,10 @@ def load_run(
       config: the config to build, in place of ``workdir/config.json``.
       print_fn: where a damaged step skipped is said (``None``: nowhere).
 
-    Raises:
-      tasks.ConfigError: a workdir without a config or a checkpoint, a config that does
-        not build here, a step that is not there.
-      callbacks.CheckpointOfAnotherModel: a step of another model (names, shapes).
-      callbacks.DamagedCheckpoint: no step that can be read (the last one's damage).
+    A workdir without a config or a checkpoint, a config that does not build here or a
+    step that is not there raises the app's ``ConfigError`` (``tasks.ConfigError``); a
+    step of another model ``callbacks.CheckpointOfAnotherModel`` (names, shapes); no
+    step that can be read ``callbacks.DamagedCheckpoint`` (the last one's damage).
     """
     if config is None:
         if workdir is None:
