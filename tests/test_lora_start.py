@@ -142,9 +142,11 @@ def test_the_merged_export_of_the_default_gpt_is_what_init_from_reads(lora_run, 
     assert file.keys() == want.keys()
     for name, value in want.items():
         np.testing.assert_allclose(file[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
-    config = sft_config(init_from=str(export))
-    config.data.tokenizer = str(export / "tokenizer.json")
-    trainer = job.run(config, tmp_path / "again").trainer  # the job's init_from path
+    config = sft_config(init_from=str(export))  # the export's tokenizer.json is read
+    result = job.run(config, tmp_path / "again")  # the job's init_from path
+    trainer = result.trainer
+    saved = (tmp_path / "again" / "tokenizer.json").read_text()
+    assert saved == (export / "tokenizer.json").read_text()
     ours = named_arrays(nnx.filter_state(trainer.initial_state()["model"], nnx.Param))
     assert ours.keys() == file.keys()
     for name, value in file.items():

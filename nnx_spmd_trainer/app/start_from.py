@@ -73,12 +73,16 @@ def tokenizer_config(
 ) -> ml_collections.ConfigDict:
     """``datasets.from_config.run_tokenizer_config``: the run's own saved tokenizer when it
     resumes; else, starting from an earlier run's checkpoint, that run's
-    ``tokenizer.json`` (its model's ids are that tokenizer's), on the same terms (a BPE the
-    job would train, of the same ``vocab_size``)."""
+    ``tokenizer.json`` (its model's ids are that tokenizer's), or the one beside an
+    export's weights (``--export_format=merged`` copies it there), on the same terms (a
+    BPE the job would train, of the same ``vocab_size``)."""
     own = datasets.from_config.run_tokenizer_config(config, workdir)
     path = config.get("init_from", "") or ""
-    if own is not config or not path or not is_checkpoint_directory(path):
+    if own is not config or not path:
         return own
+    if not is_checkpoint_directory(path):  # a weights folder, or a file in one
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return datasets.from_config.run_tokenizer_config(config, folder)
     try:
         step = Path(callbacks.CheckpointWeights(path).source)  # type: ignore[arg-type]
     except ValueError:
