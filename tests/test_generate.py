@@ -298,6 +298,23 @@ def test_a_cache_that_cannot_fit_is_refused_with_its_numbers(small: Sampler) -> 
         tight.generate([[1, 2, 3, 4, 5], [7, 8]], max_new_tokens=5)
 
 
+def test_a_calls_memory_is_reported_before_it_runs(small: Sampler) -> None:
+    short = small.memory(["bcdef", "hi"], max_new_tokens=5)  # a cache of 32 positions
+    long = small.memory(["bcdef", "hi"], max_new_tokens=40)  # of 64
+    assert (short.rows, short.length, long.length) == (8, 32, 64)
+    assert short.cache_bytes == small.cache_bytes(["bcdef", "hi"], max_new_tokens=5)
+    assert long.cache_bytes == 2 * (2 * 64 * 8 * 4 * 4 + 64 + 4)  # as the refusal test counts
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(small.programs._model)))
+    assert short.state_bytes == weights  # DataParallel: every device holds them whole
+    for report in (short, long):
+        assert report.prefill_peak is not None and report.decode_peak is not None
+        # Each program holds the weights and the cache (made, or donated) at its peak.
+        assert report.prefill_peak >= report.state_bytes + report.cache_bytes
+        assert report.decode_peak >= report.state_bytes + report.cache_bytes
+    assert long.decode_peak - short.decode_peak >= long.cache_bytes - short.cache_bytes
+    assert "prefill peak" in str(short) and "decode peak" in str(short)
+
+
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
     logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
     keys = jax.vmap(lambda step: row_key(0, step, 0))(jnp.arange(200))

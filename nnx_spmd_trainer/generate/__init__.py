@@ -10,6 +10,7 @@ from nnx_spmd_trainer.generate.decoding import (
     ContextLength,
     context_length,
 )
+from nnx_spmd_trainer.generate.memory import DecodeMemory
 from nnx_spmd_trainer.generate.programs import Carry, DecodePrograms
 from nnx_spmd_trainer.generate.sampler import (
     CacheTooLarge,
@@ -34,6 +35,7 @@ __all__ = [
     "Carry",
     "Choice",
     "ContextLength",
+    "DecodeMemory",
     "DecodePrograms",
     "DecodeTiming",
     "Generation",

@@ -30,6 +30,7 @@ from jax.profiler import TraceAnnotation
 
 from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.generate.decoding import context_length as declared_context_length
+from nnx_spmd_trainer.generate.memory import DecodeMemory, program_peak
 from nnx_spmd_trainer.generate.programs import DecodePrograms
 from nnx_spmd_trainer.generate.results import (
     DecodeTiming,
@@ -41,7 +42,7 @@ from nnx_spmd_trainer.generate.results import (
 from nnx_spmd_trainer.generate.sampling import Sampling
 from nnx_spmd_trainer.planner.plan import Plan
 
-__all__ = ["CacheTooLarge", "DecodeTiming", "Generation", "Sampler", "TextCodec"]
+__all__ = ["CacheTooLarge", "DecodeMemory", "DecodeTiming", "Generation", "Sampler", "TextCodec"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,33 @@ class Sampler:
         ``max_new_tokens`` (the bucket's rows and length, laid out as it will be)."""
         rows, _, length = self.bucket(self._encoded(prompts), max_new_tokens)
         return self.programs.cache_bytes_per_device(rows, length)
+
+    def memory(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+    ) -> DecodeMemory:
+        """What a ``generate`` of ``prompts`` holds on each device, before it runs: the
+        prefill and decode programs' peaks (the compiler's memory analysis; the programs
+        are compiled now and kept for the call; the decode program of a call without an
+        end token, which one with it equals but for a reduction) with the cache's and
+        the model's bytes."""
+        rows, columns, length = self.bucket(self._encoded(prompts), max_new_tokens)
+        how = sampling or Sampling()
+        programs = self.programs
+        state = sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in programs.state_leaves()
+        )
+        return DecodeMemory(
+            rows, columns, length,
+            cache_bytes=programs.cache_bytes_per_device(rows, length),
+            state_bytes=int(state),
+            prefill_peak=program_peak(programs.prefill(rows, columns, length, how)),
+            decode_peak=program_peak(programs.decode(rows, length, how, ends=False)),
+        )  # fmt: skip
 
     def _check_fits(self, rows: int, length: int) -> None:
         budget = self.memory_budget_bytes
