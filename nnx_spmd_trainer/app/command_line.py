@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.resources
 import importlib.util
 import sys
@@ -106,6 +107,27 @@ def fail(message: str, status: int = 2) -> NoReturn:
     line = " ".join(part.strip() for part in message.splitlines() if part.strip())
     sys.stderr.write(f"nnx-spmd-train: error: {line}\n")
     sys.exit(status)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse for a command of ``nnx-spmd-train`` (``prog="nnx-spmd-train generate"``)
+    whose refusals are one line naming the command, and exit 2, as every refusal of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("nnx-spmd-train ")
+        fail(f"{command}: {message} ({self.prog} --help lists the arguments)")
+
+
+def checkpoint_step(value: str) -> str | int:
+    """A ``--step`` argument: ``latest``, ``best`` or a step number."""
+    if value in ("latest", "best"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--step={value!r}: give latest, best or a step number"
+        ) from None
 
 
 def _config_keys(config_file: str) -> list[str]:

@@ -23,7 +23,6 @@ from pathlib import Path
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import ShardingError, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import loader, tasks
 from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.app.console import say
@@ -78,12 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     simulate_host_devices(config.get("num_devices", 8))  # before JAX starts its backend
     try:
         evaluate_workdir(config, workdir, step=args.step)
-    except (
-        tasks.ConfigError,
-        ShardingError,
-        callbacks.CheckpointOfAnotherModel,
-        callbacks.DamagedCheckpoint,
-    ) as error:
+    except loader.NOT_READ as error:
         fail(f"evaluate: {error}")
     return 0
 

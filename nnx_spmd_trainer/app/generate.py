@@ -33,14 +33,14 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import Generation, Sampler, Sampling, Trainer, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import loader, tasks
-from nnx_spmd_trainer.app.command_line import fail
+from nnx_spmd_trainer.app.command_line import OneLineParser, checkpoint_step, fail
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.evaluate import run_config
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
@@ -58,24 +58,6 @@ class _Refused(Exception):
     """A bad input found after the arguments parsed: its one line."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse whose refusals are one line and exit 2, as every refusal of the CLI."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"generate: {message} (nnx-spmd-train generate --help lists the arguments)")
-
-
-def _step(value: str) -> str | int:
-    if value in ("latest", "best"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--step={value!r}: give latest, best or a step number"
-        ) from None
-
-
 def _finite(value: str) -> float:
     """A float argument; ``nan`` and ``inf`` would pass ``Sampling``'s range checks."""
     try:
@@ -89,7 +71,7 @@ def _finite(value: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
-    commands = _OneLineParser(
+    commands = OneLineParser(
         prog="nnx-spmd-train generate",
         description="Continue prompts with a workdir's model (trains nothing, writes nothing).",
     )
@@ -97,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     add("workdir", nargs="?", default=None,
         help="the --workdir of a run (its config.json; its checkpoints/); without one, "
         "--weights names a Hugging Face GPT-2 folder (its config.json)")  # fmt: skip
-    add("--step", type=_step, default="latest", help="latest (default), best or a step number")
+    add("--step", type=checkpoint_step, default="latest",
+        help="latest (default), best or a step number")  # fmt: skip
     add("--weights", default=None, help="a safetensors file (or folder) to sample from instead")
     add("--tokenizer", default=None, help="a tokenizer.json instead of the run's own")
     add("--prompt", action="append", default=[], help="a prompt (repeat for several)")

@@ -22,41 +22,22 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import nnx_spmd_trainer
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import ShardingError, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import loader, tasks
-from nnx_spmd_trainer.app.command_line import fail
+from nnx_spmd_trainer.app.command_line import OneLineParser, checkpoint_step, fail
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 
 __all__ = ["evaluate_tasks", "main", "parser"]
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse whose refusals are one line and exit 2, as every refusal of the CLI."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"lm_eval: {message} (nnx-spmd-train lm_eval --help lists the arguments)")
-
-
-def _step(value: str) -> str | int:
-    if value in ("latest", "best"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--step={value!r}: give latest, best or a step number"
-        ) from None
-
-
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
-    commands = _OneLineParser(
+    commands = OneLineParser(
         prog="nnx-spmd-train lm_eval",
         description="Score a workdir's checkpoint on lm-evaluation-harness tasks (trains "
         "nothing, writes nothing).",
@@ -67,7 +48,12 @@ def parser() -> argparse.ArgumentParser:
     add("--include_path", default=None, help="a folder of task YAML files (local tasks)")
     add("--include_defaults", action="store_true",
         help="with --include_path, lm_eval's shipped tasks indexed too")  # fmt: skip
-    add("--step", type=_step, default="latest", help="latest (default), best or a step number")
+    add(
+        "--step",
+        type=checkpoint_step,
+        default="latest",
+        help="latest (default), best or a step number",
+    )
     add("--limit", type=int, default=None, help="at most this many examples a task")
     add("--num_fewshot", type=int, default=None, help="examples in each prompt")
     add("--batch_size", type=int, default=8, help="rows scored per compiled call")
@@ -189,12 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             include_defaults=args.include_defaults, limit=args.limit,
             num_fewshot=args.num_fewshot, batch_size=args.batch_size, print_fn=note,
         )  # fmt: skip
-    except (
-        tasks.ConfigError,
-        ShardingError,
-        callbacks.CheckpointOfAnotherModel,
-        callbacks.DamagedCheckpoint,
-    ) as error:
+    except loader.NOT_READ as error:
         fail(f"lm_eval: {error}")
     if args.json:
         print(json.dumps(scores, default=str), flush=True)

@@ -35,7 +35,14 @@ import ml_collections
 import optax
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Auto, DataParallel, Trainer, callbacks, weights  # type: ignore[attr-defined]
+from nnx_spmd_trainer import (  # type: ignore[attr-defined]
+    Auto,
+    DataParallel,
+    ShardingError,
+    Trainer,
+    callbacks,
+    weights,
+)
 from nnx_spmd_trainer.app import datasets, start_from, tasks
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_checks import blamed_on
@@ -45,6 +52,15 @@ __all__ = ["LayoutAsked", "LoadedRun", "choose_layout", "layout_asked", "load_ru
 
 #: The workdir's record of the config its run trained with.
 CONFIG_FILE = "config.json"
+
+#: What ``load_run`` raises for a run it cannot read (each one line, naming the fix): what
+#: a command turns into its one-line refusal.
+NOT_READ: tuple[type[Exception], ...] = (
+    tasks.ConfigError,
+    ShardingError,
+    callbacks.CheckpointOfAnotherModel,
+    callbacks.DamagedCheckpoint,
+)
 
 
 class LayoutAsked(NamedTuple):
