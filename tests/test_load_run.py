@@ -269,3 +269,46 @@ def test_a_lora_runs_adapters_are_read_with_its_base(tmp_path):
     for name, value in saved.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     assert all(np.abs(saved[name]).max() > 0 for name in adapters)  # trained, not fresh
+
+
+# Orbax's read coroutines as a failed restore leaves them: started, closed when collected,
+# raising then (the "Exception ignored in: <coroutine object ...>" of a damaged step).
+_READ = """
+class _Pending:
+    def __await__(self):
+        yield  # a read not finished
+
+
+async def _read_array_index_and_device_put():
+    try:
+        await _Pending()
+    finally:
+        raise ValueError("DATA_LOSS: the chunk cannot be read")
+"""
+
+
+def _left_in_flight(filename: str):
+    """A coroutine of a module at ``filename``, started and then dropped."""
+    namespace: dict = {}
+    exec(compile(_READ, filename, "exec"), namespace)
+    coroutine = namespace["_read_array_index_and_device_put"]()
+    coroutine.send(None)  # suspended in the read: closing it raises
+    return coroutine
+
+
+def test_a_failed_read_drops_orbaxs_coroutines_and_no_other_unraisable(tmp_path, monkeypatch):
+    import gc
+    import sys
+
+    from nnx_spmd_trainer.callbacks.checkpoint import step_reader
+
+    seen: list = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable))
+    with pytest.raises(callbacks.DamagedCheckpoint), step_reader.quiet_reads(tmp_path):
+        orbax = [_left_in_flight("/site-packages/orbax/checkpoint/fake.py") for _ in range(3)]
+        mine = _left_in_flight(str(tmp_path / "mine.py"))  # not Orbax's: reported
+        del orbax, mine
+        raise callbacks.DamagedCheckpoint("checkpoint step 2 cannot be read")
+    gc.collect()
+    assert sys.unraisablehook is not None and len(seen) == 1
+    assert "mine.py" in seen[0].object.cr_code.co_filename
