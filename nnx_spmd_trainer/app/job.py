@@ -213,17 +213,11 @@ def _train(
     started: str,
 ) -> RunResult:
     """The writing part of ``run``, with everything checked: trains, evaluates, reports."""
-    prepare_workdir(config, workdir, splits)
-    say(started)
-    cache_before = compile_cache.cache_counts()
-    with warnings.catch_warnings():  # a finished run run again: said in words below
-        warnings.filterwarnings("ignore", r"fit\(max_steps=\d+\) trains no step", UserWarning)
-        history = trainer.fit(
-            iter(splits.train),  # one iterator: a second fit would continue the stream
-            eval_data=splits.eval,
-            max_steps=config.max_steps,
-            eval_every_n_steps=config.eval_every_n_steps or None,
-        )
+    fitted = fit_written(
+        config, workdir, trainer, splits, started,
+        eval_data=splits.eval, eval_every_n_steps=config.eval_every_n_steps or None,
+    )  # fmt: skip
+    history = fitted.history
     eval_losses = history.history.get("eval/loss", [float("nan")])
     result = RunResult(history, eval_losses[-1], splits.baseline, splits.baseline_name, trainer)
     if trainer.progress.preempted:
@@ -248,10 +242,48 @@ def _train(
         say(f"input: the steps waited for batches {100 * float(np.mean(waits)):.1f}% of the time")
     if line := speed_line(history.history, trainer.run.timings.speed.note):
         say(line)
-    cache = compile_cache.cache_counts() - cache_before
-    on = compile_cache.compile_cache_directory() is not None
-    say(goodput_line(trainer.run.timings.goodput(), cache if on else None))
+    say(fitted.goodput_line())
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """A job's fit (``fit_written``): its history, and the goodput line it ends with."""
+
+    history: History
+    trainer: Trainer
+    cache_before: Any  # the compile cache's counts before the fit
+
+    def goodput_line(self) -> str:
+        """Where the fit's time went, with the compile cache's hits of this fit."""
+        cache = compile_cache.cache_counts() - self.cache_before
+        on = compile_cache.compile_cache_directory() is not None
+        return goodput_line(self.trainer.run.timings.goodput(), cache if on else None)
+
+
+def fit_written(
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    trainer: Trainer,
+    splits: datasets.Splits,
+    started: str,
+    **fit_keywords: Any,
+) -> Fitted:
+    """The writing part every job shares (``run``'s and the post-training jobs'): the
+    workdir's record and tokenizer, the ``started`` line, then ``fit`` on one iterator of
+    ``splits.train`` to ``config.max_steps``; a finished run run again is the caller's to
+    say in words (no warning)."""
+    prepare_workdir(config, workdir, splits)
+    say(started)
+    cache_before = compile_cache.cache_counts()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"fit\(max_steps=\d+\) trains no step", UserWarning)
+        history = trainer.fit(
+            iter(splits.train),  # one iterator: a second fit would continue the stream
+            max_steps=config.max_steps,
+            **fit_keywords,
+        )
+    return Fitted(history, trainer, cache_before)
 
 
 def peak_flops_of(config: ml_collections.ConfigDict) -> float | None:

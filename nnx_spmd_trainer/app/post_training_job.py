@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,12 @@ from nnx_spmd_trainer.app.job_checks import (
     refused_or_noted,
 )
 from nnx_spmd_trainer.app.job_export import check_export_format
-from nnx_spmd_trainer.app.job_lines import goodput_line, preempted_line
+from nnx_spmd_trainer.app.job_lines import preempted_line
 from nnx_spmd_trainer.app.post_training_phases import check_rollout_fits, phases
 from nnx_spmd_trainer.app.workdir import (
     check_workdir_writable,
     workdir_lock,
 )
-from nnx_spmd_trainer.planner import compile_cache
 from nnx_spmd_trainer.post_training import (
     DPOMetrics,
     DPOTrainer,
@@ -272,16 +270,13 @@ def _train(
     spec: str,
 ) -> Any:
     """The writing part of ``run``: the record, the tokenizer, the fit, the final lines."""
-    job.prepare_workdir(config, workdir, splits)
-    say(
+    started = (
         f"{name} on {config.model}: {trainer.mesh.size} {jax.devices()[0].platform} devices, "
         f"mesh {dict(trainer.mesh.shape)} (strategy {spec!r}), {config.max_steps} steps of "
         f"{config.batch_size} {'pairs' if name == 'dpo' else 'prompts'}; workdir {workdir}"
     )
-    cache_before = compile_cache.cache_counts()
-    with warnings.catch_warnings():  # a finished run run again: said in words below
-        warnings.filterwarnings("ignore", r"fit\(max_steps=\d+\) trains no step", UserWarning)
-        history = trainer.fit(iter(splits.train), max_steps=config.max_steps)
+    fitted = job.fit_written(config, workdir, trainer, splits, started)
+    history = fitted.history
     if trainer.progress.preempted:
         say(preempted_line(trainer))
         return history
@@ -299,7 +294,5 @@ def _train(
     say(f"final after {trainer.step} steps: {values}")
     if name == "grpo" and (rewards := logs.get("train/reward")):
         say(f"mean reward by log point: {[round(float(r), 4) for r in rewards]}")
-    cache = compile_cache.cache_counts() - cache_before
-    on = compile_cache.compile_cache_directory() is not None
-    say(goodput_line(trainer.run.timings.goodput(), cache if on else None))
+    say(fitted.goodput_line())
     return history
