@@ -112,22 +112,21 @@ def scores_from_logits(
     target's log-probability (float32, ``[...]``) as ``token_log_probs`` defines it, and
     the argmax of the raw logits (int32).
 
-    The target's logit is read by a compare-and-sum over the vocabulary, not a gather:
-    under a vocabulary split over a mesh axis, each device reduces its own slice and
-    what crosses devices is ``[...]``-sized.
+    Under a vocabulary split over a mesh axis XLA partitions the reductions and the
+    target's lookup per slice: what crosses devices is ``[...]``-sized.
     """
     logits = logits.astype(jnp.float32)
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     if vocab_size is not None and vocab_size < logits.shape[-1]:  # a padded vocabulary
+        ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
-    # The argmax as two plain reductions (the first index at the maximum, as jnp.argmax
-    # picks): a variadic argmax reduce keeps a [rows, chunk, vocab] index array alive.
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    last = jnp.int32(logits.shape[-1])
-    predictions = jnp.min(jnp.where(logits >= top, ids, last), axis=-1).astype(jnp.int32)
+    predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if temperature != 1.0:
         logits = logits / temperature
-    picked = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
+    # A gather, as optax's cross entropy reads it: its gradient is a scatter XLA fuses
+    # into the softmax's; a compare-and-sum over the vocabulary kept two more
+    # [rows, chunk, vocab] buffers alive in a train step (867 against 571 MiB at 151,936
+    # ids, 16 x 1024, FSDP(8)). Under a vocabulary split over devices XLA partitions it.
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     # Where sampling kept only some tokens, the rest leave the normalizer. The scored token
     # is always kept (a sampled one was): a policy whose logits moved after the rollout
     # (GRPO's later updates) never gets an empty normalizer.
