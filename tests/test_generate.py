@@ -26,7 +26,7 @@ from nnx_spmd_trainer import (
 )
 from nnx_spmd_trainer.app.models.gpt import GPT
 from nnx_spmd_trainer.app.models.gpt2_hf import GPT2, GPT2Config
-from nnx_spmd_trainer.generate import CacheTooLarge, Sampler, Sampling, row_key, sample
+from nnx_spmd_trainer.generate import CacheTooLarge, Inputs, Sampler, Sampling, row_key, sample
 
 # Unequal lengths: left padding is in play in every test.
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
@@ -171,14 +171,14 @@ def test_the_decode_loop_donates_the_cache(small: Sampler) -> None:
     tokens = np.ones((rows, columns), np.int32)
     positions = np.tile(np.arange(columns, dtype=np.int32), (rows, 1))
     real = np.ones((rows, length), bool)
-    seed, row_ids, end = jnp.uint32(0), np.arange(rows, dtype=np.int32), jnp.int32(-1)
+    lengths, row_ids = np.full(rows, columns, np.int32), np.arange(rows, dtype=np.int32)
+    inputs = Inputs(lengths, real, np.uint32(0), row_ids, np.int32(-1))
     active = np.ones(rows, bool)
-    cache, carry = programs.prefill(rows, columns, length, how)(
-        leaves, tokens, positions, real, seed, row_ids, active, end
+    cache, carry, on_devices = programs.prefill(rows, columns, length, how)(
+        leaves, tokens, positions, active, inputs
     )
     decode = programs.decode(rows, length, how)
-    lengths = np.full(rows, columns, np.int32)
-    after, done = decode(leaves, cache, carry, lengths, real, seed, row_ids, end, jnp.int32(4))
+    after, done = decode(leaves, cache, carry, on_devices, jnp.int32(4))
     assert int(done.step) == 4 and np.asarray(done.taken).tolist() == [4] * rows
     # The keys, values and index: their buffers became the next cache's. (The padding
     # mask is rewritten from `real` at every call, so the step never reads the old one.)

@@ -11,7 +11,7 @@ from nnx_spmd_trainer.generate.decoding import (
     context_length,
 )
 from nnx_spmd_trainer.generate.memory import DecodeMemory
-from nnx_spmd_trainer.generate.programs import Carry, DecodePrograms
+from nnx_spmd_trainer.generate.programs import Carry, DecodePrograms, Inputs
 from nnx_spmd_trainer.generate.sampler import (
     CacheTooLarge,
     DecodeTiming,
@@ -39,6 +39,7 @@ __all__ = [
     "DecodePrograms",
     "DecodeTiming",
     "Generation",
+    "Inputs",
     "Sampler",
     "Sampling",
     "TextCodec",

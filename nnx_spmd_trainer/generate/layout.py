@@ -37,7 +37,6 @@ class DecodeLayout:
 
     def __init__(self, model: nnx.Module, plan: Plan) -> None:
         self.plan = plan
-        self._model = model
         mesh, roles = plan.mesh, plan.axis_roles()
         #: The mesh axes resharded away (a pipeline's, a sequence split's): ``()`` mostly.
         self.resharded = tuple(

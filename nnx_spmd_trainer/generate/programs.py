@@ -37,7 +37,7 @@ from nnx_spmd_trainer.generate.layout import DecodeLayout
 from nnx_spmd_trainer.generate.sampling import Choice, Sampling, choose, row_key
 from nnx_spmd_trainer.planner.plan import Plan
 
-__all__ = ["Carry", "DecodePrograms"]
+__all__ = ["Carry", "DecodePrograms", "Inputs"]
 
 
 class Carry(NamedTuple):
@@ -57,6 +57,26 @@ class Carry(NamedTuple):
     done: jax.Array
     taken: jax.Array
     out: Choice
+
+
+class Inputs(NamedTuple):
+    """A call's inputs the decode loop reads, as prefill hands them on (on the devices:
+    the decode program's call moves nothing from the host but its step count).
+
+    Attributes:
+      lengths: each row's prompt length (``[rows]``).
+      real: the cache positions each row may attend to (``[rows, cache length]``).
+      seed: the sampling seed.
+      row_ids: each row's index (its keys' third input: ``sampling.row_key``).
+      end_token: the id that ends a row; ``-1``: none.
+    """
+
+    # Host arrays into prefill, device arrays out of it (and into decode).
+    lengths: Any
+    real: Any
+    seed: Any
+    row_ids: Any
+    end_token: Any
 
 
 class DecodePrograms:
@@ -125,11 +145,11 @@ class DecodePrograms:
     # -- the programs ------------------------------------------------------------------
     def prefill(
         self, rows: int, columns: int, length: int, how: Sampling
-    ) -> Callable[..., tuple[Any, Carry]]:
-        """``(state, tokens, positions, real, seed, row_ids, active, end_token) ->
-        (cache, carry)``: the prompts (``[rows, columns]``, left padded) run into a fresh
-        cache, then each row's first token chosen (step 0); ``active``: the rows that are
-        prompts (the others start done)."""
+    ) -> Callable[..., tuple[Any, Carry, Inputs]]:
+        """``(state, tokens, positions, active, inputs) -> (cache, carry, inputs)``: the
+        prompts (``[rows, columns]``, left padded) run into a fresh cache, then each row's
+        first token chosen (step 0); ``active``: the rows that are prompts (the others
+        start done); ``inputs`` (``Inputs``) handed on to the decode program."""
         key = ("generate/prefill", self._graph, rows, columns, length, how, self.cache_dtype)
         build = lambda: self._compile(rows, columns, length, how, True)  # noqa: E731
         return self.plan.steps.get(key, build).fn
@@ -137,8 +157,8 @@ class DecodePrograms:
     def decode(
         self, rows: int, length: int, how: Sampling, *, ends: bool = True
     ) -> Callable[..., tuple[Any, Carry]]:
-        """``(state, cache, carry, lengths, real, seed, row_ids, end_token, until) ->
-        (cache, carry)``: decode steps from ``carry.step`` until every row is done or the
+        """``(state, cache, carry, inputs, until) -> (cache, carry)``: decode steps from
+        ``carry.step`` until every row is done or the
         step ``until``; a row's position is ``lengths + step - 1`` (its prompt's length
         counts its first position 0). The cache is donated. ``ends=False`` (no end token
         to stop at): the loop runs to ``until`` without asking whether every row is done,
@@ -179,7 +199,8 @@ class DecodePrograms:
         tokens_sharding = layout.rows(None)
         batch_shardings = {"tokens": tokens_sharding}
 
-        def prefill(leaves, tokens, positions, real, seed, row_ids, active, end_token):  # type: ignore[no-untyped-def]
+        def prefill(leaves, tokens, positions, active, inputs):  # type: ignore[no-untyped-def]
+            _, real, seed, row_ids, end_token = inputs
             with layout.tracing(batch_shardings):
                 cache = decoding.new_cache(leaves, rows, length)
                 cache, logits = decoding.prefill(leaves, cache, tokens, positions, real)
@@ -191,9 +212,11 @@ class DecodePrograms:
                 out = Choice(*(o.at[:, 0].set(x) for o, x in zip(out, first, strict=True)))
                 done = ~active | (first.token == end_token)
                 taken = jnp.ones_like(first.token)
-                return cache, Carry(jnp.int32(1), first.token, done, taken, out)
+                return cache, Carry(jnp.int32(1), first.token, done, taken, out), inputs
 
-        def decode(leaves, cache, carry, lengths, real, seed, row_ids, end_token, until):  # type: ignore[no-untyped-def]
+        def decode(leaves, cache, carry, inputs, until):  # type: ignore[no-untyped-def]
+            lengths, real, seed, row_ids, end_token = inputs
+
             def running(state: tuple[Any, Carry]) -> jax.Array:
                 _, c = state
                 return (c.step < until) & ~jnp.all(c.done) if ends else c.step < until
@@ -223,6 +246,9 @@ class DecodePrograms:
         real = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=tokens_sharding)
         buffer_shardings = Choice._make([tokens_sharding] * 4)
         carry_shardings = Carry._make((self.plan.replicated, row, row, row, buffer_shardings))
+        column = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row)
+        inputs = Inputs._make((column, real, seed, row_ids, end_token))
+        inputs_shardings = Inputs._make([x.sharding for x in inputs])
         program: Callable[..., Any]
         args: tuple[Any, ...]
         donate: tuple[int, ...]
@@ -230,13 +256,13 @@ class DecodePrograms:
             block = jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=tokens_sharding)
             active = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row)
             program, donate = prefill, ()
-            args = (state, block, block, real, seed, row_ids, active, end_token)
+            args = (state, block, block, active, inputs)
+            out_shardings: tuple[Any, ...] = (cache_shardings, carry_shardings, inputs_shardings)
         else:
             cache = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(abstract_cache, cache_shardings, strict=True)
             ]
-            column = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row)
             step = jax.ShapeDtypeStruct((), jnp.int32, **scalar)
             buffers = [
                 jax.ShapeDtypeStruct((rows, length), d, sharding=tokens_sharding)
@@ -245,12 +271,13 @@ class DecodePrograms:
             done = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row)
             carry = Carry._make((step, column, done, column, Choice._make(buffers)))
             program, donate = decode, (1,)
-            args = (state, cache, carry, column, real, seed, row_ids, end_token, step)
+            args = (state, cache, carry, inputs, step)
+            out_shardings = (cache_shardings, carry_shardings)
         with jax.set_mesh(self.plan.mesh):
             jitted = self.plan.compile_program(
                 program,
                 in_shardings=jax.tree.map(lambda x: x.sharding, args),
-                out_shardings=(cache_shardings, carry_shardings),
+                out_shardings=out_shardings,
                 donate_argnums=donate,
             )
             lower = getattr(jitted, "lower", None)  # a strategy's own wrapper may not lower

@@ -31,7 +31,7 @@ from jax.profiler import TraceAnnotation
 from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.generate.decoding import context_length as declared_context_length
 from nnx_spmd_trainer.generate.memory import DecodeMemory, program_peak
-from nnx_spmd_trainer.generate.programs import DecodePrograms
+from nnx_spmd_trainer.generate.programs import DecodePrograms, Inputs
 from nnx_spmd_trainer.generate.results import (
     DecodeTiming,
     Generation,
@@ -112,7 +112,8 @@ class Sampler:
         sampler.generate([[1, 2, 3]], max_new_tokens=4).tokens  # greedy: [[...4 ids]]
 
     With several processes, every process makes the same ``generate`` calls (the programs
-    run on the whole mesh) and gets every row back (each step's tokens are gathered).
+    run on the whole mesh) and gets every row back (the tokens are gathered where the
+    host reads them: once a call, or once a block of steps).
     """
 
     def __init__(
@@ -271,18 +272,23 @@ class Sampler:
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
         out = Rows(n, end_token, stop, self.tokenizer)
         block = self.block_steps if stop else max_new_tokens
-        # Host arrays go to the programs as they are: a compiled call places its
-        # arguments itself, cheaper than placing them first.
-        seed_, end = np.uint32(seed), np.int32(-1 if end_token is None else end_token)
-        row_ids, active = np.arange(rows, dtype=np.int32), np.arange(rows) < n
+        # Host arrays go to prefill as they are (a compiled call places its arguments
+        # itself, cheaper than placing them first); it hands them on to decode on the
+        # devices.
+        inputs = Inputs(
+            lengths, real, np.uint32(seed), np.arange(rows, dtype=np.int32),
+            np.int32(-1 if end_token is None else end_token),
+        )  # fmt: skip
+        active = np.arange(rows) < n
 
         def run_block(cache: Any, carry: Any, until: int) -> tuple[Any, Any]:
-            return decode(leaves, cache, carry, lengths, real, seed_, row_ids, end, np.int32(until))  # type: ignore[misc]
+            assert decode is not None
+            return decode(leaves, cache, carry, inputs, np.int32(until))
 
         # TraceAnnotation: a profile (jax.profiler) shows the call.
         with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
             start = time.perf_counter()
-            cache, carry = prefill(leaves, tokens, positions, real, seed_, row_ids, active, end)
+            cache, carry, inputs = prefill(leaves, tokens, positions, active, inputs)
             first = carry
             # The first block is dispatched before prefill's result is waited for: the
             # devices go from one program to the next with no host work between.
