@@ -276,3 +276,15 @@ def test_gpt2s_chunked_sft_loss_equals_its_plain_loss():
 
     chunked = grads(lambda m, b: gpt.chunked_loss_fn(m, b, chunk_size=4))
     assert_close(chunked, grads(gpt.loss_fn))
+
+
+def test_greedy_says_whether_each_target_is_the_argmax():
+    from nnx_spmd_trainer.nn.logprob import token_scores
+
+    hidden, kernel, bias, targets, _ = random_head(seed=9)
+    logits = hidden @ kernel + bias
+    targets = targets.at[:, ::2].set(jnp.argmax(logits, -1)[:, ::2])  # half of them greedy
+    logps, greedy = token_scores(hidden, kernel, targets, head_bias=bias, chunk_size=8, greedy=True)
+    np.testing.assert_array_equal(greedy, targets == jnp.argmax(logits, -1))
+    assert greedy.dtype == jnp.bool_ and bool(greedy[:, ::2].all())
+    assert_close(logps, full_log_probs(hidden, kernel, bias, targets))

@@ -71,10 +71,15 @@ def score_tokens(
     model without that protocol), from the whole logits."""
 
     def predict_fn(model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
-        log_prob, predictions = model_token_scores(
-            model, batch["inputs"], batch["targets"], chunk_size=chunk_size, logits_fn=forward
+        log_prob, greedy = model_token_scores(
+            model,
+            batch["inputs"],
+            batch["targets"],
+            chunk_size=chunk_size,
+            logits_fn=forward,
+            greedy=True,
         )
-        return {"log_prob": log_prob, "greedy": predictions == batch["targets"]}
+        return {"log_prob": log_prob, "greedy": greedy}
 
     return predict_fn
 

@@ -106,11 +106,13 @@ def scores_from_logits(
     temperature: float = 1.0,
     kept_min_logit: jax.Array | None = None,
     vocab_size: int | None = None,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(log_probs, predictions)`` of logits that exist already (``[..., vocab]``, one
     chunk's, a decode step's, or a model's whole output where it gives no head): each
     target's log-probability (float32, ``[...]``) as ``token_log_probs`` defines it, and
-    the argmax of the raw logits (int32).
+    the argmax of the raw logits (int32); with ``greedy``, whether the target is that
+    argmax (bool, a tie counting as greedy), which needs no argmax reduction.
 
     Under a vocabulary split over a mesh axis XLA partitions the reductions and the
     target's lookup per slice: what crosses devices is ``[...]``-sized.
@@ -119,18 +121,27 @@ def scores_from_logits(
     if vocab_size is not None and vocab_size < logits.shape[-1]:  # a padded vocabulary
         ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
-    predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if temperature != 1.0:
-        logits = logits / temperature
     # A gather, as optax's cross entropy reads it: its gradient is a scatter XLA fuses
     # into the softmax's; a compare-and-sum over the vocabulary kept two more
     # [rows, chunk, vocab] buffers alive in a train step (867 against 571 MiB at 151,936
     # ids, 16 x 1024, FSDP(8)). Under a vocabulary split over devices XLA partitions it.
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if greedy:  # whether the target is the largest logit: no argmax reduce (one buffer less)
+        predictions = picked >= jnp.max(logits, axis=-1)
+    else:
+        predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if temperature != 1.0:  # the gather reads the projection's own output (no copy kept)
+        logits, picked = logits / temperature, picked / temperature
     # Where sampling kept only some tokens, the rest leave the normalizer. The scored token
     # is always kept (a sampled one was): a policy whose logits moved after the rollout
     # (GRPO's later updates) never gets an empty normalizer.
-    kept = None if kept_min_logit is None else jnp.minimum(kept_min_logit, picked)
+    # (The set is a comparison, with no gradient: stop_gradient keeps the backward pass
+    # from tracing the gather through it.)
+    kept = (
+        None
+        if kept_min_logit is None
+        else jnp.minimum(kept_min_logit, jax.lax.stop_gradient(picked))
+    )
     kept_logits = logits if kept is None else jnp.where(logits >= kept[..., None], logits, -jnp.inf)
     normalizer = jax.nn.logsumexp(kept_logits, axis=-1)
     return picked - normalizer, predictions
@@ -146,6 +157,7 @@ def _chunk_scores(
     dtype: jnp.dtype | None,
     temperature: float,
     vocab_size: int | None,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``scores_from_logits`` of one chunk's projection, run in ``dtype`` as
     ``nnx.Linear(dtype=...)`` computes it (the softmax in float32)."""
@@ -156,7 +168,12 @@ def _chunk_scores(
     if bias is not None:
         logits = logits + bias
     return scores_from_logits(
-        logits, targets, temperature=temperature, kept_min_logit=kept, vocab_size=vocab_size
+        logits,
+        targets,
+        temperature=temperature,
+        kept_min_logit=kept,
+        vocab_size=vocab_size,
+        greedy=greedy,
     )
 
 
@@ -171,10 +188,12 @@ def token_scores(
     head_bias: jax.Array | None = None,
     dtype: jnp.dtype | None = None,
     vocab_size: int | None = None,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(token_log_probs(...), predictions)``: also each position's argmax token of the
     raw logits, int32 ``[rows, seq]`` (accuracy, or whether a continuation is greedy)
-    from the same pass. ``token_log_probs`` says what the arguments are."""
+    from the same pass; with ``greedy``, whether each target is that argmax (bool).
+    ``token_log_probs`` says what the other arguments are."""
     check_head("token_log_probs", hidden, head_kernel, head_bias, targets)
     if kept_min_logit is not None and kept_min_logit.shape != targets.shape:
         raise ValueError(
@@ -201,6 +220,7 @@ def token_scores(
             dtype=dtype,
             temperature=temperature,
             vocab_size=vocab_size,
+            greedy=greedy,
         )
 
     def body(carry: None, xs: tuple[jax.Array, ...]) -> tuple[None, tuple[jax.Array, jax.Array]]:
@@ -214,7 +234,10 @@ def token_scores(
         kept = kept_min_logit.astype(jnp.float32)
         xs.append(_into_chunks(kept, chunks, size, pad_value=-jnp.inf))
     _, (log_probs, predictions) = jax.lax.scan(body, None, tuple(xs))
-    return _from_chunks(log_probs, seq_len), _from_chunks(predictions, seq_len).astype(jnp.int32)
+    predictions = _from_chunks(predictions, seq_len)
+    return _from_chunks(log_probs, seq_len), predictions if greedy else predictions.astype(
+        jnp.int32
+    )
 
 
 def token_log_probs(

@@ -103,6 +103,7 @@ def model_token_scores(
     temperature: float = 1.0,
     kept_min_logit: jax.Array | None = None,
     logits_fn: LogitsFn | None = None,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(log_probs, predictions)``, ``[rows, seq]`` each: ``model``'s log-probability of
     each of ``targets`` given ``inputs`` (float32) and its argmax token (int32).
@@ -118,6 +119,8 @@ def model_token_scores(
       chunk_size, temperature, kept_min_logit: as ``nn.token_log_probs``.
       logits_fn: ``(model, inputs) -> logits``: the model's logits are read this way,
         whole (a model called otherwise than ``model(inputs)``).
+      greedy: the second output is whether each target is the argmax (bool), computed
+        without an argmax reduction (lm-eval's ``is_greedy``).
     """
     extra = dict(model_inputs or {})
     head = None if logits_fn is not None else output_head(model)
@@ -125,7 +128,7 @@ def model_token_scores(
         call = logits_fn or (lambda m, x: m(x, **extra))  # type: ignore[operator]
         logits = call(model, inputs)
         return scores_from_logits(
-            logits, targets, temperature=temperature, kept_min_logit=kept_min_logit
+            logits, targets, temperature=temperature, kept_min_logit=kept_min_logit, greedy=greedy
         )
     hidden = model.features(inputs, **extra)  # type: ignore[attr-defined]
     return token_scores(
@@ -138,4 +141,5 @@ def model_token_scores(
         head_bias=head.bias,
         dtype=head.dtype,
         vocab_size=head.vocab_size,
+        greedy=greedy,
     )
