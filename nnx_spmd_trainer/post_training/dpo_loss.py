@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nnx_spmd_trainer.nn.logprob import scores_from_logits
+
 #: The loss types ``dpo_loss`` computes.
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -26,8 +28,7 @@ LOSS_TYPES = ("sigmoid", "ipo")
 def sequence_logps(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
     """``[rows]``: each row's weighted sum of the log-probabilities of its targets
     (``logits`` ``[rows, seq, vocab]``, ``targets`` and ``weights`` ``[rows, seq]``)."""
-    logps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logps, targets[..., None], axis=-1)[..., 0]
+    picked, _ = scores_from_logits(logits, targets)  # the one per-token formula
     return jnp.sum(picked * weights, axis=-1)
 
 
