@@ -37,6 +37,11 @@ def training_config() -> ml_collections.ConfigDict:
     config.across_hosts = ""
     config.memory_budget_bytes = 0  # per device, for strategy "auto"; 0: the device's own
     config.num_devices = 8  # simulated on the CPU when no accelerator is present
+    # --dry_run for TPU chips that are not here, compiled by the TPU compiler on this CPU
+    # (the tpu-plan extra): "v5e-16", "v5p:4x4x4", "2xv5e-256"; "": the devices present.
+    # target_batch="max": also the largest global batch that fits them (doubling, bisection)
+    config.target = ""
+    config.target_batch = ""
     config.seed = 0
     config.max_steps = 300
     config.batch_size = 32  # global: split over the data-parallel axes

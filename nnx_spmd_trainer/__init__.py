@@ -22,7 +22,7 @@ from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.planner import auto
+from nnx_spmd_trainer.planner import auto, target_choice
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.planner.plan import Plan
 from nnx_spmd_trainer.planner.state import sharding_table
@@ -104,6 +104,7 @@ __all__ = [
     "remat",
     "sharding_table",
     "stack",
+    "target_choice",
     "token_log_probs",
     "weights",
 ]

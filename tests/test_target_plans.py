@@ -168,3 +168,47 @@ def test_largest_batch_doubles_then_bisects():
     # the peak grows with the rows: what fits is below the budget, what does not above
     assert all((peak <= 64 << 20) == ok for _, ok, peak in found.compiles)
     assert found.lines()[0].startswith(f"largest global batch that fits: {found.rows} rows")
+
+
+# -- the command line: --dry_run --config.target -----------------------------------------
+def _cli(*args, cwd):
+    import subprocess
+    import sys
+
+    from conftest import environment_for_own_devices
+
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_spmd_trainer", "--workdir=out", "--dry_run", *args],
+        cwd=cwd, env=environment_for_own_devices(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+SMALL_GPT = ("--config.gpt.seq_len=16", "--config.batch_size=16", "--config.gpt.num_heads=8")
+
+
+@pytest.mark.serial
+def test_cli_dry_run_for_a_target_the_compiler_refuses_exits_0(tmp_path):
+    # 6 layers 4096 wide, replicated: 4.5 GiB of weights and 9 of Adam on each chip, and more
+    proc = _cli(
+        "--config.target=v5e:2x2", "--config.strategy=data", "--config.gpt.embed_dim=4096",
+        "--config.gpt.ff_dim=16384", "--config.gpt.num_layers=6", *SMALL_GPT, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "planning for v5e:2x2: 4 v5e chips (not here)" in proc.stdout
+    (verdict,) = [line for line in proc.stdout.splitlines() if "does not fit" in line]
+    assert "the compiler refused" in verdict and "GiB of HBM available per chip" in verdict
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+@pytest.mark.serial
+def test_cli_target_refusals_name_the_key(tmp_path):
+    unknown = _cli("--config.target=v9-8", *SMALL_GPT, cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert "config.target='v9-8'" in unknown.stderr and "Known targets: v5e-N" in unknown.stderr
+    # a vocabulary a 2-way model axis does not divide: the sharding error, and the padding
+    odd = _cli(
+        "--config.target=v5e:2x2", "--config.strategy=fsdp=2,model=2",
+        "--config.gpt.vocab_size=50257", *SMALL_GPT, cwd=tmp_path,
+    )  # fmt: skip
+    assert odd.returncode == 2, odd.stdout[-2000:] + odd.stderr[-2000:]
+    assert "--config.gpt.vocab_size=50304" in odd.stderr

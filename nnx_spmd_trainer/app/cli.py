@@ -56,7 +56,15 @@ from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import ShardingError, callbacks, distributed  # type: ignore[attr-defined]
-from nnx_spmd_trainer.app import corpus, evaluate, generate, harness, post_training_job, tasks
+from nnx_spmd_trainer.app import (
+    corpus,
+    evaluate,
+    generate,
+    harness,
+    post_training_job,
+    target_plan,
+    tasks,
+)
 from nnx_spmd_trainer.app.command_line import (
     fail,
     launch_args,
@@ -133,6 +141,11 @@ def _main(argv: Sequence[str]) -> int:
         fail(str(error))
     if replanned:
         say(replanned)
+    if config.get("target"):  # chips that are not here: the TPU compiler's plan, no run
+        try:
+            return target_plan.dry_run(config, dry_run=flags.FLAGS.dry_run)
+        except (tasks.ConfigError, ShardingError) as error:
+            fail(str(error))
     try:
         with distributed.lost_peers_named():  # a collective failed: was a process lost?
             # --config=dpo / grpo: the post-training trainers (app/post_training_job.py)

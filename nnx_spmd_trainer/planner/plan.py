@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from clu import metrics as clu_metrics
 from flax import nnx
@@ -177,7 +178,10 @@ class Plan:
         self.remat = remat
         platform = self.mesh.devices.flat[0].platform
         self._checkpoint = remat_lib.checkpoint_policy(remat, platform=platform)
-        self.data_shard = self.strategy.data_shard(self.mesh)
+        # A Target's chips are compiled for, never fed: no host here reads their rows.
+        chips = is_target(list(self.mesh.devices.flat[:1]))
+        fed = np.zeros(self.mesh.devices.shape, int) if chips else None
+        self.data_shard = self.strategy.data_shard(self.mesh, process_ids=fed)
         self.optimizer = optimizer
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
         self.metrics_class = metrics if metrics is not None else DefaultMetrics

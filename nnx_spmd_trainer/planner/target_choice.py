@@ -137,13 +137,15 @@ def largest_batch(
     start: int,
     step: int = 1,
     limit: int = 1 << 20,
+    within: float = 0.0,
     memory_budget_bytes: int | None = None,
     lower: Lower | None = None,
 ) -> BatchSearch:
     """The largest global batch ``batch_of(rows)`` (shapes) whose step fits ``plan``'s
     devices: doubling from ``start`` until one does not fit, then bisection between
     the last that fit and the first that did not, in multiples of ``step`` (rows the
-    mesh's batch axes and accumulation divide)."""
+    mesh's batch axes and accumulation divide), until they are ``step`` apart, or
+    ``within`` (a fraction) of the one that fits: fewer compiles, a coarser answer."""
     lower = lower or (lambda plan, shapes: plan.lower(shapes))
     compiles: list[tuple[int, bool, int]] = []
     reports: dict[int, plan_report.PlanReport] = {}
@@ -169,7 +171,7 @@ def largest_batch(
         good, rows = rows, rows * 2
     if bad == 0:
         return BatchSearch(good, reports.get(good), compiles)
-    while bad - good > step:
+    while bad - good > max(step, within * good):
         middle = (good + bad) // 2 // step * step
         if middle <= good:
             break
