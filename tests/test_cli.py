@@ -1,6 +1,7 @@
 """The command line: strategy specs, argv, device setup, optimizer, every config end to end."""
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -116,6 +117,26 @@ def test_simulate_host_devices_leaves_accelerators_alone(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     host_devices.simulate_host_devices(8)
     assert "XLA_FLAGS" not in os.environ
+
+
+def test_an_installed_libtpu_without_a_chip_leaves_the_job_on_8_cpu_devices():
+    """The tpu-plan extra installs libtpu where no TPU is: the CLI's device set-up must
+    still simulate CPU devices, and libtpu must not start (its warnings, its wait)."""
+    if importlib.util.find_spec("libtpu") is None or host_devices._tpu_chips_attached():
+        pytest.skip("needs libtpu installed on a machine without a TPU chip")
+    script = (
+        "import jax\n"  # imported first, as the CLI imports it before choosing devices
+        "from nnx_spmd_trainer.app.host_devices import simulate_host_devices\n"
+        "simulate_host_devices(8)\n"
+        "print(jax.device_count(), jax.default_backend())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8", "cpu"]
+    assert "TPU" not in done.stderr, done.stderr
 
 
 # -- optimizer and configs ------------------------------------------------------------

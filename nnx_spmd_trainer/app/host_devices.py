@@ -6,10 +6,13 @@ without starting a backend, so ``XLA_FLAGS`` can still be set.
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import pkgutil
+import sys
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
@@ -19,7 +22,9 @@ def _has_accelerator() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
-    if importlib.util.find_spec("libtpu") is not None:
+    # libtpu is also installed where no TPU is (the tpu-plan extra compiles for chips that are
+    # not here): it counts only beside a chip on the PCI bus, as JAX's own check reads it.
+    if importlib.util.find_spec("libtpu") is not None and _tpu_chips_attached():
         return True
     if importlib.metadata.entry_points(group="jax_plugins"):
         return True
@@ -28,6 +33,14 @@ def _has_accelerator() -> bool:
     except ImportError:
         return False
     return any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+def _tpu_chips_attached() -> bool:
+    """Whether a Google TPU chip sits on this machine's PCI bus (vendor 0x1ae0)."""
+    return any(
+        pathlib.Path(vendor).read_text().strip() == "0x1ae0"
+        for vendor in glob.glob("/sys/bus/pci/devices/*/vendor")
+    )
 
 
 def simulate_host_devices(num_devices: int) -> None:
@@ -40,3 +53,9 @@ def simulate_host_devices(num_devices: int) -> None:
     if HOST_DEVICES_FLAG in flags_now or _has_accelerator():
         return
     os.environ["XLA_FLAGS"] = f"{flags_now} {HOST_DEVICES_FLAG}={num_devices}".strip()
+    # No accelerator: keep JAX on the CPU, so an installed libtpu with no chip beside it is not
+    # started (it prints four lines of warnings, and can wait seconds for a metadata server).
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:  # jax read the variable at its import: tell its config too
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
