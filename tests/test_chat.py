@@ -333,7 +333,9 @@ def test_the_gpt_loss_over_chat_rows_is_the_batch_token_mean_for_any_split(chat_
         )
         got = nnx.state(trainer.model, nnx.Param)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)  # gradients up to ~3
+            # Gradients reach ~3: 3e-6 is 1e-6 of the largest, float32 summation order under
+            # accumulation (the chunk-free target gather reads 1.4e-6 at most).
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=3e-6)
 
 
 # -- bad input: one line each, naming the row and the fix ------------------------------------
