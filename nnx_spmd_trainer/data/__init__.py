@@ -38,6 +38,7 @@ each:
 - ``corpus_inputs.py``: the files a corpus is written from, ``CorpusError``'s home
 - ``reads.py``: what this process read from corpora on disk
 - ``batch_reads.py``: the fields a loss read of its batch (unread packing fields refused)
+- ``written.py``: ``written_whole``, a file or folder written beside its path and renamed
 """
 
 from nnx_spmd_trainer.data.batch_errors import BatchMismatch

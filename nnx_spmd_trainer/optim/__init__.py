@@ -7,6 +7,8 @@
   matrix across the mesh (``muon_layout.py``: each matrix moved whole to its owner with one
   ``all_to_all`` and back; ``muon_report.py``: the optimizer's update compiled alone, its
   collectives apart from the model's)
+- ``muon_layout.py``: each matrix moved whole to its owner by one ``all_to_all``, and back
+- ``muon_report.py``: the optimizer's update compiled alone, its collectives apart
 
 The ``Plan`` wraps the optimizer with the first two (``planner/plan.py``); its train step
 calls the third (``planner/step.py``), which is no optax wrapper: it puts back the model's

@@ -13,6 +13,11 @@
 - ``auto_table.py``: ``auto``'s ranking as text
 - ``backend_defaults.py``: prefetch and donation, measured per backend
 - ``compile_cache.py``: JAX's persistent compilation cache (where, off, hits), per process
+- ``forward.py``: ``Plan.forward_program``, forward-only programs kept per shape
+- ``target.py``: ``Target``, TPU chips that are not here, compiled for by libtpu
+- ``target_chips.py``: HBM, FLOP/s and bandwidths per TPU chip kind, with sources
+- ``target_choice.py``: ``choose`` and ``largest_batch`` for a target
+- ``target_report.py``: the plan report on a target: fits, ICI/DCN, roofline
 
 What wraps the optimizer (EMA, spike and non-finite skipping) is ``optim/``'s.
 """
