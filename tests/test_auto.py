@@ -304,14 +304,14 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
 ):
     from test_cli import load, shrink
 
-    from nnx_spmd_trainer.app import job, tasks
+    from nnx_spmd_trainer.app import job, loader, tasks
 
     @dataclasses.dataclass(frozen=True)
     class Quick(Auto):  # every default candidate, each timed on one step in one round
         steps: int = 1
         rounds: int = 1
 
-    monkeypatch.setattr(job, "Auto", Quick)
+    monkeypatch.setattr(loader, "Auto", Quick)  # the job asks the loader
     config = shrink(load("mlp"))
     config.strategy = "auto"
     result = job.run(config, tmp_path / "run")  # its MetricsLogger asks the log schedule early
@@ -329,7 +329,7 @@ def test_the_cli_chooses_with_a_metrics_logger_and_names_the_budget_when_nothing
     class OneCandidate(Auto):
         candidates: Sequence[Strategy] | None = (DataParallel(),)
 
-    monkeypatch.setattr(job, "Auto", OneCandidate)
+    monkeypatch.setattr(loader, "Auto", OneCandidate)
     config.memory_budget_bytes = 1024
     with pytest.raises(tasks.ConfigError, match=r"config.memory_budget_bytes=1024.*1024"):
         job.run(config, tmp_path / "too-small")
