@@ -78,6 +78,11 @@ ALIASES = {
     "sh.Rules": "nnx_spmd_trainer.sharding.Rules",
     "Rules": "nnx_spmd_trainer.sharding.Rules",
     "auto.Auto": "nnx_spmd_trainer.Auto",
+    "auto.NoLayoutFits": "nnx_spmd_trainer.NoLayoutFits",
+    # nn.lora's model TypeVar, defined in lora_merge and read by weights.peft_load too
+    "Model": "nnx_spmd_trainer.nn.lora.Model",
+    "nnx_spmd_trainer.nn.lora_merge.Model": "nnx_spmd_trainer.nn.lora.Model",
+    "nnx_spmd_trainer.weights.peft_load.Model": "nnx_spmd_trainer.nn.lora.Model",
     "Candidate": "nnx_spmd_trainer.planner.auto_choice.Candidate",
     "Lower": "nnx_spmd_trainer.planner.auto.Lower",
     "modes.AxisTypes": "nnx_spmd_trainer.strategies.axis_types.AxisTypes",
