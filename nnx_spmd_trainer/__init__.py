@@ -22,11 +22,13 @@ from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.planner import auto, target_choice
+from nnx_spmd_trainer.planner import auto, compile_cache, target_choice
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
+from nnx_spmd_trainer.planner.flops import peak_flops
 from nnx_spmd_trainer.planner.plan import Plan
+from nnx_spmd_trainer.planner.plan_report import PlanReport
 from nnx_spmd_trainer.planner.state import sharding_table
-from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, masked_mean
+from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT, batch_mask, masked_mean
 from nnx_spmd_trainer.planner.target import Target
 from nnx_spmd_trainer.sharding import ShardingError, path_str
 from nnx_spmd_trainer.strategies import (
@@ -70,6 +72,7 @@ __all__ = [
     "LoRA",
     "OutputHead",
     "Plan",
+    "PlanReport",
     "Progress",
     "Generation",
     "Sampler",
@@ -94,13 +97,16 @@ __all__ = [
     "is_perf_key",
     "lora",
     "auto",
+    "batch_mask",
     "chunked_cross_entropy",
+    "compile_cache",
     "distributed",
     "export_params",
     "grain_pipeline",
     "masked_mean",
     "moe",
     "path_str",
+    "peak_flops",
     "remat",
     "sharding_table",
     "stack",

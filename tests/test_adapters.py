@@ -30,9 +30,9 @@ from nnx_spmd_trainer.adapters import (
     grain_private,
     jax_private,
     orbax_private,
-    python_private,
     tensorboardx_private,
 )
+from nnx_spmd_trainer.app import python_private  # the app's own fence (app/ imports public names)
 from nnx_spmd_trainer.distributed.agree import Agreement
 
 JAX = f"checked against jax 0.10.2 (installed: {jax.__version__})"

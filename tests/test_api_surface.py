@@ -25,6 +25,7 @@ MODULES = (
     "nnx_spmd_trainer.post_training",
     "nnx_spmd_trainer.app",
     "nnx_spmd_trainer.optim",
+    "nnx_spmd_trainer.nn",
 )
 
 

@@ -208,9 +208,7 @@ class Records(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def test_a_restart_from_the_local_tier_names_that_tier_and_its_directory(
-    tmp_path, crashed_at_7
-):
+def test_a_restart_from_the_local_tier_names_that_tier_and_its_directory(tmp_path, crashed_at_7):
     shutil.copytree(crashed_at_7, tmp_path, dirs_exist_ok=True)
     lines: list[str] = []
     checkpoint = two_tiers(tmp_path, print_fn=lines.append)

@@ -188,9 +188,7 @@ def test_the_cli_exports_the_average_of_the_weights_with_export_ema(tmp_path):
             f"--export={tmp_path / 'export'}", "--export_ema")  # fmt: skip
     proc = _cli(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"the average of the parameters (EMA) exported to {tmp_path / 'export'}" in (
-        proc.stdout
-    )
+    assert f"the average of the parameters (EMA) exported to {tmp_path / 'export'}" in (proc.stdout)
     exported = ocp.PyTreeCheckpointer().restore(tmp_path / "export")
     # The checkpoint of step 3, read with plain Orbax: the model's and the average's leaves.
     step = tmp_path / "run" / "checkpoints" / "3" / "state"

@@ -28,7 +28,10 @@ def lint_imports(cwd: Path, *contracts: str) -> subprocess.CompletedProcess[str]
     only = [arg for contract in contracts for arg in ("--contract", contract)]
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--no-logo", *only],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -153,19 +156,35 @@ def test_an_import_off_the_callbacks_allow_list_breaks_it_naming_the_module(
         assert f"callbacks.nan -> nnx_spmd_trainer.{wrong}" in result.stdout, result.stdout
 
 
-def test_an_app_import_off_its_list_breaks_it_naming_the_module(tmp_path: Path) -> None:
+def test_app_may_import_only_public_packages() -> None:
+    """app/ is a user of the library: what its contract lets it import directly is the
+    facade's public packages, each on the API snapshot or named by a public ``__all__``."""
+    contract = contracts()["app-public-names-only"]
+    assert contract["source_modules"] == ["nnx_spmd_trainer.app"]
+    everything_but_app = {f"nnx_spmd_trainer.{name}" for name in package_children() - {"app"}}
+    assert set(contract["forbidden_modules"]) == everything_but_app - {"nnx_spmd_trainer.__main__"}
+    assert allowed("app-public-names-only") <= public_modules()
+
+
+def test_a_private_app_import_breaks_its_contract_naming_the_module(tmp_path: Path) -> None:
+    """A module of a public package, an adapter, and a private package: each named as
+    importer -> imported."""
     copy_of_the_tree(tmp_path)
-    wrong = "nnx_spmd_trainer.app.interrupts -> nnx_spmd_trainer.engine.loop"
-    assert lint_imports(tmp_path, "app-listed-modules-only").returncode == 0
+    assert lint_imports(tmp_path, "app-public-names-only").returncode == 0
 
     interrupts = tmp_path / "nnx_spmd_trainer/app/interrupts.py"
     add_import(interrupts, "from nnx_spmd_trainer.engine import loop")
-    result = lint_imports(tmp_path, "app-listed-modules-only")
+    add_import(interrupts, "from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN")
+    add_import(interrupts, "from nnx_spmd_trainer.adapters import jax_private")
+    result = lint_imports(tmp_path, "app-public-names-only")
 
     assert result.returncode != 0, result.stdout
-    name = contracts()["app-listed-modules-only"]["name"]
+    name = contracts()["app-public-names-only"]["name"]
     assert re.search(re.escape(name) + r"\s+BROKEN", result.stdout), result.stdout
-    assert wrong in result.stdout, result.stdout
+    for wrong in ("engine.loop", "data.tokenizer", "adapters.jax_private"):
+        assert f"nnx_spmd_trainer.app.interrupts -> nnx_spmd_trainer.{wrong}" in result.stdout, (
+            result.stdout
+        )
 
 
 def imported_names(path: Path) -> set[str]:

@@ -252,9 +252,7 @@ def test_export_is_hfs_file_and_reimports_bitwise(tmp_path, hf_file, scan):
         assert np.asarray(again[name]).tobytes() == np.asarray(array).tobytes(), name
 
 
-def test_a_trainer_starts_from_the_file_and_a_resume_from_its_checkpoints_wins(
-    hf_file, tmp_path
-):
+def test_a_trainer_starts_from_the_file_and_a_resume_from_its_checkpoints_wins(hf_file, tmp_path):
     from nnx_spmd_trainer.callbacks import OrbaxCheckpoint
 
     path, w = hf_file

@@ -15,14 +15,13 @@ Orbax and Grain, and reaches the few private ones it needs through these modules
   (the hparams summary goes there, not into a run of its own).
 * ``optax_private``: the pieces ``optax.contrib.muon`` is built from (its Newton-Schulz
   iterations, its scale by shape, its coefficient presets), which ``optim.muon`` reuses.
-* ``python_private``: Python's own exit handlers, run without waiting for the threads
-  (``app/interrupts.py``: a prompt exit after Ctrl-C).
 
 Each function or class names the private thing it touches and why no public API
 does the job; ``tests/test_adapters.py`` checks every assumption against the
 installed library and names the version it was checked against (jax 0.10.2,
 orbax-checkpoint 0.12.8, grain 0.2.18, tensorboardX 2.6.5, CPython 3.11: pyproject.toml
 caps Orbax and Grain at the next minor). Orbax's, Grain's and tensorboardX's are on the
-allow-list of ``callbacks/`` (pyproject.toml's ``callbacks-public-names-only``),
-``python_private`` on ``app/``'s; users need not touch them.
+allow-list of ``callbacks/`` (pyproject.toml's ``callbacks-public-names-only``); users need
+not touch them. (Python's own exit handlers, which ``app/`` needs, are fenced in the app:
+``app/python_private.py``, since the app imports the library's public names only.)
 """

@@ -55,7 +55,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import ShardingError, callbacks, distributed  # type: ignore[attr-defined]
+from nnx_spmd_trainer import ShardingError, callbacks, distributed, weights  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import (
     corpus,
     evaluate,
@@ -79,7 +79,6 @@ from nnx_spmd_trainer.app.job import run
 from nnx_spmd_trainer.app.job_checks import schedule_change_on_resume
 from nnx_spmd_trainer.app.job_export import EXPORT_FORMATS, export
 from nnx_spmd_trainer.app.workdir import check_writable
-from nnx_spmd_trainer.io.export import check_export_path
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -95,7 +94,7 @@ def _main(argv: Sequence[str]) -> int:
         tasks.check_config(config)
         if flags.FLAGS.export:  # refuse an occupied or unwritable path before training
             try:
-                check_export_path(flags.FLAGS.export)
+                weights.check_export_path(flags.FLAGS.export)
             except FileExistsError:
                 raise tasks.ConfigError(
                     f"--export={Path(flags.FLAGS.export).absolute()} exists and is not an "

@@ -35,15 +35,18 @@ from nnx_spmd_trainer.app.command_line import fail
 from nnx_spmd_trainer.configs.default import data_config
 from nnx_spmd_trainer.data import (
     CHATML_TOKENS,
+    EOS_TOKEN,
+    TOKENIZER_FILE,
     CorpusError,
     Tokenizer,
     TokenizerError,
+    expand_inputs,
     load_tokenizer,
+    read_documents,
+    text_files,
     train_bpe,
     write_corpus,
 )
-from nnx_spmd_trainer.data.corpus_inputs import documents, expand_inputs, text_files
-from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "main", "parser"]
 
@@ -109,7 +112,7 @@ def _skipped_line(skipped: Sequence[tuple[str, str]]) -> str:
 def _texts(files: Sequence[Path], field: str) -> Iterator[str]:
     """The documents' texts, for training the tokenizer (a bad JSON line named, as the
     writer names it)."""
-    yield from (text for text, _ in documents([os.fspath(p) for p in files], field, [0, 0]))
+    yield from (text for text, _ in read_documents([os.fspath(p) for p in files], field, [0, 0]))
 
 
 def _tokenizer(args: argparse.Namespace, files: Sequence[Path]) -> Tokenizer:

@@ -38,15 +38,14 @@ from typing import Any
 import ml_collections
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Generation, Sampler, Sampling, Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Generation, Sampler, Sampling, ShardingError, Trainer, callbacks  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import loader, tasks
 from nnx_spmd_trainer.app.command_line import OneLineParser, checkpoint_step, fail
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.evaluate import run_config
 from nnx_spmd_trainer.app.host_devices import simulate_host_devices
 from nnx_spmd_trainer.configs import gpt2_hf
-from nnx_spmd_trainer.data.tokenizer import TokenizerError, load_tokenizer
-from nnx_spmd_trainer.sharding import ShardingError
+from nnx_spmd_trainer.data import TokenizerError, load_tokenizer
 
 __all__ = ["generate", "main", "parser"]
 

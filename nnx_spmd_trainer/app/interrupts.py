@@ -11,7 +11,7 @@ import threading
 from types import FrameType
 from typing import NoReturn
 
-from nnx_spmd_trainer.adapters import python_private
+from nnx_spmd_trainer.app import python_private
 
 
 class _OrbaxLog(std_logging.Filter):

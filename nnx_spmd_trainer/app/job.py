@@ -18,8 +18,11 @@ from jax.experimental import multihost_utils
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
 from nnx_spmd_trainer import (  # type: ignore[attr-defined]
     History,
+    PlanReport,
     ShardingError,
     Trainer,
+    compile_cache,
+    peak_flops,
     weights,
 )
 from nnx_spmd_trainer.app import datasets, start_from, tasks
@@ -47,10 +50,7 @@ from nnx_spmd_trainer.app.workdir import (
     set_old_checkpoints_aside,
     workdir_lock,
 )
-from nnx_spmd_trainer.data.reads import bytes_read_in_process
-from nnx_spmd_trainer.planner import compile_cache
-from nnx_spmd_trainer.planner.flops import peak_flops
-from nnx_spmd_trainer.planner.plan_report import PlanReport
+from nnx_spmd_trainer.data import bytes_read_in_process
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,12 +13,9 @@ import ml_collections
 import numpy as np
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Trainer, callbacks  # type: ignore[attr-defined]
+from nnx_spmd_trainer import Strategy, Trainer, callbacks, compile_cache  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets
-from nnx_spmd_trainer.data.corpus import TOKENS_FILE
-from nnx_spmd_trainer.data.reads import bytes_read_in_process
-from nnx_spmd_trainer.planner import compile_cache
-from nnx_spmd_trainer.strategies import Strategy
+from nnx_spmd_trainer.data import TOKENS_FILE, bytes_read_in_process
 
 __all__ = [
     "corpus_reads_line",

@@ -23,9 +23,9 @@ import grain
 import ml_collections
 import numpy as np
 
+from nnx_spmd_trainer import DataShard
 from nnx_spmd_trainer.app.run_config import ConfigError
 from nnx_spmd_trainer.data import ChatError, ChatTokenizer, Tokenizer, load_chat_tokenizer
-from nnx_spmd_trainer.data_shard import DataShard
 from nnx_spmd_trainer.post_training import (
     LOSS_TYPES,
     EncodedPair,

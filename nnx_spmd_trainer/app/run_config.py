@@ -26,7 +26,7 @@ from nnx_spmd_trainer import (
     optim,
 )
 from nnx_spmd_trainer.configs import _base
-from nnx_spmd_trainer.nn.attention import FORMS
+from nnx_spmd_trainer.nn import ATTENTION_FORMS as FORMS
 
 
 class ConfigError(ValueError):

@@ -10,9 +10,12 @@ the module of its job and is re-exported here. The core imports from the homes:
 - ``batch_errors.py``: ``BatchMismatch`` (also ``nnx_spmd_trainer.BatchMismatch``);
 - ``position.py``: ``BATCHES_TAKEN``, the ``RunState.data`` of a Grain
   position saved under another process count;
-- ``tokenizer.py``: ``Tokenizer``, ``train_bpe``, ``load_tokenizer``, ``TokenizerError``;
+- ``tokenizer.py``: ``Tokenizer``, ``train_bpe``, ``load_tokenizer``, ``TokenizerError``,
+  ``EOS_TOKEN`` (the end of a document), ``TOKENIZER_FILE`` (its name in a corpus or run);
 - ``corpus.py``: ``write_corpus``, ``Corpus``, ``CorpusError`` (whose home is
-  ``corpus_inputs.py``: the files a corpus is written from, a binary one named);
+  ``corpus_inputs.py``: the files a corpus is written from, a binary one named:
+  ``expand_inputs``, ``text_files``, ``read_documents``), ``TOKENS_FILE``;
+- ``reads.py``: ``bytes_read_in_process``, what this process read from corpora on disk;
 - ``packing.py``: ``pack_documents``, ``packed_pipeline``, ``padding_share``,
   ``ContiguousRows``;
 - ``packed_blocks.py``: ``PackedBlocks``, documents packed block by block into the same
@@ -35,8 +38,7 @@ each:
 - ``same_rows.py``: processes feeding the same rows, checked by batch fingerprints
 - ``to_host.py``: ``gather_to_host``, arrays gathered whole to every host
 - ``grain_input.py``: ``grain_pipeline``, one process's Grain input pipeline
-- ``corpus_inputs.py``: the files a corpus is written from, ``CorpusError``'s home
-- ``reads.py``: what this process read from corpora on disk
+- ``corpus_inputs.py``: ``CorpusError``'s home
 - ``batch_reads.py``: the fields a loss read of its batch (unread packing fields refused)
 - ``written.py``: ``written_whole``, a file or folder written beside its path and renamed
 """
@@ -60,7 +62,8 @@ from nnx_spmd_trainer.data.chat import (
     load_chat_tokenizer,
     read_conversations,
 )
-from nnx_spmd_trainer.data.corpus import Corpus, CorpusError, write_corpus
+from nnx_spmd_trainer.data.corpus import TOKENS_FILE, Corpus, CorpusError, write_corpus
+from nnx_spmd_trainer.data.corpus_inputs import expand_inputs, read_documents, text_files
 from nnx_spmd_trainer.data.grain_packed import from_grain_packed
 from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
 from nnx_spmd_trainer.data.packed_blocks import PackedBlocks
@@ -71,7 +74,10 @@ from nnx_spmd_trainer.data.packing import (
     padding_share,
 )
 from nnx_spmd_trainer.data.position import BATCHES_TAKEN
+from nnx_spmd_trainer.data.reads import bytes_read_in_process
 from nnx_spmd_trainer.data.tokenizer import (
+    EOS_TOKEN,
+    TOKENIZER_FILE,
     Tokenizer,
     TokenizerError,
     load_tokenizer,
@@ -81,6 +87,7 @@ from nnx_spmd_trainer.data.tokenizer import (
 __all__ = [
     "BATCHES_TAKEN",
     "BatchMismatch",
+    "bytes_read_in_process",
     "CHATML_TEMPLATE",
     "CHATML_TOKENS",
     "ChatCounts",
@@ -90,14 +97,18 @@ __all__ = [
     "ContiguousRows",
     "Corpus",
     "CorpusError",
+    "EOS_TOKEN",
     "Mixture",
     "MixtureError",
     "PackedBlocks",
     "Stage",
+    "TOKENIZER_FILE",
+    "TOKENS_FILE",
     "Tokenizer",
     "TokenizerError",
     "chat_documents",
     "check_batch",
+    "expand_inputs",
     "from_grain_packed",
     "load_chat_tokenizer",
     "load_tokenizer",
@@ -107,7 +118,9 @@ __all__ = [
     "padding_share",
     "place_batch",
     "read_conversations",
+    "read_documents",
     "rows_multiple",
+    "text_files",
     "train_bpe",
     "transfer_batch",
     "write_corpus",

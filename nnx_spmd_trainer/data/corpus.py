@@ -48,13 +48,14 @@ import numpy as np
 from nnx_spmd_trainer.data.corpus_inputs import (
     CorpusError,
     count_documents,
-    documents,
     expand_inputs,
+    read_documents,
 )
 from nnx_spmd_trainer.data.reads import count_read
 from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 HEADER_FILE = "header.json"
+#: The file of a corpus holding its token ids (all documents, end to end).
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.bin"
 CHUNKS_FILE = "chunks.bin"
@@ -170,7 +171,7 @@ def write_corpus(
         header = _start_or_resume(out, files, tokenizer)
         if not header["complete"]:
             tokenizer.save(out)
-            texts = documents(files, jsonl_field, header["next_input"])
+            texts = read_documents(files, jsonl_field, header["next_input"])
             total = count_documents(files) if progress else None
             _write_chunks(out, header, texts, tokenizer, append_eos, chunk_docs, progress, total)
         if header["n_docs"] == 0:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["CorpusError", "count_documents", "documents", "expand_inputs", "text_files"]
+__all__ = ["CorpusError", "count_documents", "expand_inputs", "read_documents", "text_files"]
 
 _SNIFF_BYTES = 1 << 20  # read at a time when checking a file is UTF-8 text
 
@@ -24,7 +24,9 @@ class CorpusError(ValueError):
     """A corpus that is damaged, incomplete, or does not fit the model or tokenizer."""
 
 
-def documents(files: list[str], field: str, start: list[int]) -> Iterator[tuple[str, list[int]]]:
+def read_documents(
+    files: list[str], field: str, start: list[int]
+) -> Iterator[tuple[str, list[int]]]:
     """Each document's text from ``start`` (``[file index, byte offset]``) on, with where
     the next document starts: a whole file, or the ``field`` of each line of a ``.jsonl``."""
     for index in range(start[0], len(files)):

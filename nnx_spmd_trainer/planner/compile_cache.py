@@ -55,6 +55,20 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+__all__ = [
+    "AUTO",
+    "ENV_VAR",
+    "MAX_BYTES",
+    "OFF",
+    "CacheCounts",
+    "CompileCacheError",
+    "CompileCacheSetting",
+    "cache_counts",
+    "compile_cache_directory",
+    "default_directory",
+    "use_compile_cache",
+]
+
 #: The environment variable read when a ``Trainer`` is given no ``compile_cache``.
 ENV_VAR = "NNX_SPMD_TRAINER_COMPILE_CACHE"
 #: The setting that turns the cache off.

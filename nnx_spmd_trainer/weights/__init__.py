@@ -8,7 +8,8 @@ blocks; ``save_safetensors`` reads the map backwards and writes the file again. 
 out through the same map: ``peft_adapter``/``write_peft_adapter`` as a PEFT adapter
 directory (``peft.py``; ``load_peft_adapter`` reads one into a model in one call),
 ``merged_params`` folded into the base (``merge.py``). ``written_whole``: an export
-directory written beside its name and renamed once whole (a full disk leaves nothing).
+directory written beside its name and renamed once whole (a full disk leaves nothing);
+``check_export_path``: the refusal of an occupied export path, before anything is written.
 
 >>> import numpy as np
 >>> m = WeightMap({"wte/embedding": pad(tensor("wte.weight", (5, 2)), axis=0, size=8)})
@@ -16,7 +17,7 @@ directory written beside its name and renamed once whole (a full disk leaves not
 (8, 2)
 """
 
-from nnx_spmd_trainer.data.written import written_whole
+from nnx_spmd_trainer.data.written import check_export_path, written_whole
 from nnx_spmd_trainer.weights.expr import Expr, Piece, Tensor, Tensors, tensor
 from nnx_spmd_trainer.weights.load import (
     Pretrained,
@@ -70,6 +71,7 @@ __all__ = [
     "adapter_arrays",
     "cast",
     "check",
+    "check_export_path",
     "concat",
     "load_peft_adapter",
     "load_weights",

@@ -30,6 +30,7 @@ from nnx_spmd_trainer.app.datasets.text import SplitOptions
 from nnx_spmd_trainer.app.run_config import ConfigError
 from nnx_spmd_trainer.data import (
     CHATML_TOKENS,
+    EOS_TOKEN,
     ChatError,
     ChatTokenizer,
     PackedBlocks,
@@ -39,7 +40,6 @@ from nnx_spmd_trainer.data import (
     read_conversations,
     train_bpe,
 )
-from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN
 
 __all__ = ["chat_splits"]
 

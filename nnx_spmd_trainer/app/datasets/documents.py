@@ -30,8 +30,7 @@ import numpy as np
 
 from nnx_spmd_trainer.app.datasets.base import Batch, Splits, index_batches
 from nnx_spmd_trainer.app.datasets.text import SplitOptions
-from nnx_spmd_trainer.data import CHATML_TOKENS, PackedBlocks, Tokenizer, train_bpe
-from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN
+from nnx_spmd_trainer.data import CHATML_TOKENS, EOS_TOKEN, PackedBlocks, Tokenizer, train_bpe
 
 __all__ = [
     "DocumentOptions",

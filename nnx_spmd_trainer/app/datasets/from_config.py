@@ -30,6 +30,7 @@ from nnx_spmd_trainer.app.datasets.documents import bpe_lm_splits, pydoc_tokeniz
 from nnx_spmd_trainer.app.datasets.text import SplitOptions, char_lm_splits
 from nnx_spmd_trainer.app.run_config import ConfigError
 from nnx_spmd_trainer.data import (
+    TOKENIZER_FILE,
     Corpus,
     CorpusError,
     MixtureError,
@@ -37,7 +38,6 @@ from nnx_spmd_trainer.data import (
     TokenizerError,
     load_tokenizer,
 )
-from nnx_spmd_trainer.data.tokenizer import TOKENIZER_FILE
 
 __all__ = [
     "parse_corpora",

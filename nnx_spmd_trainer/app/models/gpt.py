@@ -36,17 +36,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_spmd_trainer import moe as moe_lib
+from nnx_spmd_trainer import remat as remat_lib
+from nnx_spmd_trainer import stack as stack_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 
 # The losses live in gpt_losses.py; named here too, where callers have always found them.
 from nnx_spmd_trainer.app.models.gpt_losses import chunked_loss_fn, loss_fn
-from nnx_spmd_trainer.nn import remat as remat_lib
-from nnx_spmd_trainer.nn import stack as stack_lib
-from nnx_spmd_trainer.nn.attention import attention_implementation, causal_attention
-from nnx_spmd_trainer.nn.kv_cache import MaskedAttention, set_cache_mask
-from nnx_spmd_trainer.nn.moe import MoE
-from nnx_spmd_trainer.nn.packed import packed_inputs, target_weights
-from nnx_spmd_trainer.sharding import LAYERS  # the stacked layer dimension's logical name
+from nnx_spmd_trainer.nn import (
+    MaskedAttention,
+    attention_implementation,
+    causal_attention,
+    packed_inputs,
+    set_cache_mask,
+    target_weights,
+)
+
+LAYERS = stack_lib.LAYERS  # the stacked layer dimension's logical name
 
 __all__ = [
     "GPT",
@@ -125,7 +131,7 @@ class TransformerBlock(nnx.Module):
         self.dropout1 = nnx.Dropout(dropout_rate, rngs=rngs)
         self.layer_norm2 = _layer_norm(embed_dim, rngs, dtype)
         if moe_experts:  # a mixture of experts in place of the MLP (moe.MoE)
-            self.moe = MoE(
+            self.moe = moe_lib.MoE(
                 embed_dim, ff_dim, moe_experts, top_k=moe_top_k,
                 capacity_factor=moe_capacity_factor, rngs=rngs, **precision,
             )  # fmt: skip

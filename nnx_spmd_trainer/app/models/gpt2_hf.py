@@ -38,11 +38,10 @@ import numpy as np
 from flax import nnx
 
 from nnx_spmd_trainer import OutputHead
+from nnx_spmd_trainer import stack as stack_lib
 from nnx_spmd_trainer.app.models.annotations import MODEL, annotated
 from nnx_spmd_trainer.app.models.gpt_losses import loss_fn
-from nnx_spmd_trainer.nn.attention import causal_attention
-from nnx_spmd_trainer.nn.kv_cache import set_cache_mask, update_cache
-from nnx_spmd_trainer.nn.stack import run_layers, stacked
+from nnx_spmd_trainer.nn import causal_attention, set_cache_mask, update_cache
 from nnx_spmd_trainer.weights import Expr, WeightMap, pad, split, stack, tensor
 
 __all__ = ["GPT2", "GPT2Block", "GPT2Config", "gpt2_weight_map", "loss_fn"]
@@ -193,7 +192,7 @@ class GPT2(nnx.Module):
         )
         self.drop = nnx.Dropout(config.dropout, rngs=rngs)
         self.h: GPT2Block | nnx.List[GPT2Block] = (
-            stacked(lambda r: GPT2Block(config, r), config.n_layer, rngs)
+            stack_lib.stacked(lambda r: GPT2Block(config, r), config.n_layer, rngs)
             if scan_layers
             else nnx.List([GPT2Block(config, rngs) for _ in range(config.n_layer)])
         )
@@ -218,7 +217,9 @@ class GPT2(nnx.Module):
         where = jnp.arange(length) if positions is None else positions
         x = self.drop(self.wte(tokens) + self.wpe(where))
         side = () if segment_ids is None else (segment_ids,)
-        x = run_layers(self.h, x, *side)  # stacked: a scan; under PipelineParallel, the stages
+        x = stack_lib.run_layers(
+            self.h, x, *side
+        )  # stacked: a scan; under PipelineParallel, the stages
         return self.ln_f(x)
 
     def output_head(self) -> OutputHead:

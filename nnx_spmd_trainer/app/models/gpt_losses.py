@@ -19,15 +19,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_spmd_trainer import TOKEN_WEIGHT, OutputHead, chunked_cross_entropy, masked_mean
-from nnx_spmd_trainer.nn.moe import moe_losses
-from nnx_spmd_trainer.nn.packed import (
-    PACKING_FIELDS,
-    packed_inputs,
-    packing_fields,
-    token_weights,
+from nnx_spmd_trainer import (
+    TOKEN_WEIGHT,
+    OutputHead,
+    batch_mask,
+    chunked_cross_entropy,
+    masked_mean,
 )
-from nnx_spmd_trainer.planner.step import batch_mask
+from nnx_spmd_trainer import moe as moe_lib
+from nnx_spmd_trainer.nn import PACKING_FIELDS, packed_inputs, packing_fields, token_weights
 
 __all__ = ["chunked_loss_fn", "loss_fn"]
 
@@ -122,7 +122,7 @@ def loss_fn(
     logits = model(batch["inputs"], **packed_inputs(batch)).astype(jnp.float32)
     targets = batch["targets"]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    extra, moe_aux = moe_losses(model)
+    extra, moe_aux = moe_lib.moe_losses(model)
     mean, weight = _token_mean(losses, batch)
     aux = {"accuracy": _token_accuracy(jnp.argmax(logits, axis=-1) == targets, batch), **moe_aux}
     return mean + extra, _with_weight(aux, weight)
@@ -160,7 +160,7 @@ def chunked_loss_fn(
         dtype=head.dtype,
         vocab_size=head.vocab_size,
     )
-    extra, moe_aux = moe_losses(model)
+    extra, moe_aux = moe_lib.moe_losses(model)
     mean, weight = _token_mean(losses, batch)
     aux = {"accuracy": _token_accuracy(predictions == targets, batch), **moe_aux}
     return mean + extra, _with_weight(aux, weight)

@@ -1,8 +1,9 @@
 """Python's own insides that a prompt exit after Ctrl-C needs, in one place (checked against
 CPython 3.11).
 
-Public to ``app/`` (``app/interrupts.py``). ``tests/test_adapters.py`` checks the
-assumption against the running Python.
+The app's own fence, as ``adapters/`` is the core's: ``app/`` imports only the library's
+public names, so Python's private name it needs lives here (``app/interrupts.py`` uses it).
+``tests/test_adapters.py`` checks the assumption against the running Python.
 """
 
 from __future__ import annotations
