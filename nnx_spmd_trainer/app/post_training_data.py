@@ -24,8 +24,9 @@ import ml_collections
 import numpy as np
 
 from nnx_spmd_trainer import DataShard
+from nnx_spmd_trainer.app.datasets.chat import run_chat_tokenizer
 from nnx_spmd_trainer.app.run_config import ConfigError
-from nnx_spmd_trainer.data import ChatError, ChatTokenizer, Tokenizer, load_chat_tokenizer
+from nnx_spmd_trainer.data import ChatError, ChatTokenizer, Tokenizer
 from nnx_spmd_trainer.post_training import (
     LOSS_TYPES,
     EncodedPair,
@@ -121,21 +122,16 @@ def chat_tokenizer(config: ml_collections.ConfigDict, codec: Any) -> ChatTokeniz
     """What renders chat preference rows: ``config.data.tokenizer``'s own template (or
     ``config.data.chat_template``), or the run's BPE with ``config.data.chat_template``
     (``"chatml"``); a ``ConfigError`` naming the key when there is none."""
-    data = config.get("data") or {}
-    path, template = data.get("tokenizer", ""), data.get("chat_template", "") or None
+    data = config.get("data") or ml_collections.ConfigDict()
     key = f"config.data.chat_template={data.get('chat_template', '')!r}"
     try:
-        if path:
-            return load_chat_tokenizer(path, template=template)
-        if template is not None and isinstance(codec, Tokenizer):
-            return ChatTokenizer.from_tokenizer(codec, template)
+        return run_chat_tokenizer(
+            data,
+            lambda: codec if isinstance(codec, Tokenizer) else None,
+            "config.data.preferences holds chat rows, and the run's tokenizer",
+        )
     except (ChatError, ImportError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
-    raise ConfigError(
-        f"{key}: config.data.preferences holds chat rows, and the run's tokenizer has no chat "
-        "template; pass --config.data.chat_template=chatml (the library's), or "
-        "--config.data.tokenizer=DIR holding a tokenizer_config.json with one."
-    )
 
 
 def _ordinal(n: int) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 import ml_collections
@@ -34,6 +34,7 @@ from nnx_spmd_trainer.data import (
     ChatError,
     ChatTokenizer,
     PackedBlocks,
+    Tokenizer,
     chat_documents,
     load_chat_tokenizer,
     pack_documents,
@@ -41,12 +42,18 @@ from nnx_spmd_trainer.data import (
     train_bpe,
 )
 
-__all__ = ["chat_splits"]
+__all__ = ["chat_splits", "run_chat_tokenizer"]
 
 Document = dict[str, np.ndarray]
 
 
-def _chat_tokenizer(data: ml_collections.ConfigDict, conversations: list) -> ChatTokenizer:
+def run_chat_tokenizer(
+    data: ml_collections.ConfigDict, base: Callable[[], Tokenizer | None], whose: str
+) -> ChatTokenizer:
+    """A chat job's tokenizer, for SFT and preference rows alike: ``config.data.tokenizer``'s
+    own (its template, or ``config.data.chat_template``); else ``base()`` (the run's BPE, or
+    one trained here) with ``config.data.chat_template``. A ``ChatError`` names the fix;
+    ``whose`` says which tokenizer lacks a template when none is given."""
     path, template = data.get("tokenizer", ""), data.get("chat_template", "") or None
     if path:
         try:
@@ -62,18 +69,24 @@ def _chat_tokenizer(data: ml_collections.ConfigDict, conversations: list) -> Cha
                 "written by nnx-spmd-train corpus (both have ChatML's tokens), or give "
                 "--config.data.tokenizer=<a tokenizer.json with them>."
             ) from None
-    if template is None:
+    if template is None or (tokenizer := base()) is None:
         raise ChatError(
-            "config.data.tokenizer='' trains a BPE, which has no chat template; choose the "
-            "library's default with --config.data.chat_template=chatml, or give "
-            "--config.data.tokenizer=DIR holding a tokenizer_config.json with one."
+            f"{whose} has no chat template; choose the library's default with "
+            "--config.data.chat_template=chatml, or give --config.data.tokenizer=DIR holding "
+            "a tokenizer_config.json with one."
         )
-    bpe = train_bpe(
-        texts=(m["content"] for _, messages in conversations for m in messages),
-        vocab_size=data.get("vocab_size", 1024),
-        special_tokens=(EOS_TOKEN, *CHATML_TOKENS),
-    )
-    return ChatTokenizer.from_tokenizer(bpe, template)
+    return ChatTokenizer.from_tokenizer(tokenizer, template)
+
+
+def _chat_tokenizer(data: ml_collections.ConfigDict, conversations: list) -> ChatTokenizer:
+    def trained_bpe() -> Tokenizer:
+        return train_bpe(
+            texts=(m["content"] for _, messages in conversations for m in messages),
+            vocab_size=data.get("vocab_size", 1024),
+            special_tokens=(EOS_TOKEN, *CHATML_TOKENS),
+        )
+
+    return run_chat_tokenizer(data, trained_bpe, "config.data.tokenizer='' trains a BPE, which")
 
 
 def _held_out_batches(
