@@ -14,6 +14,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,7 +44,7 @@ SMALL = [
     "--config.gpt.ff_dim=64", "--config.gpt.num_layers=1", "--config.data.vocab_size=300",
     "--config.loggers=csv", "--config.log_every_n_steps=1",
 ]  # fmt: skip
-RANK, ALPHA = 4, 8.0
+RANK, ALPHA = 8, 8.0  # finetuning.md's rank
 QUESTION = "1 and 2"
 WORDS = ["red", "blue", "green", "gold", "pink", "gray", "teal", "navy"]
 REWARD = '''
@@ -104,12 +106,38 @@ class Tree:
         out = self.cli("generate", str(workdir), "--json", *args)
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    def dpo_command(self, workdir: Path, init_from: Path, steps: int) -> list[str]:
-        return [
-            "--config=dpo", f"--workdir={workdir}", *SMALL, f"--config.init_from={init_from}",
-            f"--config.data.preferences={self / 'pairs.jsonl'}", f"--config.max_steps={steps}",
-            f"--config.checkpoint_every_n_steps={steps}",
+    def doc(self, workdir: str) -> list[str]:
+        """finetuning.md's command that writes ``workdir``, as written, its relative paths
+        (workdirs and input files) made this tree's."""
+        (command,) = [c for c in doc_commands() if f"--workdir={workdir}" in c]
+        files = ("--workdir=", "--config.init_from=", "--config.data.chat=",
+                 "--config.data.preferences=")  # fmt: skip
+        here = [
+            flag.split("=", 1)[0] + f"={self / flag.split('=', 1)[1]}"
+            if flag.startswith(files) else flag
+            for flag in command[1:]
         ]  # fmt: skip
+        assert command[0] == "nnx-spmd-train"
+        return here
+
+    def dpo_command(self, workdir: Path, init_from: Path, steps: int) -> list[str]:
+        """finetuning.md's DPO command with another workdir and start, at small sizes."""
+        moved = {"--workdir": workdir, "--config.init_from": init_from}
+        doc = [f"{f.split('=')[0]}={moved[f.split('=')[0]]}" if f.split("=")[0] in moved else f
+               for f in self.doc("dpo")]  # fmt: skip
+        return [*doc, *SMALL, f"--config.max_steps={steps}",
+                f"--config.checkpoint_every_n_steps={steps}"]  # fmt: skip
+
+
+def doc_commands() -> list[list[str]]:
+    """docs/topics/finetuning.md's commands on the default job's GPT (not its gpt2_hf ones)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "topics" / "finetuning.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", page, flags=re.S):
+        lines = block.replace("\\\n", " ").splitlines()
+        found += [shlex.split(line, comments=True) for line in lines
+                  if line.startswith("nnx-spmd-train") and "gpt2_hf" not in line]  # fmt: skip
+    return found
 
 
 def logged(workdir: Path, key: str) -> list[tuple[int, str]]:
@@ -188,7 +216,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
 @pytest.fixture(scope="module")
 def pretrain(tree: Tree) -> Path:
     """1. The default job (its config, the pydoc topics and its BPE), 4 steps."""
-    out = tree.cli(f"--workdir={tree / 'pretrain'}", *SMALL, "--config.max_steps=4",
+    out = tree.cli(*tree.doc("pretrain"), *SMALL, "--config.max_steps=4",
                    "--config.batch_size=8", "--config.eval_every_n_steps=0",
                    "--config.max_eval_batches=1")  # fmt: skip
     assert "mesh {'fsdp': 4, 'model': 2}" in out and "final after 4 steps" in out
@@ -201,9 +229,7 @@ def sft(tree: Tree, pretrain: Path) -> tuple[Path, str]:
     """3 + 5. LoRA chat SFT from the pretrained workdir under FSDP(4) x TP(2), exported
     merged as it ends."""
     out = tree.cli(
-        f"--workdir={tree / 'sft'}", *SMALL, f"--config.init_from={pretrain}",
-        f"--config.data.chat={tree / 'chat.jsonl'}", "--config.data.chat_template=chatml",
-        "--config.strategy=fsdp=4,model=2", f"--config.lora.rank={RANK}",
+        *tree.doc("sft"), *SMALL, "--config.strategy=fsdp=4,model=2",
         f"--config.lora.alpha={ALPHA}", "--config.max_steps=6", "--config.batch_size=8",
         "--config.learning_rate=0.05", "--config.warmup_steps=0",
         "--config.eval_every_n_steps=0", "--config.max_eval_batches=1",
@@ -271,8 +297,7 @@ def test_4_generate_on_the_chat_run_with_a_plain_prompt(tree: Tree, sft: tuple[P
         len(row["tokens"]) == 8 and end not in row["tokens"]
     ), row
     out = tree.cli("generate", str(workdir), "--prompt", QUESTION, "--max_new_tokens", "8")
-    (line,) = [line for line in out.splitlines() if line.startswith(QUESTION)]
-    assert line == f"{QUESTION} >>> {row['text']}"
+    assert f"{QUESTION} >>> {row['text']}\n" in out  # the text may hold newlines itself
 
 
 def test_6_dpo_from_the_lora_run_and_from_the_merged_export(
@@ -284,6 +309,25 @@ def test_6_dpo_from_the_lora_run_and_from_the_merged_export(
     tree.cli(*tree.dpo_command(tree / "dpo-merged", tree / "merged", 1))
     ((step, loss),) = logged(tree / "dpo-merged", "train/loss")
     assert step == 1 and abs(float(loss) - math.log(2.0)) < 1e-5
+
+
+def test_6_the_pages_other_starts_a_plain_run_and_dpo_keeping_the_adapters(
+    tree: Tree, pretrain: Path, sft: tuple[Path, str]
+) -> None:
+    """finetuning.md's two other commands: a plain run from the pretrained one, and DPO
+    that keeps training the SFT's adapters over its frozen base."""
+    one_step = ["--config.max_steps=1", "--config.checkpoint_every_n_steps=1"]
+    out = tree.cli(*tree.doc("more"), *SMALL, *one_step, "--config.batch_size=8",
+                   "--config.eval_every_n_steps=0", "--config.max_eval_batches=1")  # fmt: skip
+    assert "init_from: the model of" in out and steps(tree / "more") == [1]
+
+    tree.cli(*tree.doc("dpo_keep"), *SMALL, *one_step)
+    kept, started = saved_params(tree / "dpo_keep"), saved_params(sft[0])
+    assert kept.keys() == started.keys()  # the same adapters, no new ones
+    adapters = [k for k in kept if "lora_" in k]
+    assert adapters and any(not np.array_equal(kept[k], started[k]) for k in adapters)
+    for name in kept.keys() - set(adapters):  # the base stays frozen
+        np.testing.assert_array_equal(kept[name], started[name], err_msg=name)
 
 
 def test_7_generate_and_evaluate_on_the_dpo_run(tree: Tree, dpo: Path) -> None:
