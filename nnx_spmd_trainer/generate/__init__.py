@@ -23,7 +23,6 @@ from nnx_spmd_trainer.generate.sampling import (
     Choice,
     Sampling,
     choose,
-    log_probabilities,
     row_key,
     sample,
 )
@@ -45,7 +44,6 @@ __all__ = [
     "TextCodec",
     "choose",
     "context_length",
-    "log_probabilities",
     "row_key",
     "sample",
 ]

@@ -15,7 +15,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Choice", "Sampling", "choose", "log_probabilities", "row_key", "sample"]
+from nnx_spmd_trainer.nn.logprob import scores_from_logits
+
+__all__ = ["Choice", "Sampling", "choose", "row_key", "sample"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +62,6 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def log_probabilities(logits: jax.Array) -> jax.Array:
-    """``log_softmax`` of the raw logits in float32: what a sampled token's
-    log-probability is read from (never the tempered or truncated distribution)."""
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
 def row_key(seed: jax.Array | int, step: jax.Array | int, row: jax.Array | int) -> jax.Array:
@@ -134,16 +130,23 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Choice:
     >>> bool(jnp.isclose(c.sampling_log_prob, jnp.log(p[c.token] / 0.8)))
     True
     """
+    # Both log-probabilities are read as the learner reads them (nn.logprob's one
+    # implementation), so a GRPO ratio starts at 1 to the last bit the formula allows.
     logits = logits.astype(jnp.float32)
-    raw = log_probabilities(logits)
     if sampling.greedy:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return Choice(token, raw[token], raw[token], jnp.float32(-jnp.inf))
+        raw = scores_from_logits(logits, token)[0]
+        return Choice(token, raw, raw, jnp.float32(-jnp.inf))
     scaled = logits / sampling.temperature
     kept_min = _kept_min(scaled, sampling)
-    drawn = jax.nn.log_softmax(jnp.where(scaled >= kept_min, scaled, -jnp.inf))
-    token = jax.random.categorical(key, drawn).astype(jnp.int32)
-    return Choice(token, raw[token], drawn[token], kept_min)
+    # categorical normalises itself: the truncated, tempered logits are the distribution.
+    token = jax.random.categorical(key, jnp.where(scaled >= kept_min, scaled, -jnp.inf))
+    token = token.astype(jnp.int32)
+    raw = scores_from_logits(logits, token)[0]
+    drawn = scores_from_logits(
+        logits, token, temperature=sampling.temperature, kept_min_logit=kept_min
+    )[0]
+    return Choice(token, raw, drawn, kept_min)
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -24,15 +24,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nnx_spmd_trainer.nn.logprob import scores_from_logits
 from nnx_spmd_trainer.planner.step import TOKEN_WEIGHT
 
 __all__ = ["grpo_loss", "loosened", "token_logps"]
 
 
 def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """``[rows, seq]``: the log-probability of each target under ``logits``, in float32."""
-    logps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logps, targets[..., None], axis=-1)[..., 0]
+    """``[rows, seq]``: the log-probability of each target under ``logits``, in float32
+    (``nn.logprob``'s one implementation, on logits a model has already written; a model
+    with an ``OutputHead`` is read without them, ``token_log_probs``)."""
+    return scores_from_logits(logits, targets)[0]
 
 
 #: How far below ``kept_min_logit`` a scaled logit still counts as kept, relative: the
