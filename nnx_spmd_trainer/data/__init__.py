@@ -28,7 +28,10 @@ the module of its job and is re-exported here. The core imports from the homes:
   ``chat_documents``, ``ChatDocument``, ``ChatCounts``, ``ChatError``, ``CHATML_TEMPLATE``,
   ``CHATML_TOKENS``: conversations to ids and per-token loss weights
   (docs/topics/chat.md).
-- ``jsonl.py``: JSONL rows with their ``FILE:LINE`` (the chat, preference and prompt readers).
+- ``jsonl.py``: ``jsonl_rows``, JSONL rows with their ``FILE:LINE`` (the chat, preference
+  and prompt readers);
+- ``to_host.py``: ``gather_to_host``, arrays gathered whole to every host (a sampler's
+  tokens, an export's weights).
 
 The rest is internal (``position.seek`` and ``DataPosition``: a resumed run's data), a line
 each:
@@ -36,7 +39,7 @@ each:
 - ``placement.py``: ``Placement``, batches onto the mesh by the plan's shardings; ``InFlight``
 - ``prefetch.py``: ``Prefetch``, batches placed ahead in a thread, the position kept exact
 - ``same_rows.py``: processes feeding the same rows, checked by batch fingerprints
-- ``to_host.py``: ``gather_to_host``, arrays gathered whole to every host
+- ``to_host.py``: ``delete_arrays``, a candidate's buffers freed at once
 - ``grain_input.py``: ``grain_pipeline``, one process's Grain input pipeline
 - ``corpus_inputs.py``: ``CorpusError``'s home
 - ``batch_reads.py``: the fields a loss read of its batch (unread packing fields refused)
@@ -65,6 +68,7 @@ from nnx_spmd_trainer.data.chat import (
 from nnx_spmd_trainer.data.corpus import TOKENS_FILE, Corpus, CorpusError, write_corpus
 from nnx_spmd_trainer.data.corpus_inputs import expand_inputs, read_documents, text_files
 from nnx_spmd_trainer.data.grain_packed import from_grain_packed
+from nnx_spmd_trainer.data.jsonl import jsonl_rows
 from nnx_spmd_trainer.data.mixture import Mixture, MixtureError, Stage
 from nnx_spmd_trainer.data.packed_blocks import PackedBlocks
 from nnx_spmd_trainer.data.packing import (
@@ -75,6 +79,7 @@ from nnx_spmd_trainer.data.packing import (
 )
 from nnx_spmd_trainer.data.position import BATCHES_TAKEN
 from nnx_spmd_trainer.data.reads import bytes_read_in_process
+from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.data.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_FILE,
@@ -110,6 +115,8 @@ __all__ = [
     "check_batch",
     "expand_inputs",
     "from_grain_packed",
+    "gather_to_host",
+    "jsonl_rows",
     "load_chat_tokenizer",
     "load_tokenizer",
     "pack_documents",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+from flax import nnx
 
 from nnx_spmd_trainer.data import position as data_position
 from nnx_spmd_trainer.data.batch_errors import batch_mismatch, raise_if_changed
@@ -25,7 +26,7 @@ from nnx_spmd_trainer.data.prefetch import Prefetch
 from nnx_spmd_trainer.engine import predict
 from nnx_spmd_trainer.engine.hooks import Logs
 from nnx_spmd_trainer.engine.step_record import BatchShapes, StepRecord
-from nnx_spmd_trainer.planner import flops
+from nnx_spmd_trainer.planner import flops, forward
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.placement import InFlight
@@ -409,13 +410,17 @@ class Loop:
         to_numpy: bool,
         predict_fn: Callable[..., Any] | None = None,
     ) -> list[Any]:
-        """``predict_fn``'s outputs for each of ``batches`` (see ``Trainer.predict``)."""
-        arrays = self.run.objects().arrays()
-        with jax.set_mesh(self.trainer.plan.mesh):
-            return predict.predict_batches(
-                batches,
-                self.trainer.placement,
-                lambda batch: self.compile("predict", batch, fn=predict_fn),
-                arrays,
-                to_numpy=to_numpy,
+        """``predict_fn``'s outputs for each of ``batches`` (see ``Trainer.predict``): a
+        forward-only program of the plan (``Plan.forward_program``) over the model's state."""
+        trainer = self.trainer
+        fn = trainer.predict_fn if predict_fn is None else predict_fn
+        graphdef, state = nnx.split(self.run.objects().objects["model"])
+
+        def run(batch: Any) -> Any:
+            program = trainer.plan.forward_program(
+                fn, graphdef, state, batch, out_shardings=forward.AS_COMPILED
             )
+            return program(state, batch)
+
+        with jax.set_mesh(trainer.plan.mesh):
+            return predict.predict_batches(batches, trainer.placement, run, to_numpy=to_numpy)

@@ -36,18 +36,17 @@ def _real_rows(placement: Placement, rows: int, padded_rows: int) -> np.ndarray:
 def predict_batches(
     data: Iterable[Any],
     placement: Placement,
-    step_for: Callable[[Any], Callable[..., Any]],
-    arrays: list[jax.Array],
+    run: Callable[[Any], Any],
     *,
     to_numpy: bool,
 ) -> list[Any]:
     """Each batch of ``data`` placed (padded where its rows do not split), run through
-    the compiled predict step ``step_for(batch)``, its padding rows dropped."""
+    the compiled forward program (``run(batch)``), its padding rows dropped."""
     outputs = []
     for host_batch in data:
         padded = placement.eval_batch(host_batch)
         batch = placement.place(padded)
-        out = step_for(batch)(arrays, None, batch)
+        out = run(batch)
         if padded is not host_batch:  # rows that split need no trimming
             rows = len(jax.tree.leaves(host_batch)[0])
             keep = _real_rows(placement, rows, len(padded["mask"]))

@@ -18,7 +18,11 @@ from flax import nnx
 
 from nnx_spmd_trainer.data.batches import batch_kind
 
-__all__ = ["ForwardFn", "abstract", "forward_program"]
+__all__ = ["AS_COMPILED", "ForwardFn", "abstract", "forward_program"]
+
+#: ``out_shardings=AS_COMPILED``: the outputs laid out as the compiler chooses (a
+#: ``predict_fn``'s outputs need not have rows).
+AS_COMPILED = "as compiled"
 
 #: ``(model, batch) -> outputs``: a forward pass, traced with the model merged in eval mode.
 ForwardFn = Callable[[nnx.Module, Any], Any]
@@ -53,7 +57,8 @@ def forward_program(
     policy's base). ``state`` is read for its shardings (arrays, or
     ``jax.ShapeDtypeStruct`` s with shardings: a program lowered before any array exists),
     ``batch`` for its shapes. The outputs are laid out as the plan lays out a batch's
-    rows (``plan.batch_shardings`` of their shapes) unless ``out_shardings`` says.
+    rows (``plan.batch_shardings`` of their shapes) unless ``out_shardings`` says
+    (``AS_COMPILED``: as the compiler chooses).
     """
     batch_shapes = abstract(batch)
     state_leaves, state_def = jax.tree.flatten(state)
@@ -77,8 +82,8 @@ def forward_program(
                 model.eval()
                 return fn(model, batch)
 
-        outs = out_shardings
-        if outs is None:
+        outs = None if out_shardings is AS_COMPILED else out_shardings
+        if out_shardings is None:
             with jax.set_mesh(plan.mesh):
                 shapes = jax.eval_shape(program, abstract(state), batch_shapes)
             outs = plan.batch_shardings(shapes)

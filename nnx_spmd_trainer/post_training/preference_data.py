@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from nnx_spmd_trainer.data.jsonl import jsonl_rows
+from nnx_spmd_trainer.data import jsonl_rows
 
 if TYPE_CHECKING:
     from nnx_spmd_trainer.data.chat import ChatTokenizer

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_spmd_trainer.data.jsonl import jsonl_rows
+from nnx_spmd_trainer.data import jsonl_rows
 from nnx_spmd_trainer.data_shard import DataShard
 
 __all__ = [
