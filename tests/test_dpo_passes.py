@@ -144,3 +144,30 @@ def test_a_reference_of_another_shape_is_refused():
     trainer = trainer_for(DataParallel(), reference=wider)
     with pytest.raises(ValueError, match="not laid out as the policy: at .*the reference has"):
         _ = trainer.reference
+
+
+def test_whole_logits_are_one_note_in_the_plan_report():
+    """A trainer whose log-probabilities cannot be chunked (``logits_fn``, or a model
+    without the protocol) says so once in its plan's report; the shipped GPT, nothing."""
+    chunked = trainer_for(strategy=DataParallel())
+    assert chunked.log_prob_note is None
+    whole = trainer_for(strategy=DataParallel(), logits_fn=lambda model, inputs: model(inputs))
+    note = whole.log_prob_note
+    assert note is not None and note.startswith("DPOTrainer(logits_fn=...)")
+    shapes = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    plan = nnx_plan()
+    report = plan.report(shapes, notes=[note, None, chunked.log_prob_note])
+    assert report.notes == [note]
+    assert str(report).count("note: ") == 1 and f"note: {note}" in str(report)
+    assert plan.report(shapes).notes == []
+
+
+def nnx_plan():
+    """A small plan of its own: the report's notes are the caller's, whatever the step."""
+    from nnx_spmd_trainer import Plan
+
+    def loss_fn(model, batch):
+        return jnp.mean(model(batch["x"]) ** 2), {}
+
+    return Plan(lambda rngs: nnx.Linear(4, 2, rngs=rngs), optax.sgd(0.1), loss_fn=loss_fn,
+                strategy=DataParallel())  # fmt: skip

@@ -179,7 +179,9 @@ def _plan_every_phase(
         key: jax.ShapeDtypeStruct((np.shape(x)[0] * count, *np.shape(x)[1:]), x.dtype)
         for key, x in local.items()
     }
-    report = trainer.plan.report(shapes, train_step=trainer.train_step)
+    report = trainer.plan.report(
+        shapes, train_step=trainer.train_step, notes=[getattr(trainer, "log_prob_note", None)]
+    )  # DPOTrainer's and GRPOTrainer's: why their log-probabilities read whole logits
     phase_list = phases(trainer, int(report.memory["peak"]), shapes)
     if dry_run:
         say(str(report))

@@ -27,7 +27,7 @@ from flax import nnx
 
 from nnx_spmd_trainer.nn.logprob import DEFAULT_CHUNK_SIZE, scores_from_logits, token_scores
 
-__all__ = ["OutputHead", "chunk_reason", "model_token_scores", "output_head"]
+__all__ = ["OutputHead", "chunk_reason", "log_prob_note", "model_token_scores", "output_head"]
 
 #: ``(model, inputs) -> logits [rows, seq, vocab]``: how a model is called on tokens.
 LogitsFn = Callable[[nnx.Module, jax.Array], jax.Array]
@@ -91,6 +91,14 @@ def chunk_reason(model: nnx.Module) -> str | None:
         f"{name} has no {lacks} (nn.logprob_model's protocol): its log-probabilities are "
         "read from the whole [rows, seq, vocab] logits, not a chunk of positions at a time."
     )
+
+
+def log_prob_note(trainer: str, model: nnx.Module, logits_fn: object | None) -> str | None:
+    """Why a post-training trainer reads its models' log-probabilities from the whole
+    logits (one line, for its plan report), or ``None`` where they are chunked."""
+    if logits_fn is not None:
+        return f"{trainer}(logits_fn=...): log-probabilities read from the whole logits."
+    return chunk_reason(model)
 
 
 def model_token_scores(

@@ -458,10 +458,14 @@ class Plan:
         *,
         memory_budget_bytes: int | None = None,
         train_step: Callable[..., Any] | None = None,
+        notes: Sequence[str | None] = (),
     ) -> plan_report.PlanReport:
         """What the train step on ``batch`` (global shapes) costs per device, from the
         compiler alone: state bytes per leaf, the compiled memory and whether it fits
         (``memory_budget_bytes``, else the device's limit), collectives, FLOPs.
-        No array is built and no step runs; ``print(plan.report(shapes))``."""
+        No array is built and no step runs; ``print(plan.report(shapes))``. ``notes``:
+        lines printed with it (``None`` left out), as ``PlanReport.notes``."""
         lowered = self.lower(batch, train_step=train_step)  # a compiler's refusal: a verdict
-        return plan_report.compiled_report(self, lowered, memory_budget_bytes=memory_budget_bytes)
+        report = plan_report.compiled_report(self, lowered, memory_budget_bytes=memory_budget_bytes)
+        report.notes.extend(note for note in notes if note)
+        return report

@@ -205,6 +205,8 @@ class PlanReport:
       target: on TPU chips, the chip's table row, the collectives split into those
         inside a slice (ICI) and across slices (DCN), and a roofline step time and
         the MFU it allows (``target_report.figures``); ``{}`` elsewhere.
+      notes: lines the caller adds (``Plan.report(notes=)``): a post-training trainer's
+        log-probabilities read from the whole logits, say.
     """
 
     strategy: str
@@ -225,6 +227,7 @@ class PlanReport:
     sequence: str = ""
     training: dict[str, float] = dataclasses.field(default_factory=dict)
     target: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def bytes_per_device(self, kind: str) -> int:
         """State bytes one device holds: ``"parameters"``, ``"optimizer"`` or ``"other"``."""
@@ -277,6 +280,7 @@ class PlanReport:
         lines.extend(target_report.lines(self.target, size))
         lines.append(f"  layout of the largest leaf: {self.picture}")
         lines.extend(f"  {line}" for line in (self.pipeline, self.sequence) if line)
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ from clu import metrics as clu_metrics
 from flax import nnx, struct
 
 from nnx_spmd_trainer.nn.logprob import DEFAULT_CHUNK_SIZE
-from nnx_spmd_trainer.nn.logprob_model import chunk_reason, model_token_scores
+from nnx_spmd_trainer.nn.logprob_model import log_prob_note, model_token_scores
 from nnx_spmd_trainer.planner.auto import Choice
 from nnx_spmd_trainer.post_training import dpo_loss
 from nnx_spmd_trainer.post_training.dpo_reference import ReferenceTable
@@ -186,9 +186,7 @@ class DPOTrainer(Trainer):
     def log_prob_note(self) -> str | None:
         """Why the models' log-probabilities are read from their whole logits (one line),
         or ``None`` when they are computed a chunk of positions at a time."""
-        if self.logits_fn is not None:
-            return "DPOTrainer(logits_fn=...): log-probabilities read from the whole logits."
-        return chunk_reason(self.model)
+        return log_prob_note("DPOTrainer", self.model, self.logits_fn)
 
     def choose_layout(self, batches: Iterable[Any]) -> Choice:
         """``strategy="auto"`` (``Trainer.choose_layout``): the layouts are timed on the

@@ -48,7 +48,7 @@ from flax import nnx
 from nnx_spmd_trainer.generate import Sampler
 from nnx_spmd_trainer.generate.sampler import TextCodec
 from nnx_spmd_trainer.nn.logprob import DEFAULT_CHUNK_SIZE
-from nnx_spmd_trainer.nn.logprob_model import model_token_scores
+from nnx_spmd_trainer.nn.logprob_model import log_prob_note, model_token_scores
 from nnx_spmd_trainer.post_training import grpo_loss, rewards
 from nnx_spmd_trainer.post_training.dpo import LogitsFn
 from nnx_spmd_trainer.post_training.grpo_metrics import GRPOMetrics
@@ -192,6 +192,12 @@ class GRPOTrainer(Trainer):
             logits_fn=self.logits_fn,
         )
         return logps
+
+    @property
+    def log_prob_note(self) -> str | None:
+        """Why the log-probabilities are read from the whole logits (one line, for the plan
+        report), or ``None`` when they are computed a chunk of positions at a time."""
+        return log_prob_note("GRPOTrainer", self.model, self.logits_fn)
 
     # -- before the step, on the host ------------------------------------------------------
     def sampler(self) -> Sampler:
