@@ -226,9 +226,14 @@ class DecodePrograms:
                 position = lengths + c.step - 1
                 cache, logits = decoding.decode(leaves, cache, c.token, position, real)
                 chosen = self._choose(logits, seed, c.step, row_ids, how)
+                # Greedy writes the token and its log-probability only: the sampling
+                # distribution's are the same and nothing is truncated (the host fills
+                # them in, ``Sampler``), two [rows, length] writes a step saved.
+                written = 2 if how.greedy else len(chosen)
                 out = Choice(*(
                     jax.lax.dynamic_update_slice_in_dim(o, x[:, None], c.step, axis=1)
-                    for o, x in zip(c.out, chosen, strict=True)
+                    if i < written else o
+                    for i, (o, x) in enumerate(zip(c.out, chosen, strict=True))
                 ))  # fmt: skip
                 taken = c.taken + (~c.done).astype(c.taken.dtype)
                 done = c.done | (chosen.token == end_token)

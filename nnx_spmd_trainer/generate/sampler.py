@@ -303,8 +303,10 @@ class Sampler:
                     timing.decode_seconds += time.perf_counter() - block_start
                     timing.blocks += 1
                 step, done, taken, *buffers = _to_host(
-                    (carry.step, carry.done, carry.taken, *carry.out)
+                    (carry.step, carry.done, carry.taken, *carry.out[: 2 if how.greedy else 4])
                 )
+                if how.greedy:  # the decode loop wrote tokens and log-probabilities only
+                    buffers += [buffers[1], np.full_like(buffers[1], -np.inf)]
                 stopped = out.take(taken[:n], tuple(b[:n] for b in buffers))
                 done = np.array(done)
                 done[:n] |= stopped
