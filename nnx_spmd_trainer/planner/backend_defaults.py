@@ -18,16 +18,13 @@ MEASURED: dict[str, dict[str, Any]] = {
     # On the CPU the "device" is the host: a placement thread takes a core from the
     # step. benchmarks/results/backend_defaults.md (the MLP, the default job's GPT and a
     # miniGPT-sized model, 2026-11-27): prefetch 2 never beat 0 by more than 1.3% on the GPTs.
-    # Donation: within 0.985-1.06 of none there, but 15% slower on the tutorial miniGPT with
-    # its 50,257-id vocabulary (issue 56: 1.147 vs 0.970 its own loop). The compiled step
-    # shows why (benchmarks/results/minigpt_overhead.md, 2026-12-02): XLA updates the
-    # replicated embeddings' Adam moment on halves split over "model" and gathers it into
-    # the output; when that buffer is the donated input, XLA first copies the input, a whole
-    # [50304, 32] table per device per step (bytes accessed 314.6 MB vs 301.7 MB) with 3x
-    # the temporaries (19.7 MB vs 6.4 MB). Whether a model pays that depends on XLA's layout
-    # choices; on the CPU the second copy of the state that donation saves is host memory,
-    # so it is off there (the user's own jitted loop donates nothing either). Devices keep it.
-    "cpu": {"prefetch": 0, "donate": False},
+    # Donation stays on (as on accelerators). It was off for a session: the tutorial miniGPT
+    # with its 50,257-id vocabulary read 15% slower with it (issue 56). On a quiet machine
+    # (2026-12-02, benchmarks/results/minigpt_overhead.md) donation on and off read the same
+    # there (1.513 and 1.510 of the tutorial's loop): that gap is the embedding's layout,
+    # not donation. And trainer_overhead.py's donating hand-written loops are 1-6% faster
+    # than the copying ones (MLP, DataParallel and FSDP(4) x TP(2); trainer_overhead.md).
+    "cpu": {"prefetch": 0, "donate": True},
 }
 
 
