@@ -160,3 +160,22 @@ if __name__ == "__main__":
 
     SNAPSHOT.write_text("\n".join(surface()) + "\n")
     print(f"wrote {SNAPSHOT}")
+
+
+def test_generate_log_probabilities_warns_and_still_gives_the_log_softmax():
+    """Removed from ``generate.__all__`` (one log-probability implementation): kept for a
+    release, warning, and still the raw log-softmax (checked against its definition)."""
+    import numpy as np
+
+    import nnx_spmd_trainer.generate as generate
+    from nnx_spmd_trainer import deprecation
+
+    deprecation._warned.discard("nnx_spmd_trainer.generate.log_probabilities")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = generate.log_probabilities
+    assert [w.category for w in caught] == [DeprecationWarning]
+    assert "nn.token_log_probs" in str(caught[0].message)
+    logits = np.array([[1.0, 2.0, 0.5]], np.float32)
+    want = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(fn(logits)), want, rtol=1e-6)

@@ -4,6 +4,12 @@ decode steps in one loop on the devices, stops), the sampling functions (``Sampl
 conventions a model decodes in (``decoding``: the cache in its attention modules, or
 as an argument; ``ContextLength``)."""
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nnx_spmd_trainer.deprecation import warn_renamed
 from nnx_spmd_trainer.generate.decoding import (
     CacheArgument,
     CacheInModules,
@@ -47,3 +53,19 @@ __all__ = [
     "row_key",
     "sample",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``log_probabilities`` (removed in 0.2.0): the raw ``log_softmax`` over the
+    vocabulary, which the library no longer writes; ``nn.token_log_probs`` (or
+    ``nn.logprob.scores_from_logits`` on logits you hold) reads a token's without it."""
+    if name == "log_probabilities":
+        warn_renamed(
+            "nnx_spmd_trainer.generate.log_probabilities", "nnx_spmd_trainer.nn.token_log_probs"
+        )
+
+        def log_probabilities(logits: jax.Array) -> jax.Array:
+            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+        return log_probabilities
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
