@@ -160,6 +160,7 @@ def test_whole_logits_are_one_note_in_the_plan_report():
     assert report.notes == [note]
     assert str(report).count("note: ") == 1 and f"note: {note}" in str(report)
     assert plan.report(shapes).notes == []
+    assert plan.report(shapes, notes=note).notes == [note]  # one note, not its letters
 
 
 def nnx_plan():

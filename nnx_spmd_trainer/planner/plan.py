@@ -458,7 +458,7 @@ class Plan:
         *,
         memory_budget_bytes: int | None = None,
         train_step: Callable[..., Any] | None = None,
-        notes: Sequence[str | None] = (),
+        notes: str | Sequence[str | None] = (),
     ) -> plan_report.PlanReport:
         """What the train step on ``batch`` (global shapes) costs per device, from the
         compiler alone: state bytes per leaf, the compiled memory and whether it fits
@@ -467,5 +467,6 @@ class Plan:
         lines printed with it (``None`` left out), as ``PlanReport.notes``."""
         lowered = self.lower(batch, train_step=train_step)  # a compiler's refusal: a verdict
         report = plan_report.compiled_report(self, lowered, memory_budget_bytes=memory_budget_bytes)
-        report.notes.extend(note for note in notes if note)
+        lines: Sequence[str | None] = (notes,) if isinstance(notes, str) else notes
+        report.notes.extend(note for note in lines if note)  # one string: one note
         return report
