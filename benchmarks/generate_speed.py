@@ -14,7 +14,7 @@ Two ways, each timed for **a whole call** (prompt ids in, every row's tokens and
 log-probabilities on the host out):
 
 - **library**: ``Sampler.generate`` (prefill, then the decode steps in one
-  ``lax.while_loop`` program; ``generate.programs``);
+  ``lax.while_loop``, one program a call: ``generate.programs``);
 - **hand-written**: one ``jax.jit`` function a user would write over the same model
   and weights (as placed by the trainer): ``nnx.merge``, the model's own caches
   (``nn.kv_cache.init_caches``), the prompt in one pass, then a ``lax.while_loop`` of
@@ -25,16 +25,20 @@ Each batch size is called once each way to compile (not timed), then ``--rounds`
 rounds, each timing the library and the hand-written call back to back (which goes
 first alternates): the machine's load drifts, so the ratio is read within a round,
 and the median ratio is reported (with the smallest and largest), and the ratio of
-each way's best round ("best / best": the least disturbed calls). Also, from the
-library's ``Sampler.last_timing`` (``generate.DecodeTiming``): prefill and decode
-tokens/s, and the decode phase's time outside its program calls (``host_share``).
+each way's best round ("best / best": the least disturbed calls). Then as many calls of
+a ``Sampler(phase_timing=True)`` (prefill and the loop as two programs, timed apart;
+not in the ratio): prefill and decode tokens/s and the decode step's time
+(``Sampler.last_timing``, ``generate.DecodeTiming``).
 
-**Outside any program**: profiles (``jax.profiler``) of five more ``generate`` calls:
-the time of the sampler's ``generate`` annotation during which no compiled program
-runs on any device (the XLA CPU client's ``ThunkExecutor::Execute`` spans, any thread;
-the CPU only: elsewhere ``nan``), the least of the five (a loaded machine's gaps hold
-the time the process waited for a core), per decode step as a share of the median
-decode step, and as a share of the median whole call. The profiler's own cost is in it.
+**Outside any program**: profiles (``jax.profiler``) of five more calls each way: the
+time of the call during which no compiled program runs on any device (the XLA CPU
+client's ``ThunkExecutor::Execute`` spans, any thread; the CPU only: elsewhere
+``nan``), the least of the five (a loaded machine's gaps hold the time the process
+waited for a core), per decode step as a share of the median decode step, and as a
+share of the median whole call. The profiler's own cost is in it, and so is the CPU
+runtime's own time between a while loop's iterations, which the hand-written loop
+pays too: the **library's own** share is its time outside programs less the
+hand-written call's.
 
 ``--out`` appends the run's table to ``generate_speed.md`` and the run to the list in
 ``generate_speed_<devices>dev.json``.
@@ -44,12 +48,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +88,8 @@ from nnx_spmd_trainer.app.run_config import fit_to_devices, parse_strategy  # no
 from nnx_spmd_trainer.configs import default  # noqa: E402
 from nnx_spmd_trainer.nn.kv_cache import init_caches  # noqa: E402
 
+#: The trace annotation around one timed call (``outside_programs``).
+CALL = "generate-speed call"
 VOCAB = 1024  # the default job's BPE (data.vocab_size), a multiple of 8 already
 
 
@@ -172,23 +180,23 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return covered
 
 
-def outside_programs(sampler: Sampler, prompts: list[list[int]], new: int) -> float:
-    """The nanoseconds of one ``generate`` (its ``generate`` trace annotation) during
-    which no compiled program runs on any device (the XLA CPU client's
-    ``ThunkExecutor::Execute`` spans, any thread), from a profile with the Python tracer
-    off; ``nan`` where the profile has neither."""
+def outside_programs(call: Callable[[], Any]) -> float:
+    """The nanoseconds of one ``call()`` during which no compiled program runs on any
+    device (the XLA CPU client's ``ThunkExecutor::Execute`` spans, any thread), from a
+    profile with the Python tracer off; ``nan`` where the profile has no such span."""
     folder = tempfile.mkdtemp(prefix="generate-speed-profile-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     jax.profiler.start_trace(folder, profiler_options=options)
-    sampler.generate(prompts, max_new_tokens=new)
+    with jax.profiler.TraceAnnotation(CALL):
+        call()
     jax.profiler.stop_trace()
     (path,) = Path(folder).rglob("*.xplane.pb")
     calls, runs = [], []
     for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
         for line in plane.lines:
             for event in line.events:
-                if event.name == "generate":
+                if event.name == CALL:
                     calls.append((event.start_ns, event.end_ns))
                 elif event.name == "ThunkExecutor::Execute":
                     runs.append((event.start_ns, event.end_ns))
@@ -208,6 +216,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     trainer, spec = default_trainer(args.quick)
     sampler = Sampler(trainer.model, trainer.plan)
+    phased = Sampler(trainer.model, trainer.plan, phase_timing=True)
     rng = np.random.default_rng(0)
     vocab = 64 if args.quick else VOCAB
     rows = []
@@ -215,6 +224,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prompts = rng.integers(0, vocab, (batch, args.prompt)).astype(np.int32)
         hand = hand_written(trainer, batch, args.prompt, args.new)
         ours = sampler.generate(prompts.tolist(), max_new_tokens=args.new)  # compiles
+        phased.generate(prompts.tolist(), max_new_tokens=args.new)  # compiles its two
         theirs = hand(prompts)  # compiles
         # The same model, the same greedy tokens (a check that both do the same work).
         same = float(np.mean(np.asarray(ours.tokens) == theirs[0]))
@@ -229,13 +239,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     hand(prompts)
                 seconds[who] = time.perf_counter() - start
-            timing = sampler.last_timing
-            assert timing is not None and timing.decode_steps == args.new - 1
             tokens = batch * args.new
             for key, value in (
                 ("call_tokens_per_s", tokens / seconds["library"]),
                 ("hand_tokens_per_s", tokens / seconds["hand"]),
                 ("ratio", seconds["hand"] / seconds["library"]),
+            ):
+                runs.setdefault(key, []).append(value)
+        # The phases, timed apart after the rounds (their two programs between the
+        # rounds' calls would disturb the calls that follow them).
+        for _ in range(args.rounds):
+            phased.generate(prompts.tolist(), max_new_tokens=args.new)
+            timing = phased.last_timing
+            assert timing is not None and timing.decode_steps == args.new - 1
+            for key, value in (
                 ("prefill_tokens_per_s", timing.prefill_tokens_per_second),
                 ("decode_tokens_per_s", timing.decode_tokens_per_second),
                 ("decode_step_ms", 1e3 * timing.decode_seconds / timing.decode_steps),
@@ -252,11 +269,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["same_tokens"] = same
         # The least of several profiles: on a loaded machine a profile's gaps include the
         # time this process waited for a core, which is not the sampler's.
-        outside_ns = min(outside_programs(sampler, prompts.tolist(), args.new) for _ in range(5))
         step_ns = 1e6 * row["decode_step_ms"]["median"]
-        call_ns = 1e9 * batch * args.new / row["call_tokens_per_s"]["median"]
-        row["outside_per_step_share"] = outside_ns / (args.new - 1) / step_ns
-        row["outside_call_share"] = outside_ns / call_ns
+        for who, call in (
+            ("", functools.partial(sampler.generate, prompts.tolist(), max_new_tokens=args.new)),
+            ("hand_", functools.partial(hand, prompts)),
+        ):
+            outside_ns = min(outside_programs(call) for _ in range(5))
+            tokens_per_s = row[f"{who or 'call_'}tokens_per_s"]["median"]
+            row[f"{who}outside_per_step_share"] = outside_ns / (args.new - 1) / step_ns
+            row[f"{who}outside_call_share"] = outside_ns / (1e9 * batch * args.new / tokens_per_s)
+        row["own_outside_per_step_share"] = (
+            row["outside_per_step_share"] - row["hand_outside_per_step_share"]
+        )
         row["program_share"] = 1 - row["outside_call_share"]
         rows.append(row)
     return {
@@ -282,6 +306,7 @@ def table(result: dict[str, Any]) -> str:
     header = ("batch (rows)", "library tokens/s (call)", "hand-written tokens/s",
               "library / hand-written", "best / best", "prefill tokens/s", "decode tokens/s",
               "decode step ms", "outside any program, per step, % of a step",
+              "hand-written: the same", "the library's own (the difference)",
               "outside any program, % of the call")  # fmt: skip
     lines = [
         f"{result['date']}, {result['devices']} {result['backend']} device(s) on "
@@ -299,6 +324,8 @@ def table(result: dict[str, Any]) -> str:
             f"| {cell(row['prefill_tokens_per_s'])} | {cell(row['decode_tokens_per_s'])} "
             f"| {cell(row['decode_step_ms'], digits=3)} "
             f"| {100 * row['outside_per_step_share']:.1f} "
+            f"| {100 * row['hand_outside_per_step_share']:.1f} "
+            f"| {100 * row['own_outside_per_step_share']:.1f} "
             f"| {100 * row['outside_call_share']:.1f} |"
         )
     return "\n".join(lines) + "\n"

@@ -102,6 +102,7 @@ class SampleCallback(Callback):
                 self.trainer.plan,
                 tokenizer=self.tokenizer,
                 print_fn=self.print_fn,
+                phase_timing=True,  # the run's logs show prefill and decode speeds apart
             )
         out = self._sampler.generate(self.prompts, **self.options)
         self.samples.append((step, out))

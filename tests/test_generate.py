@@ -145,11 +145,12 @@ def test_the_training_state_is_only_read(greedy: tuple[Trainer, Any]) -> None:
     assert all(not getattr(m, "decode", False) for _, m in nnx.iter_modules(t.model))
 
 
-def test_one_prefill_and_one_decode_program_per_bucket_not_per_token(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("phase_timing", [False, True], ids=["one_program", "two"])
+def test_one_program_per_bucket_or_prefill_and_decode_not_one_per_token(
+    phase_timing: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     t = trainer(gpt(), DataParallel())
-    sampler = Sampler(t.model, t.plan)
+    sampler = Sampler(t.model, t.plan, phase_timing=phase_timing)
     with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax"):
         first = sampler.generate(PROMPTS, max_new_tokens=NEW + 4)
         again = sampler.generate([[3, 4], [5]], max_new_tokens=NEW + 6)  # the same bucket
@@ -158,7 +159,9 @@ def test_one_prefill_and_one_decode_program_per_bucket_not_per_token(
         for r in caplog.records
         if r.getMessage().startswith("Finished XLA compilation of")
     ]
-    assert sorted(compiled) == ["jit(decode)", "jit(prefill)"], compiled  # not one per token
+    # Not one per token, nor per length: how many steps run is an argument.
+    expected = ["jit(decode)", "jit(prefill)"] if phase_timing else ["jit(whole)"]
+    assert sorted(compiled) == expected, compiled
     assert sampler.last_timing is not None and sampler.last_timing.decode_steps == NEW + 5
     assert [len(x) for x in first.tokens + again.tokens] == [NEW + 4] * 3 + [NEW + 6] * 2
 
@@ -264,18 +267,44 @@ def test_stops_on_an_end_token_and_a_stop_string(small: Sampler) -> None:
 def test_tokens_per_second_are_measured_and_logged_once_per_call(
     small: Sampler, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # The default call is one program: only the whole call is timed.
     with caplog.at_level(logging.INFO, logger="nnx_spmd_trainer.generate.sampler"):
-        out = small.generate([[1, 2, 3], [4]], max_new_tokens=4)
-    assert out.prefill_tokens_per_second > 0 and out.decode_tokens_per_second > 0
+        whole = small.generate([[1, 2, 3], [4]], max_new_tokens=4)
     timing = small.last_timing
-    assert timing is not None and (timing.prompt_tokens, timing.decode_steps) == (4, 3)
+    assert timing is not None and timing.one_program and timing.blocks == 0
+    assert (timing.prompt_tokens, timing.decode_steps, timing.tokens) == (4, 3, 2 * 4)
+    assert whole.tokens_per_second == pytest.approx(8 / timing.call_seconds)
+    assert whole.prefill_tokens_per_second == 0.0 == whole.decode_tokens_per_second
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "in one program" in lines[0], lines
+    # phase_timing: prefill and the loop as two programs, each timed; the same output.
+    phases = Sampler(small.programs._model, small.programs.plan, phase_timing=True,
+                     print_fn=None)  # fmt: skip
+    out = phases.generate([[1, 2, 3], [4]], max_new_tokens=4)
+    assert (out.tokens, out.log_probs) == (whole.tokens, whole.log_probs)
+    assert out.prefill_tokens_per_second > 0 and out.decode_tokens_per_second > 0
+    timing = phases.last_timing
+    assert timing is not None and not timing.one_program and timing.blocks == 1
     assert timing.decode_tokens == 2 * 3  # two prompts, three steps after prefill's token
     assert out.decode_tokens_per_second == pytest.approx(6 / timing.decode_seconds)
-    assert timing.decode_seconds <= timing.decode_loop_seconds
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "tokens/s" in lines[0], lines
+    assert timing.decode_seconds <= timing.decode_loop_seconds <= timing.call_seconds
     one = small.generate([[1, 2, 3]], max_new_tokens=1)
     assert one.decode_tokens_per_second == 0.0  # no decode step ran
+    assert one.tokens_per_second > 0
+
+
+def test_one_program_and_two_draw_the_same_tokens(small: Sampler) -> None:
+    """A sampled call (temperature, top-k, top-p, an end token) gives the same tokens and
+    log-probabilities, bitwise, as one program or as prefill and the loop apart."""
+    phases = Sampler(small.programs._model, small.programs.plan, phase_timing=True,
+                     print_fn=None)  # fmt: skip
+    how = {"max_new_tokens": 6, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3,
+           "end_token": 2}  # fmt: skip
+    one, two = (s.generate([[1, 2, 3], [4], [5, 6]], **how) for s in (small, phases))
+    assert small.last_timing is not None and small.last_timing.one_program
+    assert (one.tokens, one.finish) == (two.tokens, two.finish)
+    assert one.log_probs == two.log_probs
+    assert one.sampling_log_probs == two.sampling_log_probs
 
 
 def test_bad_input_is_named(small: Sampler) -> None:

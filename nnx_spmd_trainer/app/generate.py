@@ -311,7 +311,10 @@ def generate(args: argparse.Namespace, config: ml_collections.ConfigDict) -> lis
     trainer, run_tokenizer, source = _trainer(args, config)
     tokenizer = _tokenizer(args, run_tokenizer, trainer.model, str(config.model))
     ids = _prompt_ids(prompts, tokenizer, raw=args.raw)
-    sampler = Sampler(trainer.model, trainer.plan, tokenizer=tokenizer, print_fn=note)
+    # phase_timing: the last line gives prefill's and decode's speeds apart.
+    sampler = Sampler(
+        trainer.model, trainer.plan, tokenizer=tokenizer, print_fn=note, phase_timing=True
+    )
     new_tokens = _new_tokens(args, ids, sampler.context_length)
     end = args.end_token if args.end_token is not None else _end_token(tokenizer)
     vocabulary = _vocabulary(trainer.model) or getattr(tokenizer, "vocab_size", None)

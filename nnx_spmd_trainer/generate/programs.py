@@ -8,7 +8,12 @@
   the end token; the loop stops when every row is done or at the step ``until`` (a
   call's length, or the end of a block of steps: the host checks stop strings there).
 
-Both run a *copy* of the model (``nnx.merge`` of the live state's leaves, in eval
+A call without stop strings runs both as **one** program (``whole``: prefill, then the
+loop, in one ``jax.jit``), a hand-written ``lax.while_loop`` decode's shape: one dispatch
+and one read a call. Its phases are then not timed apart (``Sampler(phase_timing=True)``
+keeps the two programs where they should be).
+
+All run a *copy* of the model (``nnx.merge`` of the live state's leaves, in eval
 mode), so the training state is only read. Each is compiled once per shape bucket
 (rows, prompt columns, cache length, sampling settings), ahead of its first call
 (``jax.jit(...).lower(...).compile()``: no call is timed with its compilation), and
@@ -151,7 +156,7 @@ class DecodePrograms:
         first token chosen (step 0); ``active``: the rows that are prompts (the others
         start done); ``inputs`` (``Inputs``) handed on to the decode program."""
         key = ("generate/prefill", self._graph, rows, columns, length, how, self.cache_dtype)
-        build = lambda: self._compile(rows, columns, length, how, True)  # noqa: E731
+        build = lambda: self._compile(rows, columns, length, how, "prefill")  # noqa: E731
         return self.plan.steps.get(key, build).fn
 
     def decode(
@@ -164,7 +169,17 @@ class DecodePrograms:
         to stop at): the loop runs to ``until`` without asking whether every row is done,
         a reduction over the rows (a collective when they are split) each step saved."""
         key = ("generate/decode", self._graph, rows, length, how, self.cache_dtype, ends)
-        build = lambda: self._compile(rows, 1, length, how, False, ends)  # noqa: E731
+        build = lambda: self._compile(rows, 1, length, how, "decode", ends)  # noqa: E731
+        return self.plan.steps.get(key, build).fn
+
+    def whole(
+        self, rows: int, columns: int, length: int, how: Sampling, *, ends: bool = True
+    ) -> Callable[..., Carry]:
+        """``(state, tokens, positions, active, inputs, until) -> carry``: ``prefill`` and
+        then ``decode`` to the step ``until`` as one program (no cache comes out: the call
+        reads the tokens once, at its end)."""
+        key = ("generate/whole", self._graph, rows, columns, length, how, self.cache_dtype, ends)
+        build = lambda: self._compile(rows, columns, length, how, "whole", ends)  # noqa: E731
         return self.plan.steps.get(key, build).fn
 
     @property
@@ -188,10 +203,11 @@ class DecodePrograms:
         return Choice(*(jax.sharding.reshard(x, P(split)) for x in chosen))
 
     def _compile(
-        self, rows: int, columns: int, length: int, how: Sampling, fresh: bool, ends: bool = True
+        self, rows: int, columns: int, length: int, how: Sampling, kind: str, ends: bool = True
     ) -> Any:
-        """The program, compiled now (ahead of its first call); ``fresh``: prefill, else
-        the decode loop (``ends``: it stops once every row is done)."""
+        """The program, compiled now (ahead of its first call): ``kind`` ``"prefill"``,
+        ``"decode"`` (the loop; ``ends``: it stops once every row is done) or ``"whole"``
+        (the two as one)."""
         layout, decoding = self.layout, self.decoding
         with jax.set_mesh(self.plan.mesh):
             abstract_cache = self._abstract_cache(rows, length)
@@ -242,6 +258,10 @@ class DecodePrograms:
             with layout.tracing(batch_shardings):
                 return jax.lax.while_loop(running, step, (cache, carry))
 
+        def whole(leaves, tokens, positions, active, inputs, until):  # type: ignore[no-untyped-def]
+            cache, carry, inputs = prefill(leaves, tokens, positions, active, inputs)
+            return decode(leaves, cache, carry, inputs, until)[1]
+
         row = layout.rows()
         state = layout.abstract_state()
         scalar = {"sharding": self.plan.replicated}
@@ -257,18 +277,20 @@ class DecodePrograms:
         program: Callable[..., Any]
         args: tuple[Any, ...]
         donate: tuple[int, ...]
-        if fresh:
+        step = jax.ShapeDtypeStruct((), jnp.int32, **scalar)
+        if kind != "decode":
             block = jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=tokens_sharding)
             active = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row)
-            program, donate = prefill, ()
             args = (state, block, block, active, inputs)
-            out_shardings: tuple[Any, ...] = (cache_shardings, carry_shardings, inputs_shardings)
+            out_shardings: Any = (cache_shardings, carry_shardings, inputs_shardings)
+            program, donate = prefill, ()
+            if kind == "whole":
+                program, args, out_shardings = whole, (*args, step), carry_shardings
         else:
             cache = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(abstract_cache, cache_shardings, strict=True)
             ]
-            step = jax.ShapeDtypeStruct((), jnp.int32, **scalar)
             buffers = [
                 jax.ShapeDtypeStruct((rows, length), d, sharding=tokens_sharding)
                 for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32)

@@ -32,10 +32,16 @@ class Generation:
         a stop string on left out); ``None`` without a tokenizer.
       finish: why each row stopped: ``"end"``, ``"stop"`` (a stop string) or ``"length"``.
       prefill_tokens_per_second: the prompts' tokens (padding not counted) over the
-        prefill program's wall time (dispatch to result, compilation not counted).
+        prefill program's wall time (dispatch to result, compilation not counted); ``0.0``
+        where prefill and decode ran as one program (``Sampler(phase_timing=False)``, a
+        call without stop strings).
       decode_tokens_per_second: the tokens the decode steps produced for the prompts
         (one per prompt and step, the first token of each row being prefill's) over the
-        decode programs' wall time; ``0.0`` when no decode step ran (``max_new_tokens=1``).
+        decode programs' wall time; ``0.0`` when no decode step ran (``max_new_tokens=1``)
+        or the two phases ran as one program.
+      tokens_per_second: the tokens generated for the prompts (one per prompt and step,
+        prefill's first included) over the whole call's wall time, the host's work
+        included (the prompts in, the tokens read back).
       sampling_log_probs: each generated token's log-probability under the distribution
         it was drawn from: the logits divided by the temperature, renormalised over the
         tokens top-k/top-p kept (``sampling.choose``). Equal to ``log_probs`` when greedy
@@ -54,6 +60,7 @@ class Generation:
     decode_tokens_per_second: float = 0.0
     sampling_log_probs: list[list[float]] = dataclasses.field(default_factory=list)
     kept_min_logit: list[list[float]] = dataclasses.field(default_factory=list)
+    tokens_per_second: float = 0.0
 
 
 @dataclasses.dataclass
@@ -63,7 +70,8 @@ class DecodeTiming:
 
     Attributes:
       prompt_tokens: the prompts' tokens (padding not counted).
-      prefill_seconds: the prefill program, from its call to its result.
+      prefill_seconds: the prefill program, from its call to its result (``0.0`` where
+        ``one_program``).
       decode_steps: the decode steps run (the first token of each row is prefill's).
       decode_tokens: the tokens they produced for the prompts (prompts x steps).
       decode_seconds: the decode programs (one a call, or one a block of steps where
@@ -71,7 +79,13 @@ class DecodeTiming:
         its result.
       decode_loop_seconds: the whole decode phase, the host's work included (placing
         the inputs, reading the tokens back, the stop checks).
-      blocks: the decode programs run (1 a call without stop strings).
+      blocks: the decode programs run (1 a call without stop strings; 0 where
+        ``one_program``).
+      one_program: prefill and the decode loop ran as one program, its phases not timed
+        apart (``decode_seconds`` and ``decode_loop_seconds`` are then ``0.0``).
+      call_seconds: the whole call, from the first program's call to the tokens read
+        back.
+      prompts: the prompts (the rows that are not padding).
     """
 
     prompt_tokens: int = 0
@@ -81,19 +95,38 @@ class DecodeTiming:
     decode_seconds: float = 0.0
     decode_loop_seconds: float = 0.0
     blocks: int = 0
+    one_program: bool = False
+    call_seconds: float = 0.0
+    prompts: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def tokens(self) -> int:
+        """The tokens generated for the prompts: prefill's first and one a decode step."""
+        return self.prompts * (self.decode_steps + 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.call_seconds if self.call_seconds else 0.0
+
+    @property
     def decode_tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def line(self) -> str:
-        """One line: the tokens, seconds and tokens per second of each phase."""
+        """One line: the tokens, seconds and tokens per second of each phase (of the whole
+        call where they ran as one program)."""
+        call = (
+            f"{self.tokens} tokens for {self.prompts} prompts ({self.prompt_tokens} prompt "
+            f"tokens) in {self.call_seconds:.4f} s ({self.tokens_per_second:.1f} tokens/s)"
+        )
+        if self.one_program:
+            return call + ", prefill and decode in one program"
         return (
-            f"prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.4f} s "
+            f"{call}: prefill {self.prefill_seconds:.4f} s "
             f"({self.prefill_tokens_per_second:.1f} tokens/s), decode {self.decode_tokens} "
             f"tokens in {self.decode_steps} steps, {self.decode_seconds:.4f} s "
             f"({self.decode_tokens_per_second:.1f} tokens/s)"
@@ -176,6 +209,7 @@ class Rows:
             finish,
             prefill_tokens_per_second=timing.prefill_tokens_per_second,
             decode_tokens_per_second=timing.decode_tokens_per_second,
+            tokens_per_second=timing.tokens_per_second,
             sampling_log_probs=sampling_log_probs,
             kept_min_logit=kept,
         )

@@ -6,10 +6,11 @@ Example::
     out = sampler.generate(["Once upon"], max_new_tokens=32, temperature=0.8, top_p=0.95)
     out.text[0], out.log_probs[0][:3]
 
-A call is two compiled programs (``programs``): prefill, then every decode step in one
+A call is one compiled program (``programs``): prefill, then every decode step in one
 loop on the devices, the end token and the length decided there; the host reads the
-tokens once a call (or once a block of ``block_steps`` steps when stop strings are
-given: it checks them there). The conventions a model decodes in (the cache inside its
+tokens once a call. With stop strings (or ``phase_timing=True``) prefill and the loop are
+two programs, and the host reads the tokens once a block of ``block_steps`` steps (it
+checks the strings there). The conventions a model decodes in (the cache inside its
 attention modules, Flax's; or the cache as an argument, jax-ml/bonsai's) are in
 ``decoding``; docs/topics/sampling.md. Prompts are left padded (``programs``).
 """
@@ -105,6 +106,10 @@ class Sampler:
         holds its cache in its attention modules (Flax's convention).
       block_steps: with stop strings, the decode steps between two reads of the tokens
         (where the host checks them); without, a call reads once.
+      phase_timing: time prefill and decode apart (``Generation.prefill_tokens_per_second``
+        and ``decode_tokens_per_second``): the two run as two programs, the devices waited
+        for between them. ``False`` (default): a call without stop strings is one program,
+        the fastest call, and only the whole call is timed (``tokens_per_second``).
 
     Example::
 
@@ -128,11 +133,13 @@ class Sampler:
         print_fn: Callable[[str], None] | None = print,
         init_cache: Callable[..., Any] | None = None,
         block_steps: int = 16,
+        phase_timing: bool = False,
     ) -> None:
         if block_steps < 1:
             raise ValueError(f"Sampler: block_steps={block_steps}; it must be >= 1.")
         self.memory_budget_bytes = memory_budget_bytes
         self.block_steps = block_steps
+        self.phase_timing = phase_timing
         self.programs = DecodePrograms(model, plan, cache_dtype=cache_dtype, init_cache=init_cache)
         if self.programs.note and print_fn is not None:
             print_fn(self.programs.note)
@@ -140,6 +147,7 @@ class Sampler:
         self.context_length = context_length or declared_context_length(model)
         #: Where the last ``generate`` call's time went (``None`` before the first).
         self.last_timing: DecodeTiming | None = None
+        self._device_says_free = True
 
     def _encoded(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         if not prompts:
@@ -202,8 +210,10 @@ class Sampler:
 
     def _check_fits(self, rows: int, length: int) -> None:
         budget = self.memory_budget_bytes
-        if budget is None:
+        if budget is None and self._device_says_free:
             budget = _free_device_bytes(list(self.programs.plan.mesh.devices.flat))
+            # A backend that does not say (the CPU) is not asked again each call.
+            self._device_says_free = budget is not None
         if budget is None:
             return
         need = self.programs.cache_bytes_per_device(rows, length)
@@ -266,63 +276,93 @@ class Sampler:
         n = len(ids)
         tokens, positions, real, lengths = left_padded(ids, rows, columns, length)
         programs, leaves = self.programs, self.programs.state_leaves()
-        prefill = programs.prefill(rows, columns, length, how)
         ends = end_token is not None  # else no row stops on the device: it runs to `until`
-        decode = programs.decode(rows, length, how, ends=ends) if max_new_tokens > 1 else None
-        timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)))
+        timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)), prompts=n)
         out = Rows(n, end_token, stop, self.tokenizer)
-        block = self.block_steps if stop else max_new_tokens
-        # Host arrays go to prefill as they are (a compiled call places its arguments
-        # itself, cheaper than placing them first); it hands them on to decode on the
-        # devices.
+        # Host arrays go to the first program as they are (a compiled call places its
+        # arguments itself, cheaper than placing them first); prefill hands them on to the
+        # decode loop on the devices.
         inputs = Inputs(
             lengths, real, np.uint32(seed), np.arange(rows, dtype=np.int32),
             np.int32(-1 if end_token is None else end_token),
         )  # fmt: skip
         active = np.arange(rows) < n
+        arguments = (leaves, tokens, positions, active, inputs)
+        # TraceAnnotation: a profile (jax.profiler) shows the call.
+        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
+            start = time.perf_counter()
+            if stop or self.phase_timing or max_new_tokens == 1:
+                step = self._phases(arguments, out, timing, rows, columns, length, how, ends,
+                                    max_new_tokens, bool(stop))  # fmt: skip
+            else:  # one program, one read
+                whole = programs.whole(rows, columns, length, how, ends=ends)
+                step, _, _ = self._read(whole(*arguments, np.int32(max_new_tokens)), how, out)
+                timing.one_program = True
+        timing.call_seconds = time.perf_counter() - start
+        timing.decode_steps = step - 1
+        timing.decode_tokens = n * timing.decode_steps
+        self.last_timing = timing
+        if logger.isEnabledFor(logging.INFO):  # the line is built only to be logged
+            logger.info(
+                "generate: %d prompts (%d rows x %d columns, cache of %d): %s", n, rows,
+                columns, length, timing.line(),
+            )  # fmt: skip
+        return out.result(timing)
+
+    def _read(self, carry: Any, how: Sampling, out: Rows) -> tuple[int, np.ndarray, bool]:
+        """Reads a program's ``carry`` back to the host into ``out`` (the stop strings
+        checked); returns the step it reached, each row's done (the host's stops marked)
+        and whether the host stopped a row now."""
+        step, done, taken, *buffers = _to_host(
+            (carry.step, carry.done, carry.taken, *carry.out[: 2 if how.greedy else 4])
+        )
+        if how.greedy:  # the decode loop wrote tokens and log-probabilities only
+            buffers += [buffers[1], np.full_like(buffers[1], -np.inf)]
+        n = out.n
+        stopped = out.take(taken[:n], tuple(b[:n] for b in buffers))
+        done = np.array(done)
+        done[:n] |= stopped
+        return int(step), done, bool(stopped.any())
+
+    def _phases(
+        self, arguments: tuple[Any, ...], out: Rows, timing: DecodeTiming, rows: int,
+        columns: int, length: int, how: Sampling, ends: bool, max_new_tokens: int,
+        blocks: bool,
+    ) -> int:  # fmt: skip
+        """Prefill, then the decode loop, as two programs, each timed (``blocks``: the
+        loop in blocks of ``block_steps``, the stop strings checked between); returns the
+        step reached."""
+        programs, leaves = self.programs, arguments[0]
+        prefill = programs.prefill(rows, columns, length, how)
+        decode = programs.decode(rows, length, how, ends=ends) if max_new_tokens > 1 else None
+        block = self.block_steps if blocks else max_new_tokens
+        start = time.perf_counter()
+        cache, carry, inputs = prefill(*arguments)
+        first = carry
 
         def run_block(cache: Any, carry: Any, until: int) -> tuple[Any, Any]:
             assert decode is not None
             return decode(leaves, cache, carry, inputs, np.int32(until))
 
-        # TraceAnnotation: a profile (jax.profiler) shows the call.
-        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
-            start = time.perf_counter()
-            cache, carry, inputs = prefill(leaves, tokens, positions, active, inputs)
-            first = carry
-            # The first block is dispatched before prefill's result is waited for: the
-            # devices go from one program to the next with no host work between.
+        # The first block is dispatched before prefill's result is waited for: the
+        # devices go from one program to the next with no host work between.
+        if decode is not None:
+            cache, carry = run_block(cache, carry, min(block, max_new_tokens))
+        jax.block_until_ready(first.token)
+        block_start = loop_start = time.perf_counter()
+        timing.prefill_seconds = loop_start - start
+        while True:
+            carry = jax.block_until_ready(carry)
             if decode is not None:
-                cache, carry = run_block(cache, carry, min(block, max_new_tokens))
-            jax.block_until_ready(first.token)
-            block_start = loop_start = time.perf_counter()
-            timing.prefill_seconds = loop_start - start
-            while True:
-                carry = jax.block_until_ready(carry)
-                if decode is not None:
-                    timing.decode_seconds += time.perf_counter() - block_start
-                    timing.blocks += 1
-                step, done, taken, *buffers = _to_host(
-                    (carry.step, carry.done, carry.taken, *carry.out[: 2 if how.greedy else 4])
-                )
-                if how.greedy:  # the decode loop wrote tokens and log-probabilities only
-                    buffers += [buffers[1], np.full_like(buffers[1], -np.inf)]
-                stopped = out.take(taken[:n], tuple(b[:n] for b in buffers))
-                done = np.array(done)
-                done[:n] |= stopped
-                if decode is None or done.all() or int(step) >= max_new_tokens:
-                    break
-                if stopped.any():  # the host's stops, marked done on the device
-                    (done_array,) = programs.on_devices(done)
-                    carry = carry._replace(done=done_array)
-                block_start = time.perf_counter()
-                cache, carry = run_block(cache, carry, min(int(step) + block, max_new_tokens))
+                timing.decode_seconds += time.perf_counter() - block_start
+                timing.blocks += 1
+            step, done, stopped = self._read(carry, how, out)
+            if decode is None or done.all() or step >= max_new_tokens:
+                break
+            if stopped:  # the host's stops, marked done on the device
+                (done_array,) = programs.on_devices(done)
+                carry = carry._replace(done=done_array)
+            block_start = time.perf_counter()
+            cache, carry = run_block(cache, carry, min(step + block, max_new_tokens))
         timing.decode_loop_seconds = time.perf_counter() - loop_start
-        timing.decode_steps = int(step) - 1
-        timing.decode_tokens = n * timing.decode_steps
-        self.last_timing = timing
-        logger.info(
-            "generate: %d prompts (%d rows x %d columns, cache of %d): %s", n, rows, columns,
-            length, timing.line(),
-        )  # fmt: skip
-        return out.result(timing)
+        return step
