@@ -92,6 +92,19 @@ def test_state_bytes_per_device_agree_between_eight_cpus_and_a_v5e_target():
     assert sum(held["tpu report"].values()) == own > 0
 
 
+def test_an_axis_that_is_no_product_of_whole_torus_axes_is_laid_along_a_split_one():
+    """v6e:4x4 has physical axes 4 and 4: an 8-way FSDP axis is no product of them, which
+    ``jax.make_mesh`` refuses off v5e; the mesh splits a physical axis instead, every
+    chip once, and the plan compiles."""
+    strategy = Hybrid(FSDP(8, min_size=64), TensorParallel(2))
+    plan = Plan(tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn,
+                target="v6e:4x4")  # fmt: skip
+    assert dict(plan.mesh.shape) == {"fsdp": 8, "model": 2}
+    chips = plan.mesh.devices.flat
+    assert len({d.id for d in chips}) == 16 and chips[0].platform == "tpu"
+    assert plan.report(tokens(16)).fits
+
+
 @pytest.fixture(scope="module")
 def wide_choice():
     """``auto`` on v5e:2x2 between replicating a 4 GiB layer (with Adam's 8 GiB and the

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -52,6 +53,23 @@ from nnx_spmd_trainer.strategies import host_axes as hosts
 Axes = tuple[tuple[str, int], ...]
 #: What compiles a step: ``jax.jit``, or the rest of a Hybrid's chain ending in it.
 Jit = Callable[..., Callable[..., Any]]
+
+
+def _device_mesh(
+    sizes: tuple[int, ...], names: tuple[str, ...], types: Any, devices: list[jax.Device]
+) -> Mesh:
+    """``jax.make_mesh``, or where its assignment of the axes to a TPU torus fails (a
+    4-way axis on a 16x16 v6e slice: no product of whole physical axes is 4), the same
+    mesh with a physical axis split between logical ones, which ``make_mesh`` allows on
+    v5e only (``mesh_utils.create_device_mesh(allow_split_physical_axes=True)``): each
+    logical axis still runs along neighbouring chips."""
+    try:
+        return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+    except (ValueError, NotImplementedError) as error:
+        if "allow_split_physical_axes" not in str(error):
+            raise
+    arranged = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    return Mesh(arranged, names, axis_types=types)
 
 
 def is_variable(x: object) -> bool:
@@ -147,7 +165,7 @@ class Strategy(abc.ABC):
             devices, dict(zip(names, sizes, strict=True)), roles, across, owner=repr(self)
         )
         if arranged is None:
-            mesh = jax.make_mesh(tuple(sizes), tuple(names), axis_types=types, devices=devices)
+            mesh = _device_mesh(tuple(sizes), tuple(names), types, devices)
         else:
             mesh = Mesh(arranged, tuple(names), axis_types=types)
         hosts.warn_per_layer_axes_across_hosts(mesh, roles, across, owner=repr(self))
