@@ -177,7 +177,17 @@ def gib(n: float) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    cells = [r for r in rows if "model" in r]
+    # One line a cell: a searched run of a cell replaces its verdict-only run.
+    by_cell: dict[tuple[str, str, str], dict] = {}
+    for r in (r for r in rows if "model" in r):
+        key = (r["model"], r["target"], r["layout"])
+        if key not in by_cell or "largest" in r or "largest" not in by_cell[key]:
+            by_cell[key] = r
+    order = {name: i for i, name in enumerate(MODELS)}
+    cells = sorted(
+        by_cell.values(),
+        key=lambda r: (r["target"], list(LAYOUTS).index(r["layout"]), order[r["model"]]),
+    )
     phases = [r for r in rows if "phase" in r]
     out = [
         "# Plans for TPU pods that are not here",

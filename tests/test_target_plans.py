@@ -4,6 +4,7 @@ Skipped where libtpu is not installed (``pip install 'nnx-spmd-trainer[tpu-plan]
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel
 from nnx_spmd_trainer.app.models import GPT, gpt
 from nnx_spmd_trainer.planner import target_choice
-from nnx_spmd_trainer.planner.target import Target, TargetError
+from nnx_spmd_trainer.planner.target import Target, TargetError, TargetUnavailable
 
 pytest.importorskip("libtpu")
 
@@ -90,6 +91,38 @@ def test_state_bytes_per_device_agree_between_eight_cpus_and_a_v5e_target():
     own = sum(math.prod(shape) * itemsize for shape, itemsize in held["tpu"])
     assert held["tpu report"] == held["cpu report"]
     assert sum(held["tpu report"].values()) == own > 0
+
+
+#: jax's CUDA plugin, which compiles for GPUs that are not here ([gpu-plan], not in [dev]).
+GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def test_h100_names_parse_and_without_the_plugin_the_extra_is_named():
+    assert Target.parse("h100-8") == Target("h100", "8")
+    assert Target.parse("h100-16") == Target("h100", "8", slices=2)  # hosts of 8
+    assert Target.parse("2xh100:8").chips == 16
+    with pytest.raises(TargetError, match=r"h100 comes in 1, 2, 4, 8, not 12"):
+        Target.parse("h100-12")
+    if not GPU_PLAN:
+        with pytest.raises(TargetUnavailable, match=r"nnx-spmd-trainer\[gpu-plan\]"):
+            Target.parse("h100-8").devices  # noqa: B018
+
+
+@pytest.mark.skipif(not GPU_PLAN, reason="needs jax's CUDA plugin: [gpu-plan]")
+def test_a_plan_for_h100s_is_compiled_by_xlas_gpu_compiler_and_agrees_with_the_cpus():
+    strategy = Hybrid(FSDP(4, min_size=64), TensorParallel(2))
+    on_gpus = Plan(tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn,
+                   target="h100-8")  # fmt: skip
+    on_cpus = Plan(tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn)
+    (device, *_) = on_gpus.mesh.devices.flat
+    assert (device.platform, device.device_kind) == ("gpu", "NVIDIA H100 80GB HBM3")
+    gpus, cpus = on_gpus.report(tokens(8)), on_cpus.report(tokens(8))
+    assert gpus.fits and gpus.target["chip"] == "h100" and gpus.memory["temporaries"] > 0
+    assert "8 h100 chips in 1 host" in str(gpus) and "NVLink" in str(gpus)
+    for kind in ("parameters", "optimizer", "other"):
+        assert gpus.bytes_per_device(kind) == cpus.bytes_per_device(kind)
+    assert gpus.flops == cpus.flops > 0  # the jaxpr's count: the same step on any chip
+    assert gpus.target["roofline"]["compute_s"] == pytest.approx(gpus.flops / 989e12)
 
 
 def test_an_axis_that_is_no_product_of_whole_torus_axes_is_laid_along_a_split_one():

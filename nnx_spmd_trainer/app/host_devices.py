@@ -26,21 +26,33 @@ def _has_accelerator() -> bool:
     # not here): it counts only beside a chip on the PCI bus, as JAX's own check reads it.
     if importlib.util.find_spec("libtpu") is not None and _tpu_chips_attached():
         return True
-    if importlib.metadata.entry_points(group="jax_plugins"):
-        return True
+    # The same for jax's CUDA plugin (the gpu-plan extra compiles for GPUs that are not
+    # here): it counts only beside an NVIDIA device on the PCI bus.
+    names = [entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")]
     try:
         import jax_plugins  # namespace package of the CUDA/ROCm plugins
     except ImportError:
-        return False
-    return any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
+        pass
+    else:
+        names += [module.name for module in pkgutil.iter_modules(jax_plugins.__path__)]
+    return any("cuda" not in name or _attached(NVIDIA) for name in names)
+
+
+#: PCI vendor ids: Google's (TPU chips) and NVIDIA's.
+GOOGLE, NVIDIA = "0x1ae0", "0x10de"
+
+
+def _attached(vendor_id: str) -> bool:
+    """Whether a device of ``vendor_id`` sits on this machine's PCI bus."""
+    return any(
+        pathlib.Path(vendor).read_text().strip() == vendor_id
+        for vendor in glob.glob("/sys/bus/pci/devices/*/vendor")
+    )
 
 
 def _tpu_chips_attached() -> bool:
-    """Whether a Google TPU chip sits on this machine's PCI bus (vendor 0x1ae0)."""
-    return any(
-        pathlib.Path(vendor).read_text().strip() == "0x1ae0"
-        for vendor in glob.glob("/sys/bus/pci/devices/*/vendor")
-    )
+    """Whether a Google TPU chip sits on this machine's PCI bus."""
+    return _attached(GOOGLE)
 
 
 def simulate_host_devices(num_devices: int) -> None:

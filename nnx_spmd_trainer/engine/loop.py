@@ -331,7 +331,9 @@ class Loop:
                 outputs = step.fn(*args)
             if arg_shapes is not None:  # read from the program just compiled: a cache hit
                 with run.timings.timing("compile"):
-                    self._step_flops[step.fn] = flops.step_flops(step.fn, arg_shapes)
+                    self._step_flops[step.fn] = flops.step_flops(
+                        step.fn, arg_shapes, devices=self.trainer.plan.mesh.size
+                    )
         except Exception as error:
             if not _any_deleted(live.arrays()):  # failed before it ran: tracing this batch
                 raise_if_changed(error, f"step {count + 1}", self._last_host_batch, host)

@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from nnx_spmd_trainer.planner import flop_count
+
 #: Dense peak FLOP/s of one device (one GPU, one TPU chip) by dtype: never the
 #: "with sparsity" figures datasheets print first (2x the dense ones). ``"fp32"`` is
 #: the rate a float32 matmul runs at under JAX's default precision
@@ -138,19 +140,25 @@ def abstract_args(args: Any) -> Any:
     )
 
 
-def step_flops(jitted: Callable[..., Any], shapes: Sequence[Any]) -> float | None:
+def step_flops(jitted: Callable[..., Any], shapes: Sequence[Any], devices: int = 1) -> float | None:
     """FLOPs per device of ``jitted`` called on arguments shaped as ``shapes``
-    (``abstract_args``), from its compiled program; ``None`` for a step that cannot
-    be lowered (a strategy's own ``jit=`` returning a plain function).
+    (``abstract_args``) on a mesh of ``devices``: its matrix multiplies counted from its
+    jaxpr (``flop_count.matmul_flops``: each scan's body times its length, which XLA's
+    cost analysis counts once) over the devices; the compiled program's count where the
+    jaxpr has none. ``None`` for a step that cannot be traced (a strategy's own ``jit=``
+    returning a plain function).
 
-    Called after the step ran once with such arguments, the lowering and the
-    compilation are JAX's cache hits (2-3 ms for a small GPT on the CPU, measured):
+    Called after the step ran once with such arguments, the tracing is JAX's cache hit:
     the FLOPs are read, not compiled again. Call it inside the step's mesh
     (``jax.set_mesh``), as the step itself runs."""
-    lower = getattr(jitted, "lower", None)
-    if lower is None:
+    trace = getattr(jitted, "trace", None)
+    if trace is None:
         return None
-    return cost_flops(lower(*shapes).compile())
+    traced = trace(*shapes)
+    counted = flop_count.matmul_flops(traced.jaxpr)
+    if counted > 0:
+        return counted / devices
+    return cost_flops(traced.lower().compile())
 
 
 def batch_tokens(batch: Any) -> int | None:

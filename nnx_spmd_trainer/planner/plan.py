@@ -38,7 +38,7 @@ from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.optim import muon_layout
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.planner import forward, plan_report, step
+from nnx_spmd_trainer.planner import flop_count, forward, plan_report, step
 from nnx_spmd_trainer.planner.backend_defaults import backend_default
 from nnx_spmd_trainer.planner.settings import DEFAULTS, PlanSettings
 from nnx_spmd_trainer.planner.state import ModelFactory, leaf_shardings, model_builder
@@ -424,6 +424,14 @@ class Plan:
         built. ``batch`` is the global batch, as arrays or ``jax.ShapeDtypeStruct`` s;
         ``train_step`` a trainer's (default the plan's). ``.compile().memory_analysis()``
         says what a device will hold before anything is allocated."""
+        jitted, args = self._step_and_arguments(batch, train_step, norms)
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(*args)  # type: ignore[no-any-return]
+
+    def _step_and_arguments(
+        self, batch: Any, train_step: Callable[..., Any] | None, norms: bool = False
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The jitted train step for ``batch``'s shapes and its arguments as shapes."""
         shapes = abstract_batch(batch)
         jitted: Any = self.compiled("train", shapes, fn=train_step, norms=norms)
         placed = jax.tree.map(
@@ -435,8 +443,7 @@ class Plan:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
             jax.eval_shape(self.metrics_class.empty),
         )
-        with jax.set_mesh(self.mesh):
-            return jitted.lower(jax.tree.leaves(self.state_targets()), metrics, placed)
+        return jitted, (jax.tree.leaves(self.state_targets()), metrics, placed)
 
     def forward_program(
         self,
@@ -465,8 +472,18 @@ class Plan:
         (``memory_budget_bytes``, else the device's limit), collectives, FLOPs.
         No array is built and no step runs; ``print(plan.report(shapes))``. ``notes``:
         lines printed with it (``None`` left out), as ``PlanReport.notes``."""
-        lowered = self.lower(batch, train_step=train_step)  # a compiler's refusal: a verdict
-        report = plan_report.compiled_report(self, lowered, memory_budget_bytes=memory_budget_bytes)
+        jitted, args = self._step_and_arguments(batch, train_step)
+        trace = getattr(jitted, "trace", None)  # a strategy's own wrapper may not trace
+        with jax.set_mesh(self.mesh):
+            traced = trace(*args) if trace is not None else None
+            lowered = traced.lower() if traced is not None else jitted.lower(*args)
+        # The FLOPs the step's matrix multiplies do, every scanned layer counted (XLA's
+        # cost analysis counts a loop's body once).
+        matmuls = None if traced is None else flop_count.matmul_flops(traced.jaxpr)
+        report = plan_report.compiled_report(  # a compiler's refusal: a verdict
+            self, lowered, memory_budget_bytes=memory_budget_bytes,
+            matmul_flops=None if not matmuls else matmuls / self.mesh.size,
+        )  # fmt: skip
         lines: Sequence[str | None] = (notes,) if isinstance(notes, str) else notes
         report.notes.extend(note for note in lines if note)  # one string: one note
         return report

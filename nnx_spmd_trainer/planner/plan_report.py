@@ -190,7 +190,9 @@ class PlanReport:
       budget_bytes, fits, verdict: the per-device memory checked against
         (``memory_budget_bytes``, else the device's own limit where reported).
       collectives: count and bytes of each collective in the compiled HLO.
-      flops, bytes_accessed: per step and device, from ``cost_analysis()``.
+      flops, bytes_accessed: per step and device: the FLOPs of the step's matrix
+        multiplies, counted from its jaxpr (each scanned layer: XLA's ``cost_analysis()``
+        counts a loop's body once), and the bytes from ``cost_analysis()``.
       step_time_bound_s: where the hardware is known, the larger of FLOPs over
         peak FLOP/s and bytes over bandwidth; ``None`` elsewhere (the CPU).
       suggestions: what to try when it does not fit.
@@ -291,6 +293,21 @@ def _cost(compiled: Any) -> dict[str, float]:
     return dict(cost or {})
 
 
+def _cost_counted_here(compiled: Any) -> dict[str, float]:
+    """XLA's cost analysis of ``compiled``'s partitioned program (one device's), by the
+    CPU backend: for a compiler that gives none (XLA's GPU compiler for GPUs described,
+    not present). ``{}`` where it cannot be counted (jax's private API moved; no CPU
+    backend)."""
+    try:
+        from jax._src.lib import _jax
+
+        (module, *_) = compiled.runtime_executable().hlo_modules()
+        cpu = jax.local_devices(backend="cpu")[0].client
+        return dict(_jax.hlo_module_cost_analysis(cpu, module))
+    except Exception:  # noqa: BLE001  a private API: no count rather than no report
+        return {}
+
+
 def _device_limit(devices: Sequence[jax.Device]) -> int | None:
     """The smallest memory limit the backend reports for this process's ``devices``.
 
@@ -334,8 +351,11 @@ def build(
     compiled: Any,
     *,
     memory_budget_bytes: int | None = None,
+    matmul_flops: float | None = None,
 ) -> PlanReport:
-    """The report of ``plan``'s compiled train step (``plan.lower(shapes).compile()``)."""
+    """The report of ``plan``'s compiled train step (``plan.lower(shapes).compile()``);
+    ``matmul_flops``: its matrix multiplies' FLOPs per device, counted from its jaxpr
+    (``flop_count``), the FLOPs reported where given (else the compiler's count)."""
     leaves = leaf_rows(plan.state_targets())
     analysis = compiled.memory_analysis()
     memory = {
@@ -356,6 +376,15 @@ def build(
     budget = memory_budget_bytes if memory_budget_bytes is not None else _device_limit(devices)
     fits, verdict = _budget_line(memory["peak"], budget)
     cost = _cost(compiled)
+    notes = []
+    if not cost.get("bytes accessed") and (counted_here := _cost_counted_here(compiled)):
+        cost = counted_here
+        notes.append(
+            "the compiler gives no cost analysis for these devices: the bytes accessed "
+            "are XLA's count of the compiled program (one device's), made by the CPU backend"
+        )
+    if matmul_flops:
+        cost["flops"] = matmul_flops
     kind = devices[0].device_kind if devices else "?"
     name, flops_per_s = flops.device_name(kind), flops.peak_flops(kind)
     bound = None
@@ -390,11 +419,16 @@ def build(
         sequence=sequence.report_line(plan.strategy, plan.mesh, counted, hlo),
         training=training_split(plan, leaves),
         target=target,
+        notes=notes,
     )
 
 
 def compiled_report(
-    plan: Any, lowered: Any, *, memory_budget_bytes: int | None = None
+    plan: Any,
+    lowered: Any,
+    *,
+    memory_budget_bytes: int | None = None,
+    matmul_flops: float | None = None,
 ) -> PlanReport:
     """``build`` of ``lowered.compile()``; where the compiler itself refuses for want
     of memory (the TPU compiler's ``RESOURCE_EXHAUSTED``), that verdict, with its bytes,
@@ -406,7 +440,7 @@ def compiled_report(
         if refused is None:
             raise
         return refusal_report(plan, refused)
-    return build(plan, compiled, memory_budget_bytes=memory_budget_bytes)
+    return build(plan, compiled, memory_budget_bytes=memory_budget_bytes, matmul_flops=matmul_flops)
 
 
 def refusal_report(plan: Any, refused: Mapping[str, Any]) -> PlanReport:

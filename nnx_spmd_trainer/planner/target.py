@@ -1,4 +1,4 @@
-"""A target: TPU chips a plan is made for that need not be here.
+"""A target: TPU chips (or GPUs) a plan is made for that need not be here.
 
 ``Target.parse("v5e-16")`` (Cloud TPU's accelerator names), ``"v5p:4x4x4"`` (topology
 strings) or ``"2xv5e-256"`` (several slices, joined by the data-centre network) names
@@ -9,7 +9,9 @@ its memory verdict and cost analysis are the chips'. No array can live on them:
 nothing of such a plan is ever materialised.
 
 Needs the ``libtpu`` wheel (``pip install 'nnx-spmd-trainer[tpu-plan]'``); without it
-``devices`` raises ``TargetUnavailable`` naming the extra.
+``devices`` raises ``TargetUnavailable`` naming the extra. H100s (``h100-8``: one host;
+``h100-16``: two hosts of 8, joined by the network as slices are) are compiled by XLA's
+GPU compiler through jax's CUDA plugin (``target_gpu``, ``[gpu-plan]``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import jax
 
+from nnx_spmd_trainer.planner import target_gpu
 from nnx_spmd_trainer.planner.target_chips import ALIASES, CHIPS, ChipSpec
 
 #: Slice shapes by chip count: a 2D torus's (v5e, v6e: Cloud TPU's supported shapes;
@@ -35,11 +38,13 @@ SHAPES_3D = {
     256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16",
     6144: "16x16x24",
 }  # fmt: skip
+#: A host's GPUs (a slice of GPUs is a host: NVLink inside, the network between).
+SHAPES_1D = {1: "1", 2: "2", 4: "4", 8: "8"}
 #: The extra that installs libtpu, named where it is missing.
 EXTRA = "pip install 'nnx-spmd-trainer[tpu-plan]'"
 
 _NAME = re.compile(
-    r"^(?:(?P<slices>\d+)x)?(?P<gen>[a-z0-9]+?)(?:-(?P<count>\d+)|:(?P<shape>\d+(?:x\d+)+))$"
+    r"^(?:(?P<slices>\d+)x)?(?P<gen>[a-z0-9]+?)(?:-(?P<count>\d+)|:(?P<shape>\d+(?:x\d+)*))$"
 )
 
 
@@ -51,11 +56,18 @@ class TargetUnavailable(RuntimeError):
     """libtpu, which describes and compiles for TPU chips, is not installed."""
 
 
+def _shapes(spec: ChipSpec) -> dict[int, str]:
+    return {1: SHAPES_1D, 2: SHAPES_2D, 3: SHAPES_3D}[spec.chip_axes]
+
+
 def known_targets() -> list[str]:
     """Example names, one per generation and form (for messages)."""
     names = []
     for spec in CHIPS.values():
-        shapes = SHAPES_3D if spec.chip_axes == 3 else SHAPES_2D
+        if spec.platform == "gpu":
+            names.append(f"{spec.name}-N (N in 1, 2, 4, 8, or hosts of 8: 16, 24, ...)")
+            continue
+        shapes = _shapes(spec)
         counts = [c * spec.cores_per_chip for c in shapes]
         names.append(
             f"{spec.name}-N (N in {', '.join(map(str, counts))}), "
@@ -105,10 +117,13 @@ class Target:
         spec = CHIPS.get(generation)
         if spec is None:
             raise _unknown(str(name), f"no chip {match['gen']!r} in the table")
-        shapes = SHAPES_3D if spec.chip_axes == 3 else SHAPES_2D
+        shapes = _shapes(spec)
+        hosts = 1
         if match["count"] is not None:
             count = int(match["count"])
             chips, odd = divmod(count, spec.cores_per_chip)
+            if spec.platform == "gpu" and chips > max(shapes) and chips % max(shapes) == 0:
+                hosts, chips = chips // max(shapes), max(shapes)  # hosts of 8 GPUs
             if odd or chips not in shapes:
                 sizes = ", ".join(str(c * spec.cores_per_chip) for c in shapes)
                 raise _unknown(str(name), f"{generation} comes in {sizes}, not {count}")
@@ -117,7 +132,7 @@ class Target:
             shape = match["shape"]
             if len(shape.split("x")) != spec.chip_axes:
                 raise _unknown(str(name), f"{generation} is a {spec.chip_axes}D torus, not {shape}")
-        slices = int(match["slices"] or 1)
+        slices = int(match["slices"] or 1) * hosts
         if slices < 1:
             raise _unknown(str(name), "at least one slice")
         return cls(generation, shape, slices)
@@ -142,7 +157,14 @@ class Target:
     @functools.cached_property
     def devices(self) -> list[jax.Device]:
         """The chips, described by libtpu (no chip is here: nothing can be placed on
-        them); several slices' chips carry their ``slice_index``."""
+        them); several slices' chips carry their ``slice_index`` (GPUs: each host's,
+        its ``process_index``)."""
+        if self.chip.platform == "gpu":
+            if not target_gpu.cuda_plugin_installed():
+                raise TargetUnavailable(
+                    f"planning for GPUs ({self.name}) needs jax's CUDA plugin: {target_gpu.EXTRA}"
+                )
+            return target_gpu.topology_devices(self.generation, int(self.shape), self.slices)
         return topology_devices(self.generation, self.shape, self.slices)
 
     def __str__(self) -> str:
@@ -188,5 +210,7 @@ def is_target(devices: Sequence[jax.Device]) -> bool:
 
 
 def slice_of(device: jax.Device) -> int:
-    """The slice a chip is in (0 where the devices carry none)."""
+    """The slice a chip is in (0 where the devices carry none); a GPU's is its host."""
+    if device.platform == "gpu":
+        return int(device.process_index)
     return int(getattr(device, "slice_index", 0) or 0)

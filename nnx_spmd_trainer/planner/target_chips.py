@@ -1,12 +1,13 @@
-"""What one TPU chip holds and moves, by kind: the figures a plan for chips that are not
-here is checked against (``planner/target.py``).
+"""What one TPU chip (or GPU) holds and moves, by kind: the figures a plan for chips that
+are not here is checked against (``planner/target.py``).
 
 A chip described by ``jax.experimental.topologies`` cannot be asked its memory
 (``memory_stats()``: "only supported for addressable PjRt devices"), so the HBM per
 chip comes from this table, as do the rates a roofline step time is bounded by.
-Every figure is Google's own, from the Cloud TPU system-architecture pages (the
+Every TPU figure is Google's own, from the Cloud TPU system-architecture pages (the
 ``source`` of each row); where a page gives a per-pod or per-host figure, the
-per-chip one is derived and the derivation is written beside it.
+per-chip one is derived and the derivation is written beside it. The H100's are
+NVIDIA's datasheet's, its memory the size XLA's own description of the GPU gives.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class ChipSpec:
       ici_bandwidth: inter-chip interconnect bytes/s per chip, both directions of all
         its links together: an optimistic rate, so the time it gives is a lower bound.
       dcn_bandwidth: data-centre network bytes/s per chip, between slices.
-      chip_axes: 2 (a 2D torus) or 3 (a 3D torus): the shape of a topology string.
+      chip_axes: 2 (a 2D torus) or 3 (a 3D torus): the shape of a topology string; 1
+        for GPUs (a host's GPUs, joined by NVLink: ``ici_bandwidth``; hosts by the
+        network: ``dcn_bandwidth``).
       cores_per_chip: TensorCores per chip; Cloud TPU's ``v5p-128`` counts cores.
       source: where the figures are from.
+      platform: ``"tpu"`` (compiled by libtpu) or ``"gpu"`` (by jax's CUDA plugin).
     """
 
     name: str
@@ -46,6 +50,7 @@ class ChipSpec:
     chip_axes: int
     cores_per_chip: int
     source: str
+    platform: str = "tpu"
 
 
 CHIPS: dict[str, ChipSpec] = {
@@ -95,6 +100,23 @@ CHIPS: dict[str, ChipSpec] = {
         chip_axes=2,
         cores_per_chip=1,
         source="cloud.google.com/tpu/docs/v6e (System architecture)",
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 989 TFLOPS bf16 dense (1,979 with
+    # sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (both directions); a DGX H100
+    # host's 8 GPUs each have a 400 Gb/s InfiniBand NIC: 50 GB/s between hosts. Memory:
+    # 84,942,979,072 bytes, what XLA's description of the H100 SXM gives the compiler.
+    "h100": ChipSpec(
+        name="h100",
+        device_kind="NVIDIA H100 80GB HBM3",
+        hbm_bytes=84_942_979_072,
+        bf16_flops=989e12,
+        hbm_bandwidth=3.35e12,
+        ici_bandwidth=900e9,
+        dcn_bandwidth=400e9 / 8,
+        chip_axes=1,
+        cores_per_chip=1,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100: 400 Gb/s a GPU",
+        platform="gpu",
     ),
 }
 

@@ -109,6 +109,7 @@ def figures(
     times = roofline(spec, cost.get("flops", 0.0), cost.get("bytes accessed", 0.0), links)
     return {
         "chip": spec.name,
+        "platform": spec.platform,
         "chips": len(devices),
         "slices": slices,
         "hbm_bytes": spec.hbm_bytes,
@@ -121,6 +122,13 @@ def figures(
         "source": spec.source,
         "links": links,
         "roofline": times if hlo_text is not None else {},
+        # GPUs over several hosts: one program, its collectives' groups not read for
+        # which cross a host (TPU slices get their own programs and sends).
+        "links_note": (
+            "collectives are not split by host for GPUs: all are counted under NVLink"
+            if spec.platform == "gpu" and slices > 1
+            else ""
+        ),
     }
 
 
@@ -129,24 +137,31 @@ def lines(target: Mapping[str, Any], size: Any) -> list[str]:
     if not target:
         return []
     peaks = target["peaks"]
+    # A GPU's "slice" is its host: NVLink inside, the network between.
+    group, ici, dcn = (
+        ("host", "NVLink", "network")
+        if target.get("platform") == "gpu"
+        else ("slice", "ICI", "DCN")
+    )
     out = [
         f"  target: {target['chips']} {target['chip']} chips in {target['slices']} "
-        f"slice{'s' if target['slices'] > 1 else ''}; per chip {size(target['hbm_bytes'])} "
+        f"{group}{'s' if target['slices'] > 1 else ''}; per chip {size(target['hbm_bytes'])} "
         f"HBM, {peaks['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, HBM "
-        f"{peaks['hbm_bandwidth'] / 1e9:.0f} GB/s, ICI {peaks['ici_bandwidth'] / 1e9:.0f} GB/s, "
-        f"DCN {peaks['dcn_bandwidth'] / 1e9:.3g} GB/s ({target['source']})"
+        f"{peaks['hbm_bandwidth'] / 1e9:.0f} GB/s, {ici} {peaks['ici_bandwidth'] / 1e9:.0f} "
+        f"GB/s, {dcn} {peaks['dcn_bandwidth'] / 1e9:.3g} GB/s ({target['source']})"
     ]
     links = target["links"]
     out.append(
-        "  collectives per chip: inside a slice (ICI) "
-        f"x{links['ici']['count']} {size(links['ici']['bytes'])}, across slices (DCN) "
+        f"  collectives per chip: inside a {group} ({ici}) "
+        f"x{links['ici']['count']} {size(links['ici']['bytes'])}, across {group}s ({dcn}) "
         f"x{links['dcn']['count']} {size(links['dcn']['bytes'])}"
+        + (f" ({target['links_note']})" if target.get("links_note") else "")
     )
     times = target["roofline"]
     if times:
         out.append(
             f"  roofline per step: compute {times['compute_s'] * 1e3:.3g} ms, HBM "
-            f"{times['hbm_s'] * 1e3:.3g} ms, ICI {times['ici_s'] * 1e3:.3g} ms, DCN "
+            f"{times['hbm_s'] * 1e3:.3g} ms, {ici} {times['ici_s'] * 1e3:.3g} ms, {dcn} "
             f"{times['dcn_s'] * 1e3:.3g} ms: step time >= {times['bound_s'] * 1e3:.3g} ms, "
             f"MFU <= {100 * times['mfu']:.1f}%"
         )
