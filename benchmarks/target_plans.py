@@ -121,7 +121,7 @@ def post_training(target: str) -> list[dict]:
     ``benchmarks/posttrain_memory.py`` plans them; an error is written down as such."""
     import numpy as np
 
-    from nnx_spmd_trainer.post_training import DPOTrainer, GRPOTrainer, PromptRows
+    from nnx_spmd_trainer.post_training import DPOTrainer, GRPOTrainer, PromptRows, ReferenceModel
 
     rows: list[dict] = []
     model = factory("GPT-2 small")
@@ -154,7 +154,7 @@ def post_training(target: str) -> list[dict]:
             for side in ("chosen", "rejected")
             for key in ("inputs", "targets", "weights")
         }
-        refs = {k: jax.ShapeDtypeStruct((chips,), np.float32) for k in dpo.reference.KEYS}
+        refs = {k: jax.ShapeDtypeStruct((chips,), np.float32) for k in ReferenceModel.KEYS}
         return dpo.plan.report({**pairs, **refs}, train_step=dpo.train_step)
 
     def grpo_step():
@@ -177,12 +177,11 @@ def gib(n: float) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    # One line a cell: a searched run of a cell replaces its verdict-only run.
+    # One line a cell: its runs merged in the order given, a later run's figures over an
+    # earlier's (a verdict-only rerun keeps the search's largest batch).
     by_cell: dict[tuple[str, str, str], dict] = {}
     for r in (r for r in rows if "model" in r):
-        key = (r["model"], r["target"], r["layout"])
-        if key not in by_cell or "largest" in r or "largest" not in by_cell[key]:
-            by_cell[key] = r
+        by_cell.setdefault((r["model"], r["target"], r["layout"]), {}).update(r)
     order = {name: i for i, name in enumerate(MODELS)}
     cells = sorted(
         by_cell.values(),

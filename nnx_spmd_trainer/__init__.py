@@ -22,7 +22,7 @@ from nnx_spmd_trainer.nn.lora import LoRA
 from nnx_spmd_trainer.nn.losses import chunked_cross_entropy
 from nnx_spmd_trainer.optim.ema import EMA
 from nnx_spmd_trainer.optim.spikes import SpikeSkip
-from nnx_spmd_trainer.planner import auto, compile_cache, target_choice
+from nnx_spmd_trainer.planner import auto, compile_cache, saved_step, target_choice
 from nnx_spmd_trainer.planner.auto import Auto, Choice, LayoutNotChosen, NoLayoutFits
 from nnx_spmd_trainer.planner.flops import peak_flops
 from nnx_spmd_trainer.planner.plan import Plan
@@ -108,6 +108,7 @@ __all__ = [
     "path_str",
     "peak_flops",
     "remat",
+    "saved_step",
     "sharding_table",
     "stack",
     "target_choice",

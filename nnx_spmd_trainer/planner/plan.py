@@ -391,9 +391,7 @@ class Plan:
         if fn is None:
             raise TypeError("This plan has no loss: give Plan(..., loss_fn=...).")
         graphdef = self.graphdef if graphdef is None else graphdef
-        structure = jax.tree.structure(batch)
-        # grad_accum_steps: read by ``fn`` at trace time.
-        key = (kind, norms, self.steps.graph_id(graphdef), structure, fn, self.grad_accum_steps)
+        key = self._step_key(kind, batch, fn, norms, graphdef)
 
         def build() -> Callable[..., Any]:
             spec = step_spec(
@@ -417,6 +415,20 @@ class Plan:
 
         return self.steps.get(key, build)
 
+    def _step_key(
+        self, kind: str, batch: Any, fn: Any, norms: bool, graphdef: nnx.GraphDef[Any]
+    ) -> tuple[Any, ...]:
+        # grad_accum_steps: read by ``fn`` at trace time.
+        structure = jax.tree.structure(batch)
+        return (kind, norms, self.steps.graph_id(graphdef), structure, fn, self.grad_accum_steps)
+
+    def put_step(
+        self, kind: str, batch: Any, step: Callable[..., Any], *, fn: Any, norms: bool
+    ) -> None:
+        """Puts ``step`` in the cache as ``cached_step(kind, batch, fn=fn, norms=norms)``'s
+        own (a saved step loaded: ``saved_step.load_step``)."""
+        self.steps.put(self._step_key(kind, batch, fn, norms, self.graphdef), step)
+
     def lower(
         self, batch: Any, *, train_step: Callable[..., Any] | None = None, norms: bool = False
     ) -> jax.stages.Lowered:
@@ -424,14 +436,16 @@ class Plan:
         built. ``batch`` is the global batch, as arrays or ``jax.ShapeDtypeStruct`` s;
         ``train_step`` a trainer's (default the plan's). ``.compile().memory_analysis()``
         says what a device will hold before anything is allocated."""
-        jitted, args = self._step_and_arguments(batch, train_step, norms)
+        jitted, args = self.step_and_arguments(batch, train_step=train_step, norms=norms)
         with jax.set_mesh(self.mesh):
             return jitted.lower(*args)  # type: ignore[no-any-return]
 
-    def _step_and_arguments(
-        self, batch: Any, train_step: Callable[..., Any] | None, norms: bool = False
+    def step_and_arguments(
+        self, batch: Any, *, train_step: Callable[..., Any] | None = None, norms: bool = False
     ) -> tuple[Any, tuple[Any, ...]]:
-        """The jitted train step for ``batch``'s shapes and its arguments as shapes."""
+        """The jitted train step for ``batch`` (global shapes) and its arguments as
+        shapes laid out as the step takes them: the state's leaves, the metrics, the
+        batch."""
         shapes = abstract_batch(batch)
         jitted: Any = self.compiled("train", shapes, fn=train_step, norms=norms)
         placed = jax.tree.map(
@@ -472,7 +486,7 @@ class Plan:
         (``memory_budget_bytes``, else the device's limit), collectives, FLOPs.
         No array is built and no step runs; ``print(plan.report(shapes))``. ``notes``:
         lines printed with it (``None`` left out), as ``PlanReport.notes``."""
-        jitted, args = self._step_and_arguments(batch, train_step)
+        jitted, args = self.step_and_arguments(batch, train_step=train_step)
         trace = getattr(jitted, "trace", None)  # a strategy's own wrapper may not trace
         with jax.set_mesh(self.mesh):
             traced = trace(*args) if trace is not None else None

@@ -111,6 +111,10 @@ class StepCache:
         self._last_graph = (graphdef, found)
         return found
 
+    def put(self, key: Hashable, step: Callable[..., Any]) -> None:
+        """Keeps ``step`` as ``key``'s, compiled elsewhere (a saved step loaded)."""
+        self._compiled[key] = step
+
     def get(self, key: Hashable, build: Callable[[], Callable[..., Any]]) -> CachedStep:
         """The step compiled for ``key``, compiled by ``build()`` the first time."""
         compiled = self._compiled.get(key)
