@@ -340,6 +340,8 @@ def test_a_calls_memory_is_reported_before_it_runs(small: Sampler) -> None:
         # Each program holds the weights and the cache (made, or donated) at its peak.
         assert report.prefill_peak >= report.state_bytes + report.cache_bytes
         assert report.decode_peak >= report.state_bytes + report.cache_bytes
+        assert report.call_peak is not None
+        assert report.call_peak >= report.state_bytes + report.cache_bytes
     assert long.decode_peak - short.decode_peak >= long.cache_bytes - short.cache_bytes
     assert "prefill peak" in str(short) and "decode peak" in str(short)
 

@@ -87,9 +87,14 @@ def test_the_dry_runs_print_each_phases_peak_per_device(files, tmp_path, capsys)
     out = capsys.readouterr().out
     print(out)
     assert "memory per device of each phase (the compiler's analysis):" in out
-    for phase in ("learning step", "reference pass", "rollout prefill", "rollout decode"):
+    # No stop strings: the sampler runs prefill and the decode loop as one program.
+    for phase in ("learning step", "reference pass", "rollout (prefill and decode)"):
         assert f"  {phase}: peak " in out, phase
-    assert ", cache " in out and "rows x" in out  # the cache's bytes beside prefill and decode
+    assert ", cache " in out and "rows x" in out  # the cache's bytes beside the rollout
+    # With them, two programs (the host checks the strings between blocks of steps).
+    post_training_job.run(grpo_config(files, stop=(" ",)), tmp_path / "grpo", dry_run=True)
+    out = capsys.readouterr().out
+    assert "  rollout prefill: peak " in out and "  rollout decode: peak " in out
     post_training_job.run(config_of("dpo", files, max_steps=2), tmp_path / "dpo", dry_run=True)
     out = capsys.readouterr().out
     assert "  learning step: peak " in out and "  reference pass: peak " in out

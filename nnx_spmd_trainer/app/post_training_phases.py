@@ -107,6 +107,10 @@ def _rollout_phases(trainer: GRPOTrainer, rows: int) -> list[Phase]:
     programs = sampler.programs
     cache = programs.cache_bytes_per_device(bucket_rows, length)
     shape = f" ({bucket_rows} rows x {length} positions)"
+    if not trainer.stop:  # the sampler runs prefill and the decode loop as one program
+        whole = programs.whole(bucket_rows, columns, length, how)
+        return [Phase("rollout (prefill and decode)", compiled_peak(whole), f", cache "
+                      f"{size(cache)}{shape}")]  # fmt: skip
     prefill = programs.prefill(bucket_rows, columns, length, how)
     decode = programs.decode(bucket_rows, length, how)
     return [

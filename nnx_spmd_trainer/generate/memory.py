@@ -37,6 +37,8 @@ class DecodeMemory:
       prefill_peak: the prefill program's peak (the weights, the prompts, the cache it
         makes, its temporaries); ``None`` where not analysed.
       decode_peak: the decode loop's (the weights, the donated cache, the buffers).
+      call_peak: the program a call without stop strings runs: prefill and the decode
+        loop as one (``DecodePrograms.whole``); ``None`` where not analysed.
     """
 
     rows: int
@@ -46,6 +48,7 @@ class DecodeMemory:
     state_bytes: int
     prefill_peak: int | None
     decode_peak: int | None
+    call_peak: int | None = None
 
     def __str__(self) -> str:
         def mib(n: int | None) -> str:
@@ -54,6 +57,6 @@ class DecodeMemory:
         return (
             f"generate ({self.rows} rows x {self.columns} prompt columns, cache of "
             f"{self.length}), per device: prefill peak {mib(self.prefill_peak)}, decode "
-            f"peak {mib(self.decode_peak)}, of which the cache {mib(self.cache_bytes)} and "
-            f"the model {mib(self.state_bytes)}"
+            f"peak {mib(self.decode_peak)}, the two as one program {mib(self.call_peak)}, "
+            f"of which the cache {mib(self.cache_bytes)} and the model {mib(self.state_bytes)}"
         )

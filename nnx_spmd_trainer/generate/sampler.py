@@ -189,10 +189,10 @@ class Sampler:
         sampling: Sampling | None = None,
     ) -> DecodeMemory:
         """What a ``generate`` of ``prompts`` holds on each device, before it runs: the
-        prefill and decode programs' peaks (the compiler's memory analysis; the programs
-        are compiled now and kept for the call; the decode program of a call without an
-        end token, which one with it equals but for a reduction) with the cache's and
-        the model's bytes."""
+        prefill and decode programs' peaks and the peak of the two as one program (what a
+        call without stop strings runs; the compiler's memory analysis; the programs are
+        compiled now and kept for the call; those of a call without an end token, which
+        one with it equals but for a reduction) with the cache's and the model's bytes."""
         rows, columns, length = self.bucket(self._encoded(prompts), max_new_tokens)
         how = sampling or Sampling()
         programs = self.programs
@@ -206,6 +206,7 @@ class Sampler:
             state_bytes=int(state),
             prefill_peak=program_peak(programs.prefill(rows, columns, length, how)),
             decode_peak=program_peak(programs.decode(rows, length, how, ends=False)),
+            call_peak=program_peak(programs.whole(rows, columns, length, how, ends=False)),
         )  # fmt: skip
 
     def _check_fits(self, rows: int, length: int) -> None:
