@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -99,6 +100,27 @@ def test_the_dry_runs_print_each_phases_peak_per_device(files, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "  learning step: peak " in out and "  reference pass: peak " in out
     assert not (tmp_path / "grpo").exists() and not (tmp_path / "dpo").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_the_dry_runs_plan_each_phase_for_tpu_chips_that_are_not_here(files, tmp_path, capsys):
+    """Issue 55: --config=grpo|dpo --dry_run --config.target=v5e:2x2 plans the step and
+    every phase (the reference pass, the rollout: the sampler's program) for the chips."""
+    from nnx_spmd_trainer.app import target_plan
+
+    config = grpo_config(files, beta=0.1, temperature=0.7, top_p=0.9)
+    config.target = "v5e:2x2"
+    assert target_plan.dry_run(config, dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "planning for v5e:2x2: 4 v5e chips (not here)" in out and "(TPU v5 lite)" in out
+    for phase in ("learning step", "reference pass", "rollout (prefill and decode)"):
+        assert f"  {phase}: peak " in out, phase
+    dpo = config_of("dpo", files, max_steps=2)
+    dpo.target = "v5e:2x2"
+    assert target_plan.dry_run(dpo, dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "  learning step: peak " in out and "  reference pass: peak " in out
+    assert "(TPU v5 lite)" in out and not list(tmp_path.iterdir())
 
 
 def test_a_rollout_that_cannot_fit_beside_the_policy_is_refused_in_one_line(files, tmp_path):

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 # callbacks/ is mapped onto nnx_spmd_trainer.callbacks at install time; mypy reads the tree.
-from nnx_spmd_trainer import Trainer  # type: ignore[attr-defined]
+from nnx_spmd_trainer import DataParallel, Trainer  # type: ignore[attr-defined]
 from nnx_spmd_trainer.app import datasets, job, loader, start_from, tasks
 from nnx_spmd_trainer.app import post_training_data as data
 from nnx_spmd_trainer.app.console import say
@@ -33,7 +33,7 @@ from nnx_spmd_trainer.app.job_checks import (
     check_init_from,
     refused_or_noted,
 )
-from nnx_spmd_trainer.app.job_export import check_export_format
+from nnx_spmd_trainer.app.job_export import check_export_format, lora_settings
 from nnx_spmd_trainer.app.job_lines import preempted_line
 from nnx_spmd_trainer.app.post_training_phases import check_rollout_fits, phases
 from nnx_spmd_trainer.app.workdir import (
@@ -147,6 +147,44 @@ def run(
     return job.RunResult(
         history, float("nan"), float("nan"), "", trainer, weight_map=task.weight_map
     )
+
+
+def plan_for_target(config: ml_collections.ConfigDict, target: Any) -> None:
+    """``--config=dpo|grpo --dry_run --config.target=T``: the post-training step and each
+    phase (the reference pass, GRPO's rollout) planned for the target's chips, compiled
+    by their compiler on this CPU; this process reads every row (nothing is written)."""
+    name = kind(config)
+    if name not in KINDS:
+        raise tasks.ConfigError(
+            f"config.post_training={name!r}: must be one of {', '.join(map(repr, KINDS))}."
+        )
+    keys = data.grpo_keys(config) if name == "grpo" else data.dpo_keys(config)
+    spec, why = tasks.fit_to_devices(config.strategy, target.chips)
+    if spec == "auto":
+        raise tasks.ConfigError(
+            f"config.strategy='auto' with config.target={config.target!r}: a {name} plan "
+            "for a target takes a strategy spec (--config.strategy=fsdp=-1)."
+        )
+    if why:
+        say(f"config.strategy: {why}")
+    task = tasks.build_task(config)
+    codec = task.splits.text_codec
+    if codec is None:
+        raise tasks.ConfigError(f"config.model={config.model!r}: post-training needs a text task.")
+    every_row = DataParallel().data_shard(DataParallel().make_mesh())
+    recipe = (_dpo if name == "dpo" else _grpo)(config, codec, every_row, keys)
+    strategy = tasks.parse_strategy(spec, config.get("sequence_attention", "all_gather"))
+    try:
+        trainer = recipe.trainer_type(
+            task.model, tasks.make_optimizer(config), strategy=strategy,
+            devices=target.devices, seed=config.seed, grad_accum_steps=config.grad_accum_steps,
+            **lora_settings(config), **recipe.keywords,
+        )  # fmt: skip
+    except (ValueError, TypeError) as error:  # a layout the chips or the model refuse
+        raise tasks.ConfigError(f"config.strategy={spec!r} on {target.name}: {error}") from error
+    say(recipe.data_line)
+    budget = int(config.get("memory_budget_bytes") or 0) or None
+    _plan_every_phase(config, trainer, next(iter(recipe.batches)), budget, dry_run=True)
 
 
 def step_batch_stand_in(trainer: Trainer, batch: dict[str, Any]) -> dict[str, Any]:

@@ -5,8 +5,9 @@ The task (model, data, loss) is the job's own; the layout is ``config.strategy``
 to the target's chips (``"auto"``: the layouts ranked for the chips by the compiler and
 the roofline), the batch the job's first, at ``config.batch_size`` rows.
 ``--config.target_batch=max`` also finds the largest global batch that fits, printing
-every compile it took. Nothing is trained or written; a step the compiler refuses is a
-report that does not fit, and the command still exits 0.
+every compile it took. ``--config=dpo|grpo``: the post-training step and each phase
+(``post_training_job.plan_for_target``). Nothing is trained or written; a step the
+compiler refuses is a report that does not fit, and the command still exits 0.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from nnx_spmd_trainer import Plan, Target, target_choice
-from nnx_spmd_trainer.app import tasks
+from nnx_spmd_trainer.app import post_training_job, tasks
 from nnx_spmd_trainer.app.console import say
 from nnx_spmd_trainer.app.job_export import lora_settings
 from nnx_spmd_trainer.app.run_config import (
@@ -67,6 +68,10 @@ def dry_run(config: ml_collections.ConfigDict, *, dry_run: bool) -> int:
             "--dry_run (a run happens on the chips themselves, without config.target)."
         )
     target = _target(config)
+    if config.get("post_training"):  # --config=dpo|grpo: the step and each phase
+        say(f"planning for {target.name}: {target.chips} {target.chip.name} chips (not here)")
+        post_training_job.plan_for_target(config, target)
+        return 0
     spec, why = fit_to_devices(config.strategy, target.chips)
     task = tasks.build_task(config)
     batch = next(iter(task.splits.train))
