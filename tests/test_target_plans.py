@@ -125,6 +125,21 @@ def test_a_plan_for_h100s_is_compiled_by_xlas_gpu_compiler_and_agrees_with_the_c
     assert gpus.target["roofline"]["compute_s"] == pytest.approx(gpus.flops / 989e12)
 
 
+def test_a_samplers_programs_are_planned_for_a_target():
+    """A sampler on a target's plan (the model as the plan's shapes: nothing is built)
+    compiles its prefill, decode and one-program call for the chips: their peaks."""
+    from nnx_spmd_trainer import Sampler
+
+    strategy = Hybrid(FSDP(2, min_size=64), TensorParallel(2))
+    plan = Plan(tiny_gpt, optax.adam(1e-3), strategy=strategy, loss_fn=gpt.loss_fn,
+                target="v5e:2x2")  # fmt: skip
+    model = nnx.merge(plan.graphdef, plan.state_targets())["model"]
+    memory = Sampler(model, plan, print_fn=None).memory([[1, 2, 3]] * 4, max_new_tokens=8)
+    assert (memory.rows, memory.columns, memory.length) == (4, 16, 32)
+    for peak in (memory.prefill_peak, memory.decode_peak, memory.call_peak):
+        assert peak is not None and peak >= memory.cache_bytes + memory.state_bytes > 0
+
+
 def test_an_axis_that_is_no_product_of_whole_torus_axes_is_laid_along_a_split_one():
     """v6e:4x4 has physical axes 4 and 4: an 8-way FSDP axis is no product of them, which
     ``jax.make_mesh`` refuses off v5e; the mesh splits a physical axis instead, every
