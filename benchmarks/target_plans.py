@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -117,8 +118,9 @@ def cell(model: str, layout: str, target: str, search: bool) -> dict:
 
 
 def post_training(target: str) -> list[dict]:
-    """A DPO step and a GRPO learning step of GPT-2 small on ``target``, as
-    ``benchmarks/posttrain_memory.py`` plans them; an error is written down as such."""
+    """A DPO step, a GRPO learning step and its rollout (the sampler's program, with its
+    cache) of GPT-2 small on ``target``, as ``benchmarks/posttrain_memory.py`` and the
+    GRPO dry run plan them; an error is written down as such."""
     import numpy as np
 
     from nnx_spmd_trainer.post_training import DPOTrainer, GRPOTrainer, PromptRows, ReferenceModel
@@ -157,18 +159,39 @@ def post_training(target: str) -> list[dict]:
         refs = {k: jax.ShapeDtypeStruct((chips,), np.float32) for k in ReferenceModel.KEYS}
         return dpo.plan.report({**pairs, **refs}, train_step=dpo.train_step)
 
-    def grpo_step():
+    def grpo() -> GRPOTrainer:
         prompts = PromptRows.of([{"prompt": [1] * (SEQ // 2 + 1)} for _ in range(chips // 4)])
-        grpo = GRPOTrainer(
+        return GRPOTrainer(
             model, optax.adamw(1e-3), strategy=FSDP(), prompts=prompts,
             reward_fn=lambda prompts, completions, **_: [0.0] * len(completions),
             group_size=4, max_new_tokens=SEQ // 2, temperature=0.7, top_p=0.9, beta=0.04,
             chunk_size=CHUNK, devices=target,
         )  # fmt: skip
-        return grpo.plan.report(grpo.rollout_spec(chips // 4), train_step=grpo.train_step)
+
+    def grpo_step():
+        trainer = grpo()
+        return trainer.plan.report(trainer.rollout_spec(chips // 4), train_step=trainer.train_step)
+
+    def grpo_rollout():
+        """The rollout's program (prefill and decode as one) as the GRPO dry run plans it."""
+        from nnx_spmd_trainer.app.post_training_phases import phases
+
+        trainer = grpo()
+        planned = phases(trainer, 0, trainer.rollout_spec(chips // 4))
+        rollout = next(phase for phase in planned if phase.name.startswith("rollout"))
+        hbm = Target.parse(target).chip.hbm_bytes
+        fits = rollout.peak_bytes <= hbm
+        verdict = (
+            f"{'fits' if fits else 'does not fit'}: {rollout.name} peak "
+            f"{gib(rollout.peak_bytes)}{rollout.note} of {gib(hbm)} per chip"
+        )
+        return types.SimpleNamespace(
+            fits=fits, memory={"peak": rollout.peak_bytes}, verdict=verdict, target={}
+        )
 
     attempt(f"DPO step, {chips} pairs", dpo_step)
     attempt(f"GRPO learning step, {chips // 4} prompts x 4", grpo_step)
+    attempt(f"GRPO rollout, {chips // 4} prompts x 4", grpo_rollout)
     return rows
 
 

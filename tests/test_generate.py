@@ -139,6 +139,24 @@ def test_greedy_log_probs_equal_the_training_forward_pass(greedy: tuple[Trainer,
     assert out.tokens == argmax
 
 
+def test_a_bfloat16_model_decodes_from_a_float32_cache_as_its_forward_pass() -> None:
+    """A model computing in bfloat16 beside the sampler's float32 cache (its default):
+    keys and values are written in the cache's dtype and read back in their own (a
+    bfloat16 value survives the round trip), so greedy decoding equals the model's own
+    forward pass."""
+
+    def bf16_gpt(rngs: nnx.Rngs) -> nnx.Module:
+        return GPT(vocab_size=64, seq_len=16, embed_dim=32, num_heads=4, ff_dim=64,
+                   num_layers=2, dropout_rate=0.0, rngs=rngs, dtype=jnp.bfloat16)  # fmt: skip
+
+    t = trainer(bf16_gpt, Hybrid(FSDP(4, min_size=16), TensorParallel(2)))
+    out = Sampler(t.model, t.plan, print_fn=None).generate(PROMPTS, max_new_tokens=NEW)
+    expected, argmax = teacher_forced(t, PROMPTS, out.tokens)
+    assert out.tokens == argmax
+    for log_probs, want in zip(out.log_probs, expected, strict=True):
+        np.testing.assert_allclose(log_probs, want, atol=1e-5, rtol=0)
+
+
 def test_the_training_state_is_only_read(greedy: tuple[Trainer, Any]) -> None:
     t, _ = greedy
     assert not jax.tree.leaves(nnx.state(t.model, nnx.Cache))

@@ -187,6 +187,11 @@ def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, An
         )
     where = index[...]
     zero = jnp.zeros((), where.dtype)
+    # Written in the cache's dtype (a float32 cache beside bfloat16 compute, the sampler's
+    # default) and read back in the keys' own: attention takes one dtype, and a bfloat16
+    # key comes back from a float32 cache as it went in.
+    key_dtype, value_dtype = key.dtype, value.dtype
+    key, value = key.astype(cached_key.dtype), value.astype(cached_value.dtype)
     cached_key[...] = jax.lax.dynamic_update_slice(cached_key[...], key, (zero, where, zero, zero))
     cached_value[...] = jax.lax.dynamic_update_slice(
         cached_value[...], value, (zero, where, zero, zero)
@@ -197,4 +202,8 @@ def update_cache(module: Any, key: jax.Array, value: jax.Array) -> tuple[Any, An
     written = jnp.broadcast_to(keys <= queries, (batch, 1, block, length))
     kept = _with_cache_mask(module, written)
     assert kept is not None
-    return cached_key[...], cached_value[...], jnp.logical_or(kept, keys == queries)
+    return (
+        cached_key[...].astype(key_dtype),
+        cached_value[...].astype(value_dtype),
+        jnp.logical_or(kept, keys == queries),
+    )
