@@ -7,15 +7,18 @@
 - ``step_compiler.py``: the plan's one cache of compiled steps
 - ``state.py``: the state born sharded (``ShardedInit``) and kept live (``LiveState``)
 - ``plan_report.py``: ``PlanReport``, what a plan costs per device before anything runs
-- ``flops.py``: a compiled step's FLOPs, the transformer formula, ``PEAK_FLOPS`` by device
+- ``flops.py``: a step's FLOPs, the transformer formula, ``PEAK_FLOPS`` by device
+- ``flop_count.py``: the FLOPs of a step's matrix multiplies, counted from its jaxpr
 - ``auto.py``: ``strategy="auto"``, candidates planned from shapes, timed, one kept
 - ``auto_choice.py``: ``Candidate``, ``Choice``: what ``auto`` found
 - ``auto_table.py``: ``auto``'s ranking as text
 - ``backend_defaults.py``: prefetch and donation, measured per backend
 - ``compile_cache.py``: JAX's persistent compilation cache (where, off, hits), per process
 - ``forward.py``: ``Plan.forward_program``, forward-only programs kept per shape
-- ``target.py``: ``Target``, TPU chips that are not here, compiled for by libtpu
-- ``target_chips.py``: HBM, FLOP/s and bandwidths per TPU chip kind, with sources
+- ``saved_step.py``: a compiled train step saved beside its plan, loaded for a later run
+- ``target.py``: ``Target``, TPU chips (or GPUs) that are not here, compiled for there
+- ``target_gpu.py``: H100s described to XLA's GPU compiler through jax's CUDA plugin
+- ``target_chips.py``: HBM, FLOP/s and bandwidths per chip kind, with sources
 - ``target_choice.py``: ``choose`` and ``largest_batch`` for a target
 - ``target_report.py``: the plan report on a target: fits, ICI/DCN, roofline
 
