@@ -32,7 +32,14 @@ from jax.profiler import TraceAnnotation
 from nnx_spmd_trainer.data.to_host import gather_to_host
 from nnx_spmd_trainer.generate.decoding import context_length as declared_context_length
 from nnx_spmd_trainer.generate.memory import DecodeMemory, program_peak
-from nnx_spmd_trainer.generate.programs import DecodePrograms, Inputs
+from nnx_spmd_trainer.generate.programs import (
+    Carry,
+    DecodePrograms,
+    Inputs,
+    host_block,
+    host_scalars,
+    unpack,
+)
 from nnx_spmd_trainer.generate.results import (
     DecodeTiming,
     Generation,
@@ -71,10 +78,12 @@ def _free_device_bytes(devices: Sequence[jax.Device]) -> int | None:
 
 
 def _to_host(arrays: tuple[jax.Array, ...]) -> list[np.ndarray]:
-    """``arrays`` whole on the host: copied together where this process holds them all,
-    else gathered from every process (``gather_to_host``, a collective)."""
+    """``arrays`` whole on the host: copied where this process holds them all, else
+    gathered from every process (``gather_to_host``, a collective)."""
     if all(x.is_fully_addressable for x in arrays):
-        return [np.asarray(x) for x in jax.device_get(arrays)]
+        # np.asarray, not jax.device_get: on the CPU 2 us an array against 30 (its tree
+        # walk and asynchronous copies), which at batch 1 is a tenth of a decode step.
+        return [np.asarray(x) for x in arrays]
     return list(gather_to_host(arrays))
 
 
@@ -280,25 +289,28 @@ class Sampler:
         ends = end_token is not None  # else no row stops on the device: it runs to `until`
         timing = DecodeTiming(prompt_tokens=int(sum(len(p) for p in ids)), prompts=n)
         out = Rows(n, end_token, stop, self.tokenizer)
-        # Host arrays go to the first program as they are (a compiled call places its
-        # arguments itself, cheaper than placing them first); prefill hands them on to the
-        # decode loop on the devices.
-        inputs = Inputs(
-            lengths, real, np.uint32(seed), np.arange(rows, dtype=np.int32),
-            np.int32(-1 if end_token is None else end_token),
-        )  # fmt: skip
         active = np.arange(rows) < n
-        arguments = (leaves, tokens, positions, active, inputs)
         # TraceAnnotation: a profile (jax.profiler) shows the call.
-        with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
-            start = time.perf_counter()
-            if stop or self.phase_timing or max_new_tokens == 1:
+        if stop or self.phase_timing or max_new_tokens == 1:
+            # Host arrays go to prefill as they are (a compiled call places its arguments
+            # itself, cheaper than placing them first); it hands them on to the decode loop.
+            inputs = Inputs(
+                lengths, real, np.uint32(seed), np.arange(rows, dtype=np.int32),
+                np.int32(-1 if end_token is None else end_token),
+            )  # fmt: skip
+            arguments = (leaves, tokens, positions, active, inputs)
+            with jax.set_mesh(programs.plan.mesh), TraceAnnotation("generate"):
+                start = time.perf_counter()
                 step = self._phases(arguments, out, timing, rows, columns, length, how, ends,
                                     max_new_tokens, bool(stop))  # fmt: skip
-            else:  # one program, one read
-                whole = programs.whole(rows, columns, length, how, ends=ends)
-                step, _, _ = self._read(whole(*arguments, np.int32(max_new_tokens)), how, out)
-                timing.one_program = True
+        else:  # one program, two host arrays in, one read (no mesh context: it is compiled)
+            block = host_block(tokens, positions, real, active, lengths)
+            scalars = host_scalars(seed, end_token, max_new_tokens)
+            whole = programs.whole(rows, columns, length, how, ends=ends)
+            with TraceAnnotation("generate"):
+                start = time.perf_counter()
+                step, _, _ = self._read(whole(leaves, block, scalars), how, out)
+            timing.one_program = True
         timing.call_seconds = time.perf_counter() - start
         timing.decode_steps = step - 1
         timing.decode_tokens = n * timing.decode_steps
@@ -311,19 +323,23 @@ class Sampler:
         return out.result(timing)
 
     def _read(self, carry: Any, how: Sampling, out: Rows) -> tuple[int, np.ndarray, bool]:
-        """Reads a program's ``carry`` back to the host into ``out`` (the stop strings
-        checked); returns the step it reached, each row's done (the host's stops marked)
-        and whether the host stopped a row now."""
-        step, done, taken, *buffers = _to_host(
-            (carry.step, carry.done, carry.taken, *carry.out[: 2 if how.greedy else 4])
-        )
+        """Reads a program's ``carry`` (a ``Carry``, or ``whole``'s packed array) back to
+        the host into ``out`` (the stop strings checked); returns the step it reached,
+        each row's done (the host's stops marked) and whether the host stopped a row now."""
+        if isinstance(carry, Carry):
+            step_array, done, taken, *buffers = _to_host(
+                (carry.step, carry.done, carry.taken, *carry.out[: 2 if how.greedy else 4])
+            )
+            step = int(step_array)
+        else:  # the one program's packed result: one read
+            step, done, taken, buffers = unpack(_to_host((carry,))[0], how.greedy)
         if how.greedy:  # the decode loop wrote tokens and log-probabilities only
             buffers += [buffers[1], np.full_like(buffers[1], -np.inf)]
         n = out.n
         stopped = out.take(taken[:n], tuple(b[:n] for b in buffers))
         done = np.array(done)
         done[:n] |= stopped
-        return int(step), done, bool(stopped.any())
+        return step, done, bool(stopped.any())
 
     def _phases(
         self, arguments: tuple[Any, ...], out: Rows, timing: DecodeTiming, rows: int,
