@@ -1,7 +1,7 @@
 """Sampler speed against a hand-written while-loop decode of the same model, in the same run.
 
     python benchmarks/generate_speed.py [--devices 8] [--batches 1,8] [--prompt 32]
-        [--new 32] [--rounds 7] [--out benchmarks/results] [--quick]
+        [--new 32] [--rounds 301] [--out benchmarks/results] [--quick]
 
 The model is the CLI's default job's GPT (``configs/default.py``: 2 layers, 128 wide,
 8 heads, ff 512, 64 positions, the BPE's 1024 ids), laid out by that job's strategy
@@ -270,20 +270,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Best of the rounds each way (timeit's reading: the least disturbed call).
         row["best_ratio"] = max(runs["call_tokens_per_s"]) / max(runs["hand_tokens_per_s"])
         row["same_tokens"] = same
-        # The least of several profiles: on a loaded machine a profile's gaps include the
-        # time this process waited for a core, which is not the sampler's.
+        # The least of several profiles each way: on a loaded machine a profile's gaps
+        # include the time this process waited for a core, which is not the sampler's.
+        # The library's own share is the median of paired differences (profiles taken in
+        # turns, library then hand-written), steadier than the difference of two minima.
         step_ns = 1e6 * row["decode_step_ms"]["median"]
-        for who, call in (
-            ("", functools.partial(sampler.generate, prompts.tolist(), max_new_tokens=args.new)),
-            ("hand_", functools.partial(hand, prompts)),
-        ):
-            outside_ns = min(outside_programs(call) for _ in range(PROFILES))
+        calls = {
+            "": functools.partial(sampler.generate, prompts.tolist(), max_new_tokens=args.new),
+            "hand_": functools.partial(hand, prompts),
+        }
+        profiled: dict[str, list[float]] = {who: [] for who in calls}
+        for _ in range(2 if args.quick else PROFILES):
+            for who, call in calls.items():
+                profiled[who].append(outside_programs(call))
+        for who, outside in profiled.items():
             tokens_per_s = row[f"{who or 'call_'}tokens_per_s"]["median"]
-            row[f"{who}outside_per_step_share"] = outside_ns / (args.new - 1) / step_ns
-            row[f"{who}outside_call_share"] = outside_ns / (1e9 * batch * args.new / tokens_per_s)
-        row["own_outside_per_step_share"] = (
-            row["outside_per_step_share"] - row["hand_outside_per_step_share"]
-        )
+            row[f"{who}outside_per_step_share"] = min(outside) / (args.new - 1) / step_ns
+            row[f"{who}outside_call_share"] = min(outside) / (1e9 * batch * args.new / tokens_per_s)
+        own = statistics.median(a - b for a, b in zip(*profiled.values(), strict=True))
+        row["own_outside_per_step_share"] = own / (args.new - 1) / step_ns
         row["program_share"] = 1 - row["outside_call_share"]
         rows.append(row)
     return {
@@ -309,7 +314,7 @@ def table(result: dict[str, Any]) -> str:
     header = ("batch (rows)", "library tokens/s (call)", "hand-written tokens/s",
               "library / hand-written", "best / best", "prefill tokens/s", "decode tokens/s",
               "decode step ms", "outside any program, per step, % of a step",
-              "hand-written: the same", "the library's own (the difference)",
+              "hand-written: the same", "the library's own (median of paired differences)",
               "outside any program, % of the call")  # fmt: skip
     lines = [
         f"{result['date']}, {result['devices']} {result['backend']} device(s) on "
@@ -340,7 +345,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="prompts a call, comma-separated")
     parser.add_argument("--prompt", type=int, default=32, help="tokens a prompt")
     parser.add_argument("--new", type=int, default=32, help="tokens generated a prompt")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, each both ways")
+    parser.add_argument("--rounds", type=int, default=301, help="timed rounds, each both ways")
     parser.add_argument("--out", type=Path, help="append to generate_speed.md, write JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny: the script runs, no more")
     args = parser.parse_args()
