@@ -31,10 +31,9 @@ from nnx_spmd_trainer.data.chat import (  # noqa: E402
     CHATML_TOKENS,
     ChatError,
     ChatTokenizer,
-    chat_documents,
     load_chat_tokenizer,
-    read_conversations,
 )
+from nnx_spmd_trainer.data.conversations import chat_documents, read_conversations  # noqa: E402
 from nnx_spmd_trainer.data.packing import LOSS_WEIGHTS, ROW_KEYS, pack_documents  # noqa: E402
 from nnx_spmd_trainer.data.tokenizer import EOS_TOKEN, train_bpe  # noqa: E402
 from nnx_spmd_trainer.nn.packed import packed_inputs, target_weights  # noqa: E402

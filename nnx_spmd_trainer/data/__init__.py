@@ -24,10 +24,11 @@ the module of its job and is re-exported here. The core imports from the homes:
   batch the models take;
 - ``mixture.py``: ``Mixture``, ``Stage``, ``MixtureError``
   (docs/topics/corpora.md: from text files to packed, mixed rows);
-- ``chat.py``: ``read_conversations``, ``load_chat_tokenizer``, ``ChatTokenizer``,
-  ``chat_documents``, ``ChatDocument``, ``ChatCounts``, ``ChatError``, ``CHATML_TEMPLATE``,
-  ``CHATML_TOKENS``: conversations to ids and per-token loss weights
-  (docs/topics/chat.md).
+- ``chat.py``: ``load_chat_tokenizer``, ``ChatTokenizer``, ``ChatDocument``,
+  ``ChatError``, ``CHATML_TEMPLATE``, ``CHATML_TOKENS``: a conversation to ids and
+  per-token loss weights through the model's chat template (docs/topics/chat.md).
+- ``conversations.py``: ``read_conversations``, ``chat_documents``, ``ChatCounts``: a
+  JSONL chat file to training documents that fit a row.
 - ``jsonl.py``: ``jsonl_rows``, JSONL rows with their ``FILE:LINE`` (the chat, preference
   and prompt readers);
 - ``to_host.py``: ``gather_to_host``, arrays gathered whole to every host (a sampler's
@@ -57,14 +58,12 @@ from nnx_spmd_trainer.data.batches import (
 from nnx_spmd_trainer.data.chat import (
     CHATML_TEMPLATE,
     CHATML_TOKENS,
-    ChatCounts,
     ChatDocument,
     ChatError,
     ChatTokenizer,
-    chat_documents,
     load_chat_tokenizer,
-    read_conversations,
 )
+from nnx_spmd_trainer.data.conversations import ChatCounts, chat_documents, read_conversations
 from nnx_spmd_trainer.data.corpus import TOKENS_FILE, Corpus, CorpusError, write_corpus
 from nnx_spmd_trainer.data.corpus_inputs import expand_inputs, read_documents, text_files
 from nnx_spmd_trainer.data.grain_packed import from_grain_packed

@@ -140,7 +140,7 @@ def pack_documents(
       seed, shuffle_bins: Grain's shuffle of the rows of each round of bins.
       read_options: how a ``MapDataset`` of documents is read (threads, buffer).
       weighted: the documents are ``{"ids", "loss_weights"}`` (``loss_weights[t]``: the
-        weight of predicting ``ids[t]``; ``data.chat.chat_documents`` makes them), and each
+        weight of predicting ``ids[t]``; ``data.conversations.chat_documents`` makes them), and each
         row also carries ``loss_weights`` (``LOSS_WEIGHTS``), aligned with its targets.
     """
     if seq_len < 1:
