@@ -126,9 +126,11 @@ def same_losses(sizes: port.Sizes, batches: list) -> float:
     return difference
 
 
-def same_layout(trainer: Trainer, sizes: port.Sizes) -> None:
-    """Raises unless the trainer's parameters are laid out as the tutorial's model is (its
-    unannotated embeddings are born on one device, uncommitted: jit replicates them)."""
+def same_layout(trainer: Trainer, sizes: port.Sizes, batch: Any) -> None:
+    """Raises unless the trainer's parameters are laid out as the tutorial's model trains:
+    after one of its ``nnx.jit`` steps on ``batch``. Its unannotated embeddings are born on
+    one device and take the layout XLA gives their update (their features over "model"),
+    which ``TensorParallel`` gives a large unannotated matrix."""
 
     def specs(module: nnx.Module) -> Any:
         def spec(x: jax.Array) -> tuple:
@@ -139,7 +141,12 @@ def same_layout(trainer: Trainer, sizes: port.Sizes) -> None:
 
         return jax.tree.map(spec, nnx.state(module, nnx.Param))
 
-    mine, theirs = specs(trainer.model), specs(port.create_model(sizes, nnx.Rngs(0)))
+    model = port.create_model(sizes, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    placed = jax.device_put(batch, NamedSharding(port.mesh, P("batch", None)))
+    port.train_step(model, optimizer, metrics, placed)
+    mine, theirs = specs(trainer.model), specs(model)
     if mine != theirs:
         raise SystemExit(f"the trainer's layout is not the tutorial's: {mine} vs {theirs}")
 
@@ -176,7 +183,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     checked = dataclasses.replace(sizes, steps=2 * port.LOG_EVERY)
     difference = same_losses(checked, port.token_batches(checked))
     trainer = port.ported_trainer(sizes)
-    same_layout(trainer, sizes)
+    same_layout(trainer, sizes, batches[0])
     loops = {
         TUTORIAL: tutorial_loop(sizes, batches),
         TRAINER: trainer_loop(trainer, batches),

@@ -367,6 +367,27 @@ def shard_largest_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) 
     return _trim(entries)
 
 
+def shard_last_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) -> P:
+    """Adds ``axis`` to the last unsharded dimension it divides (a matrix's features:
+    tensor parallelism's fallback for a large leaf nothing splits).
+
+    Leaves the spec unchanged if it already uses ``axis`` or no free dimension divides.
+
+    >>> shard_last_dim(P(), (50304, 32), "model", 2)
+    P(None, 'model')
+    >>> shard_last_dim(P(), (64, 3), "model", 2)
+    P('model',)
+    """
+    if axis in spec_axes(spec):
+        return spec
+    entries: list[AxisTarget] = list(spec) + [None] * (len(shape) - len(spec))
+    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % axis_size == 0]
+    if not free:
+        return spec
+    entries[free[-1]] = axis
+    return _trim(entries)
+
+
 def shard_shape(shape: Sequence[int], spec: P, mesh: Mapping[str, int]) -> tuple[int, ...]:
     """The per-device shape of an array of ``shape`` laid out as ``spec``."""
     entries = list(spec) + [None] * (len(shape) - len(spec))

@@ -273,3 +273,69 @@ def test_flax_logical_axis_rules_context_is_honoured():
     assert mu.sharding.spec == P(None, "model")
     with pytest.raises(ShardingError, match=r"l1/kernel.*unknown axis name 'my_hidden'"):
         Trainer(ContextNamed, optax.adam(1e-2), strategy=strategy, loss_fn=classification_loss)
+
+
+class Tagger(nnx.Module):
+    """The miniGPT tutorial's pattern: an unannotated ``nnx.Embed`` table (256 x 8) beside
+    an annotated kernel, an unannotated norm (a vector) and a small unannotated head."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(256, 8, rngs=rngs)
+        self.up = nnx.Linear(
+            8, 16, kernel_init=nnx.with_partitioning(LECUN, (None, "model")), rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 8, rngs=rngs)  # 128 elements: under min_size
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.head(self.norm(nnx.relu(self.up(self.embed(tokens))))).mean(axis=1)
+
+
+def tag_loss(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+def tag_batches(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [
+        {"tokens": rng.integers(0, 256, (16, 4)).astype(np.int32), "y": rng.integers(0, 8, 16)}
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "strategy, table",
+    [
+        (Hybrid(DataParallel(4), TensorParallel(2)), P(None, "model")),  # its features split
+        (Hybrid(FSDP(4, min_size=64), TensorParallel(2)), P("fsdp")),  # FSDP split it first
+        (Hybrid(DataParallel(4), TensorParallel(2, min_size=2**63)), P()),  # opted out
+    ],
+    ids=["dp4xtp2", "fsdp4xtp2", "min_size"],
+)
+def test_tensor_parallel_splits_a_large_unannotated_matrix_and_trains_the_same(strategy, table):
+    """An unannotated table nothing else splits is split over "model" along its features
+    (the layout XLA gives the tutorial's under nnx.jit: 1.63x its step time replicated,
+    benchmarks/results/minigpt_overhead.md); its Adam moments follow; vectors and small
+    leaves stay whole; the numbers are one device's."""
+    batches = tag_batches(3)
+    trainer = Trainer(Tagger, optax.adam(1e-2), strategy=strategy, loss_fn=tag_loss)
+    mu = trainer.optimizer.opt_state[0].mu
+    assert trainer.model.embed.embedding.get_value().sharding.spec == table
+    assert mu["embed"]["embedding"].get_value().sharding.spec == table
+    assert trainer.model.norm.scale.get_value().sharding.spec == P()
+    assert trainer.model.head.kernel.get_value().sharding.spec in (P(), P("fsdp"))
+    assert trainer.model.up.kernel.get_value().sharding.spec[-1] == "model"
+    trainer.fit(batches, max_steps=3)
+    assert trainer.model.embed.embedding.get_value().sharding.spec == table  # kept by steps
+    ref_params, _ = train_reference(Tagger, optax.adam(1e-2), batches, loss_fn=tag_loss)
+    assert_params_match(trainer, ref_params, rtol=1e-5)
+
+
+def test_tensor_parallel_leaves_an_unannotated_leaf_to_explicit_types():
+    """Under explicit axes the model's types are the layout: nothing unannotated is split
+    (a split the model's code did not declare could make its gathers ambiguous)."""
+    strategy = Hybrid(DataParallel(4), TensorParallel(2), axis_types="explicit")
+    trainer = Trainer(Tagger, optax.adam(1e-2), strategy=strategy, loss_fn=tag_loss)
+    assert trainer.model.embed.embedding.get_value().sharding.spec == P()
+    assert trainer.model.up.kernel.get_value().sharding.spec == P(None, "model")
