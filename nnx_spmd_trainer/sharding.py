@@ -356,15 +356,9 @@ def shard_largest_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) 
     >>> shard_largest_dim(P(None, "model"), (64, 32), "fsdp", 4)
     P('fsdp', 'model')
     """
-    if axis in spec_axes(spec):
-        return spec
-    entries: list[AxisTarget] = list(spec) + [None] * (len(shape) - len(spec))
-    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % axis_size == 0]
-    if not free:
-        return spec
-    best = max(free, key=lambda d: (shape[d], -d))
-    entries[best] = axis
-    return _trim(entries)
+    return _shard_one_free_dim(spec, shape, axis, axis_size, lambda free: max(
+        free, key=lambda d: (shape[d], -d)
+    ))  # fmt: skip
 
 
 def shard_last_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) -> P:
@@ -378,13 +372,25 @@ def shard_last_dim(spec: P, shape: Sequence[int], axis: str, axis_size: int) -> 
     >>> shard_last_dim(P(), (64, 3), "model", 2)
     P('model',)
     """
+    return _shard_one_free_dim(spec, shape, axis, axis_size, lambda free: free[-1])
+
+
+def _shard_one_free_dim(
+    spec: P,
+    shape: Sequence[int],
+    axis: str,
+    axis_size: int,
+    choose: Callable[[list[int]], int],
+) -> P:
+    """``axis`` added to the dimension ``choose`` picks among the unsharded ones it divides;
+    ``spec`` as it is if it already uses ``axis`` or none divides."""
     if axis in spec_axes(spec):
         return spec
     entries: list[AxisTarget] = list(spec) + [None] * (len(shape) - len(spec))
     free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % axis_size == 0]
     if not free:
         return spec
-    entries[free[-1]] = axis
+    entries[choose(free)] = axis
     return _trim(entries)
 
 
