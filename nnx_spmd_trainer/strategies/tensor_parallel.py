@@ -18,8 +18,9 @@ class TensorParallel(AxisStrategy):
 
     Leaves annotated with ``"model"`` (or a logical name mapped to it:
     ``mlp``, ``hidden``, ``heads``, ``vocab``) are split. A matrix of at least
-    ``min_size`` elements that nothing splits (unannotated, and left whole by
-    any earlier member of a ``Hybrid``) is split over this axis along its last
+    ``min_size`` elements that nothing splits (no annotation, or one of only
+    ``None`` s, as ``FSDP``'s fallback reads it; no earlier member of a ``Hybrid``)
+    is split over this axis along its last
     dimension the axis divides: an ``nnx.Embed`` table the model leaves
     unannotated (the JAX AI Stack miniGPT's) gets its features split, the layout
     XLA gives its update under ``nnx.jit``. Kept replicated, every device updated
