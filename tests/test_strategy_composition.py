@@ -24,6 +24,7 @@ from nnx_spmd_trainer import (
     AxisStrategy,
     DataParallel,
     DataShard,
+    ExpertParallel,
     Hybrid,
     ShardingError,
     Strategy,
@@ -234,6 +235,14 @@ def test_hybrid_is_final_and_strategy_abstract():
         AxisStrategy(2)
     with pytest.raises(TypeError, match="must be strategies"):
         Hybrid(FSDP(4), "model")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("min_size", ["1024", -1, 1.5, True])
+@pytest.mark.parametrize("strategy", [FSDP, TensorParallel, ExpertParallel])
+def test_a_min_size_that_is_no_count_of_elements_is_refused_where_it_is_given(strategy, min_size):
+    with pytest.raises(ValueError, match=rf"{strategy.__name__}\(min_size=.*int >= 0"):
+        strategy(2, min_size=min_size)
+    assert strategy(2, min_size=0).min_size == 0  # every leaf counts: allowed
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -63,6 +63,15 @@ class AxisStrategy(Strategy):
                 "DataParallel, FSDP or TensorParallel, or subclass it with "
                 'usual_axis: ClassVar[str] = "name" and axis: str = usual_axis.'
             )
+        # FSDP, TensorParallel and ExpertParallel compare it with each leaf's size at plan
+        # time, where a string or a negative number would fail far from where it was given.
+        min_size = getattr(self, "min_size", 0)
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            raise ValueError(
+                f"{type(self).__name__}(min_size={min_size!r}): min_size is a number of "
+                "elements, an int >= 0 (leaves smaller than it are left as they are); "
+                "2**63 leaves every unannotated leaf alone."
+            )
 
     def mesh_axes(self) -> Axes:
         return ((self.axis, self.size),)
