@@ -100,8 +100,8 @@ class Plan:
         (``planner.target``; nothing of such a plan can be materialised).
       donate: give the state's buffers to the train step, which writes the new
         state into them (one copy of the state on the devices); default: measured
-        per backend (``backend_defaults``: on for accelerators, off on the CPU, where
-        it cost a copy of a replicated embedding's moment a step).
+        per backend (``backend_defaults``: on for accelerators and on the CPU, where
+        turning it off never paid once the embeddings were laid out as XLA lays them).
       remat: the activation-checkpointing policy the whole ``loss_fn`` runs under, a
         name in ``remat.POLICIES`` (``"dots_saveable"``, ...): the backward pass
         recomputes what the policy does not save, with no change to the model.
