@@ -173,6 +173,21 @@ def test_missing_loss_and_missing_stop_condition():
 def test_factory_must_return_a_module():
     with pytest.raises(TypeError, match="not an nnx.Module"):
         Trainer(lambda r: {"w": 1}, optax.sgd(0.1), loss_fn=classification_loss)
+    # A factory of no argument (or of two) is named at once, with the fix.
+    with pytest.raises(TypeError, match=r"called with one argument, an nnx.Rngs.*lambda rngs"):
+        Trainer(lambda: Net(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=classification_loss)
+    with pytest.raises(TypeError, match="cannot take it"):
+        Trainer(lambda r, width: Net(r), optax.sgd(0.1), loss_fn=classification_loss)
+    assert Trainer(Net, optax.sgd(0.1), loss_fn=classification_loss).step == 0  # a class works
+
+
+def test_a_loss_without_aux_is_named_by_its_type_with_the_fix():
+    def loss_only(model, batch):
+        return classification_loss(model, batch)[0]
+
+    trainer = Trainer(lambda r: Net(r), optax.sgd(0.1), loss_fn=loss_only)
+    with pytest.raises(TypeError, match=r"returned an array float32\[\] \(return loss, \{\}\)"):
+        trainer.fit(make_batches(1), max_steps=1)
 
 
 def test_one_shot_iterator_stops_with_a_warning():

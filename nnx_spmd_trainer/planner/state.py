@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,9 +126,28 @@ def model_builder(
         )
     if not callable(model):
         raise TypeError(f"model must be an nnx.Module or a factory rngs -> Module, got {model!r}.")
+    _check_takes_rngs(model)
     return ShardedInit(
         lambda params: with_optimizer(model(nnx.Rngs(seed)), params), state_shardings, mesh
     )
+
+
+def _check_takes_rngs(factory: Callable[..., Any]) -> None:
+    """A factory that cannot take the one ``nnx.Rngs`` it is called with fails here, in
+    one line, and not under ``nnx.eval_shape`` deep in the plan."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return
+    try:
+        signature.bind(nnx.Rngs(0))
+    except TypeError as error:
+        raise TypeError(
+            f"model={getattr(factory, '__qualname__', factory)!r} is called with one "
+            f"argument, an nnx.Rngs, and cannot take it ({error}). Pass "
+            "model=lambda rngs: MyModel(..., rngs=rngs), or a built module "
+            "model=MyModel(..., rngs=nnx.Rngs(0))."
+        ) from None
 
 
 class LiveState:

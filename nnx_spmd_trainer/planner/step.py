@@ -42,9 +42,16 @@ def checked_loss(output: Any, name: str = "loss_fn") -> tuple[jax.Array, dict[st
     state is donated.
     """
     if not isinstance(output, tuple) or len(output) != 2:
+        # An array is described by its type (its repr while traced names jax's tracers).
+        shape = getattr(output, "shape", None)
+        got = (
+            f"an array {getattr(output, 'dtype', '')}{list(shape)}" if shape is not None
+            else f"{type(output).__name__} {output!r:.120}"
+        )  # fmt: skip
+        fix = " (return loss, {})" if shape == () else ""
         raise TypeError(
             f"{name} must return (loss, aux): a scalar loss and a dict of arrays for the "
-            f"metrics (use {{}} for none); it returned {type(output).__name__} {output!r:.120}."
+            f"metrics (use {{}} for none); it returned {got}{fix}."
         )
     loss, aux = output
     if not isinstance(aux, dict):
