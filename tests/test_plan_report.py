@@ -7,10 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from toy_models import Net, classification_loss, make_batches
 
 from nnx_spmd_trainer import FSDP, DataParallel, Hybrid, Plan, TensorParallel, Trainer
 from nnx_spmd_trainer.app.models import GPT, gpt
+from nnx_spmd_trainer.planner import target_report
+from nnx_spmd_trainer.planner.plan_report import collectives
 
 LAYOUTS = {
     "dp": lambda: DataParallel(),
@@ -126,3 +130,34 @@ def test_a_model_too_big_for_a_budget_fits_under_fsdp_and_the_report_says_what_t
     assert fsdp.fits is True and fsdp.verdict.startswith("fits")
     assert fsdp.memory["peak"] < budget < dp.memory["peak"]
     assert "does not fit" in str(dp) and "try: FSDP" in str(dp)
+
+
+def scanned_layers_grad(layers: int, unroll: bool) -> str:
+    """The compiled HLO of the gradient of ``layers`` stacked 64 x 64 weights applied by a
+    ``lax.scan``, their rows split over 8 devices (FSDP's layout): each layer's weight is
+    gathered whole for the forward pass and again for the backward one."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    w = jax.device_put(jnp.ones((layers, 64, 64)), NamedSharding(mesh, P(None, "fsdp", None)))
+    x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("fsdp", None)))
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w, unroll=unroll)
+        return h.sum()
+
+    return jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+
+
+def test_collectives_in_a_scanned_loop_count_once_per_layer():
+    layer = 64 * 64 * 4  # one f32 weight, whole
+    for layers in (3, 6):
+        found = collectives(scanned_layers_grad(layers, unroll=False))
+        # XLA's text holds the loop's body once; the program runs it once per layer.
+        assert found["all-gather"] == {"count": 2 * layers, "bytes": 2 * layers * layer}
+        assert found["all-reduce"]["bytes"] == layers * layer  # each layer's gradient
+    # The same program unrolled by JAX (no loop at all) reduces the same gradient bytes
+    # (XLA merges them into fewer all-reduces there).
+    unrolled = collectives(scanned_layers_grad(6, unroll=True))
+    assert unrolled["all-reduce"]["bytes"] == 6 * layer
+    links = target_report.split_by_link(scanned_layers_grad(6, unroll=False))
+    assert links["ici"]["count"] == sum(c["count"] for c in found.values())
+    assert links["ici"]["bytes"] == sum(c["bytes"] for c in found.values())

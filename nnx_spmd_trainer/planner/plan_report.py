@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from nnx_spmd_trainer.planner import flops, target_chips, target_report
+from nnx_spmd_trainer.planner.hlo_runs import lines_with_runs
 from nnx_spmd_trainer.planner.target import is_target
 from nnx_spmd_trainer.sharding import path_str, shard_shape
 from nnx_spmd_trainer.strategies import pipeline, sequence
@@ -51,18 +52,21 @@ def _itemsize(dtype: str) -> int:
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Count and result bytes of each collective in compiled HLO text (an async
-    ``-start``/``-done`` pair counts once, by its largest buffer)."""
+    """Count and result bytes of each collective one execution of compiled HLO text runs:
+    an async ``-start``/``-done`` pair once, by its largest buffer; one in a loop's body
+    as many times as the loop runs (``hlo_runs``: a scan over 12 layers, 12 times)."""
     found = {name: {"count": 0, "bytes": 0} for name in COLLECTIVES}
     hlo_text = re.sub(r"/\*.*?\*/", "", hlo_text)  # /*index=5*/ inside long tuple types
-    for match in _INSTRUCTION.finditer(hlo_text):
+    for line, runs in lines_with_runs(hlo_text):
+        if (match := _INSTRUCTION.search(line)) is None:
+            continue
         types, name, started = match.groups()
         sizes = [
             _itemsize(dtype) * math.prod(int(d) for d in dims.split(",") if d)
             for dtype, dims in _ARRAY_TYPE.findall(types)
         ]
-        found[name]["count"] += 1
-        found[name]["bytes"] += max(sizes, default=0) if started else sum(sizes)
+        found[name]["count"] += runs
+        found[name]["bytes"] += runs * (max(sizes, default=0) if started else sum(sizes))
     return found
 
 

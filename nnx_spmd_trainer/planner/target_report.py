@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from nnx_spmd_trainer.planner.hlo_runs import lines_with_runs
 from nnx_spmd_trainer.planner.target import slice_of
 from nnx_spmd_trainer.planner.target_chips import ChipSpec, chip
 
@@ -62,17 +63,17 @@ def split_by_link(hlo_text: str) -> dict[str, dict[str, int]]:
     """
     found = {"ici": {"count": 0, "bytes": 0}, "dcn": {"count": 0, "bytes": 0}}
     hlo_text = re.sub(r"/\*.*?\*/", "", hlo_text)
-    for line in hlo_text.splitlines():
+    for line, runs in lines_with_runs(hlo_text):  # a loop's body: as often as it runs
         if (match := _LINE.search(line)) is not None:
             sizes = _bytes_of(match["types"])
             link = found["ici"]
-            link["bytes"] += max(sizes, default=0) if match["start"] else sum(sizes)
+            link["bytes"] += runs * (max(sizes, default=0) if match["start"] else sum(sizes))
         elif (send := _DCN_SEND.search(line)) is not None:
             link = found["dcn"]
-            link["bytes"] += max(_bytes_of(send["types"]), default=0)
+            link["bytes"] += runs * max(_bytes_of(send["types"]), default=0)
         else:
             continue
-        link["count"] += 1
+        link["count"] += runs
     return found
 
 
