@@ -70,7 +70,11 @@ def _devices_from_argv() -> int:
 
 
 # The device count is fixed when JAX starts: set it before importing it.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_devices_from_argv()}")
+# Simulated CPU devices, and JAX kept on the CPU where no accelerator is (the tpu-plan
+# extra's libtpu would start and print its warnings); a GPU or TPU machine is left as is.
+from nnx_spmd_trainer.app.host_devices import simulate_host_devices  # noqa: E402
+
+simulate_host_devices(_devices_from_argv())
 
 import time  # noqa: E402
 

@@ -39,7 +39,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Simulated CPU devices, and JAX kept on the CPU where no accelerator is (the tpu-plan
+# extra's libtpu would start and print its warnings); a GPU or TPU machine is left as is.
+from nnx_spmd_trainer.app.host_devices import simulate_host_devices  # noqa: E402
+
+simulate_host_devices(8)
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))

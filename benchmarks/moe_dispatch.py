@@ -14,10 +14,13 @@ cores here: the ratios compare dispatches on this machine, not hardware.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Simulated CPU devices, and JAX kept on the CPU where no accelerator is (the tpu-plan
+# extra's libtpu would start and print its warnings); a GPU or TPU machine is left as is.
+from nnx_spmd_trainer.app.host_devices import simulate_host_devices  # noqa: E402
+
+simulate_host_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
