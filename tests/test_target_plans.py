@@ -279,8 +279,7 @@ def test_a_scanned_stacks_collectives_count_once_per_layer_as_the_unrolled_ones(
     """The TPU compiler's text holds the layer loop's body once and writes no trip count:
     the report reads it from the loop's condition (``counter < 4``). The same GPT with its
     4 layers unrolled (no loop) is the independent count: the scanned step moves about as
-    many bytes over ICI (before, a quarter of the layers' all-gathers were counted: 30%)
-    and through HBM (``hlo_bytes``: the loop's further runs added to XLA's count)."""
+    many bytes (before, a quarter of the layers' all-gathers were counted: 30%)."""
 
     def report(scan_layers):
         def build(rngs):
@@ -299,9 +298,3 @@ def test_a_scanned_stacks_collectives_count_once_per_layer_as_the_unrolled_ones(
     # The gradients' reduction: the same bytes, in 4 reductions a step or merged into fewer.
     reduced = (r.collectives["all-reduce"]["bytes"] for r in (scanned, unrolled))
     assert math.isclose(*reduced, rel_tol=0.01)
-    # The bytes through HBM, and the roofline's HBM time: every layer's too (XLA's own
-    # count charged the loop's body once: 0.74 of the unrolled twin's; 1.12 with its runs,
-    # the scanned step also slicing each layer out of the stack).
-    assert 0.9 < scanned.bytes_accessed / unrolled.bytes_accessed < 1.5
-    hbm = (r.target["roofline"]["hbm_s"] for r in (scanned, unrolled))
-    assert math.isclose(next(hbm) / next(hbm), scanned.bytes_accessed / unrolled.bytes_accessed)

@@ -8,7 +8,6 @@
 - ``state.py``: the state born sharded (``ShardedInit``) and kept live (``LiveState``)
 - ``plan_report.py``: ``PlanReport``, what a plan costs per device before anything runs
 - ``hlo_runs.py``: how many times each line of compiled HLO runs (a loop's body, its trips)
-- ``hlo_bytes.py``: the bytes a loop's further runs move, which XLA's cost analysis leaves out
 - ``flops.py``: a step's FLOPs, the transformer formula, ``PEAK_FLOPS`` by device
 - ``flop_count.py``: the FLOPs of a step's matrix multiplies, counted from its jaxpr
 - ``auto.py``: ``strategy="auto"``, candidates planned from shapes, timed, one kept

@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator
 
-__all__ = ["computations_with_runs", "lines_with_runs"]
+__all__ = ["lines_with_runs"]
 
 #: A computation's first line: ``%name (params) -> type {`` or ``ENTRY %name (...) ... {``.
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
@@ -126,11 +126,3 @@ def lines_with_runs(hlo_text: str) -> Iterator[tuple[str, int]]:
     for name in order:
         for line in bodies[name]:
             yield line, runs[name]
-
-
-def computations_with_runs(hlo_text: str) -> tuple[dict[str, tuple[list[str], int]], str | None]:
-    """Each computation of ``hlo_text`` by name, as its lines (its header first) and the
-    times it runs per execution of the program; and the entry computation's name."""
-    _, bodies, order, entry = _split(hlo_text)
-    runs = _runs(bodies, order, entry)
-    return {name: (bodies[name], runs[name]) for name in order}, entry

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_spmd_trainer.planner import flops, hlo_bytes, target_chips, target_report
+from nnx_spmd_trainer.planner import flops, target_chips, target_report
 from nnx_spmd_trainer.planner.hlo_runs import lines_with_runs
 from nnx_spmd_trainer.planner.target import is_target
 from nnx_spmd_trainer.sharding import path_str, shard_shape
@@ -24,6 +24,8 @@ from nnx_spmd_trainer.strategies import pipeline, sequence
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 
 #: Memory bandwidth (bytes/s) of one device, by ``flops.device_name`` (vendor datasheets);
 #: with ``flops.peak_flops`` (bf16) it bounds a step's time from its cost analysis.
@@ -42,6 +44,13 @@ MEMORY_BANDWIDTH: dict[str, float] = {
 }
 
 
+def _itemsize(dtype: str) -> int:
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    bits = re.search(r"(\d+)$", dtype)
+    return int(bits.group(1)) // 8 if bits else 4
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Count and result bytes of each collective one execution of compiled HLO text runs:
     an async ``-start``/``-done`` pair once, by its largest buffer; one in a loop's body
@@ -52,7 +61,10 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         if (match := _INSTRUCTION.search(line)) is None:
             continue
         types, name, started = match.groups()
-        sizes = hlo_bytes.array_bytes(types)
+        sizes = [
+            _itemsize(dtype) * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _ARRAY_TYPE.findall(types)
+        ]
         found[name]["count"] += runs
         found[name]["bytes"] += runs * (max(sizes, default=0) if started else sum(sizes))
     return found
@@ -184,8 +196,7 @@ class PlanReport:
       collectives: count and bytes of each collective in the compiled HLO.
       flops, bytes_accessed: per step and device: the FLOPs of the step's matrix
         multiplies, counted from its jaxpr (each scanned layer: XLA's ``cost_analysis()``
-        counts a loop's body once), and the bytes from ``cost_analysis()`` with a loop
-        body's further runs added (``hlo_bytes``).
+        counts a loop's body once), and the bytes from ``cost_analysis()``.
       step_time_bound_s: where the hardware is known, the larger of FLOPs over
         peak FLOP/s and bytes over bandwidth; ``None`` elsewhere (the CPU).
       suggestions: what to try when it does not fit.
@@ -378,9 +389,6 @@ def build(
         )
     if matmul_flops:
         cost["flops"] = matmul_flops
-    hlo = compiled.as_text()
-    if cost.get("bytes accessed"):  # XLA counts a loop's body once: add its other runs
-        cost["bytes accessed"] += hlo_bytes.repeated_loop_bytes(hlo)
     kind = devices[0].device_kind if devices else "?"
     name, flops_per_s = flops.device_name(kind), flops.peak_flops(kind)
     bound = None
@@ -391,6 +399,7 @@ def build(
         )
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     largest = max(leaves, key=lambda row: math.prod(row["shape"]))
+    hlo = compiled.as_text()
     counted = collectives(hlo)
     target = target_report.figures(devices, hlo, cost)
     if target:  # TPU chips: the roofline counts the interconnects too

@@ -8,13 +8,13 @@ time and the utilisation it allows; and the compiler's refusal read as a verdict
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
-from nnx_spmd_trainer.planner.hlo_bytes import array_bytes
 from nnx_spmd_trainer.planner.hlo_runs import lines_with_runs
 from nnx_spmd_trainer.planner.target import slice_of
 from nnx_spmd_trainer.planner.target_chips import ChipSpec, chip
@@ -23,11 +23,28 @@ _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "col
 _LINE = re.compile(
     r"=\s*(?P<types>\([^=]*?\)|\S+)\s+(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\("
 )
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 #: A transfer across slices: the TPU compiler lowers a collective over the data-centre
 #: network (Megascale) to a host-transfer ``send``/``recv`` pair tagged with its kind.
 _DCN_SEND = re.compile(
     r"=\s*(?P<types>\([^=]*?\)|\S+)\s+send\(.*_xla_megascale_transfer_type=\"(?P<kind>[A-Z_]+)\""
 )
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    bits = re.search(r"(\d+)$", dtype)
+    return int(bits.group(1)) // 8 if bits else 4
+
+
+def _ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
+
+
+def _bytes_of(types: str) -> list[int]:
+    return [_itemsize(dtype) * math.prod(_ints(dims)) for dtype, dims in _ARRAY_TYPE.findall(types)]
 
 
 def split_by_link(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -48,12 +65,12 @@ def split_by_link(hlo_text: str) -> dict[str, dict[str, int]]:
     hlo_text = re.sub(r"/\*.*?\*/", "", hlo_text)
     for line, runs in lines_with_runs(hlo_text):  # a loop's body: as often as it runs
         if (match := _LINE.search(line)) is not None:
-            sizes = array_bytes(match["types"])
+            sizes = _bytes_of(match["types"])
             link = found["ici"]
             link["bytes"] += runs * (max(sizes, default=0) if match["start"] else sum(sizes))
         elif (send := _DCN_SEND.search(line)) is not None:
             link = found["dcn"]
-            link["bytes"] += runs * max(array_bytes(send["types"]), default=0)
+            link["bytes"] += runs * max(_bytes_of(send["types"]), default=0)
         else:
             continue
         link["count"] += runs
